@@ -1,0 +1,1 @@
+"""Dagster asset definitions: thin functions over the domain packages. Each module declares ``defs``."""

@@ -1,0 +1,1 @@
+"""Dagster wiring for posttrain: the Definitions object, resources, partitions, sensors and jobs."""

@@ -1,0 +1,136 @@
+"""The ``posttrain`` command line.
+
+Platform commands (``demo``, ``ui``, ``backfill``) live here; each domain package adds its own
+commands through a ``register(subparsers)`` function in its ``cli`` module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import evals.cli
+import sandboxes.cli
+import serving.cli
+import training.cli
+from dagster_project.instance import ensure_dagster_home
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DOMAIN_CLIS = (evals.cli, sandboxes.cli, serving.cli, training.cli)
+
+
+def _add_home(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--home",
+        help="root folder for datasets, runs, evals and the Dagster instance "
+        "(default: $POSTTRAIN_HOME, else ./posttrain-data)",
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    ensure_dagster_home(args.home)
+    from dagster_project.demo import run_demo
+
+    return run_demo(args.run_name)
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    home = ensure_dagster_home(args.home)
+    command = [
+        str(Path(sys.executable).with_name("dagster")), "dev",
+        "-w", str(PROJECT_ROOT / "workspace.yaml"),
+        "-h", "127.0.0.1", "-p", str(args.port),
+    ]
+    print(f"Dagster UI on http://127.0.0.1:{args.port} (instance {home}); Ctrl-C stops it", flush=True)
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    ensure_dagster_home(args.home)
+    import dagster as dg
+
+    from dagster_project.backfill import launch_backfill, select_partitions, wait_for_backfill
+    from dagster_project.definitions import defs
+
+    asset_key = dg.AssetKey(args.asset)
+    try:
+        asset = defs.resolve_assets_def(asset_key)
+    except Exception:
+        names = sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())
+        print(f"posttrain backfill: no asset {args.asset!r}; assets: {', '.join(names)}", file=sys.stderr)
+        return 2
+    partitions_def = asset.partitions_def
+    if partitions_def is None:
+        print(f"posttrain backfill: asset {args.asset!r} is not partitioned", file=sys.stderr)
+        return 2
+    with dg.DagsterInstance.get() as instance:
+        available = partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+    keys = [k.strip() for k in args.partitions.split(",") if k.strip()] if args.partitions else None
+    try:
+        selected = select_partitions(available, keys, args.start, args.end, args.asset)
+    except ValueError as exc:
+        print(f"posttrain backfill: {exc}", file=sys.stderr)
+        return 2
+    backfill_id = launch_backfill(PROJECT_ROOT / "workspace.yaml", args.asset, selected)
+    print(f"backfill {backfill_id}: {args.asset} over {len(selected)} partitions: {', '.join(selected)}", flush=True)
+    if args.wait:
+        counts = wait_for_backfill(backfill_id, timeout_s=args.timeout)
+        return 0 if set(counts) <= {"SUCCESS"} else 1
+    print("the Dagster daemon launches its runs (`posttrain ui` runs one); follow it in the UI under Overview > Backfills")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description="RL post-training of language models on agentic coding tasks, orchestrated by Dagster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the whole asset graph on the embedded default",
+        description="Build the bundled tasks, images and curriculum, train the embedded default model "
+        "with asynchronous GRPO, evaluate every checkpoint and write the report, in the local Dagster instance.",
+    )
+    _add_home(demo)
+    demo.add_argument("--run-name", default="demo", help="name of the RL run (default: demo)")
+    demo.set_defaults(func=cmd_demo)
+
+    ui = sub.add_parser("ui", help="start the Dagster UI and daemon on 127.0.0.1",
+                        description="Start `dagster dev` (webserver and daemon) for the project's workspace on 127.0.0.1.")
+    _add_home(ui)
+    ui.add_argument("--port", type=int, default=3000, help="port of the UI (default: 3000)")
+    ui.set_defaults(func=cmd_ui)
+
+    backfill = sub.add_parser(
+        "backfill",
+        help="re-run partitions of an asset as a Dagster backfill",
+        description="Launch a partition backfill through the local Dagster instance; the daemon runs it.",
+    )
+    _add_home(backfill)
+    backfill.add_argument("asset", help="asset key, e.g. deepswe_eval")
+    which = backfill.add_mutually_exclusive_group(required=True)
+    which.add_argument("--partitions", help="comma-separated partition keys, e.g. demo-step_000004,demo-step_000008")
+    which.add_argument("--from", dest="start", help="first partition key of an inclusive range (needs --to)")
+    backfill.add_argument("--to", dest="end", help="last partition key of the range")
+    backfill.add_argument("--wait", action="store_true", help="wait until every run of the backfill has finished")
+    backfill.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits (default: 3600)")
+    backfill.set_defaults(func=cmd_backfill)
+
+    for module in DOMAIN_CLIS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The posttrain code location: merges the ``defs`` each ``assets/*.py`` module declares.
+
+Load it with ``dagster dev -w workspace.yaml`` or ``dagster asset list -m dagster_project.definitions``.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets import curriculum, evals, images, tasks, training
+from dagster_project.jobs import jobs
+from dagster_project.resources import PosttrainStorage, WorkloadLauncher
+from dagster_project.sensors import sensors
+
+defs = dg.Definitions.merge(
+    tasks.defs,
+    images.defs,
+    curriculum.defs,
+    training.defs,
+    evals.defs,
+    dg.Definitions(
+        jobs=jobs,
+        sensors=sensors,
+        resources={"storage": PosttrainStorage(), "launcher": WorkloadLauncher()},
+    ),
+)

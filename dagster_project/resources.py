@@ -1,0 +1,119 @@
+"""Resources: where a deployment keeps its files, and how it launches workloads.
+
+``PosttrainStorage`` is the one root under which every asset and run writes (a local folder by
+default, a shared volume on a cluster). ``WorkloadLauncher`` runs a workload module (the trainer,
+an engine, the router, the sandbox pool) either as a local subprocess or as a Kubernetes pod, both
+through Dagster Pipes so the workload's logs, metadata and progress reach the Dagster UI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import dagster as dg
+
+from dagster_project.partitions import parse_checkpoint_partition_key
+
+DEFAULT_HOME_ENV = "POSTTRAIN_HOME"
+
+
+def default_home() -> str:
+    """``$POSTTRAIN_HOME``, else ``posttrain-data`` in the current directory."""
+    return os.environ.get(DEFAULT_HOME_ENV) or str(Path.cwd() / "posttrain-data")
+
+
+class PosttrainStorage(dg.ConfigurableResource):
+    """The root folder of a posttrain deployment and the layout beneath it."""
+
+    root: str | None = None  # None: $POSTTRAIN_HOME, else ./posttrain-data, read when used
+
+    @property
+    def path(self) -> Path:
+        return Path(self.root or default_home()).expanduser().resolve()
+
+    def datasets_dir(self) -> Path:
+        return self.path / "datasets"
+
+    def images_dir(self) -> Path:
+        return self.path / "images"
+
+    def curriculum_dir(self) -> Path:
+        return self.path / "curriculum"
+
+    def runs_dir(self) -> Path:
+        return self.path / "runs"
+
+    def run_dir(self, run_name: str) -> Path:
+        return self.runs_dir() / run_name
+
+    def checkpoint_dir(self, partition_key: str) -> Path:
+        """The folder of the checkpoint named by a ``checkpoints`` partition key."""
+        run_name, step = parse_checkpoint_partition_key(partition_key)
+        return self.run_dir(run_name) / "checkpoints" / f"step_{step:06d}"
+
+    def evals_dir(self) -> Path:
+        return self.path / "evals"
+
+    def reports_dir(self) -> Path:
+        return self.path / "reports"
+
+
+class WorkloadLauncher(dg.ConfigurableResource):
+    """Runs a workload module as a local subprocess or a Kubernetes pod, through Dagster Pipes.
+
+    ``target="local"`` (the embedded default) runs ``python -m MODULE ARGS`` on this machine.
+    ``target="k8s"`` runs the same command in a pod of ``image`` in ``namespace``; the wait for the
+    pod has no deadline, since training runs last hours or days.
+    """
+
+    target: Literal["local", "k8s"] = "local"
+    namespace: str = "posttrain"
+    image: str = "posttrain:latest"
+    service_account: str | None = None
+    load_incluster_config: bool | None = None
+    kubeconfig_file: str | None = None
+
+    def command(self, module: str, args: Sequence[str]) -> list[str]:
+        python = sys.executable if self.target == "local" else "python"
+        return [python, "-m", module, *args]
+
+    def run(
+        self,
+        context: dg.AssetExecutionContext,
+        module: str,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        extras: Mapping[str, Any] | None = None,
+        pod_spec: Mapping[str, Any] | None = None,
+    ) -> dg.PipesClientCompletedInvocation:
+        command = self.command(module, args)
+        context.log.info(f"launching {' '.join(command)} on {self.target}")
+        if self.target == "local":
+            return dg.PipesSubprocessClient(env=dict(os.environ)).run(
+                context=context, command=command, env=dict(env or {}), extras=dict(extras or {})
+            )
+        from dagster_k8s import PipesK8sClient
+
+        client = PipesK8sClient(
+            load_incluster_config=self.load_incluster_config,
+            kubeconfig_file=self.kubeconfig_file,
+            poll_interval=5.0,
+        )
+        base_pod_spec: dict[str, Any] = dict(pod_spec or {})
+        if self.service_account:
+            base_pod_spec.setdefault("serviceAccountName", self.service_account)
+        return client.run(
+            context=context,
+            image=self.image,
+            command=command,
+            namespace=self.namespace,
+            env=dict(env or {}),
+            extras=dict(extras or {}),
+            base_pod_spec=base_pod_spec or None,
+            # Training runs outlast any fixed deadline: wait for the pod for as long as it runs.
+            pod_wait_timeout=0,
+        )

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quick start, part two: set up this machine, then run the whole test suite.
+# Fails when any test fails, and also when no test ran (pytest's exit code 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
