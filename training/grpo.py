@@ -1,0 +1,104 @@
+"""The GRPO objective: group-relative advantages and the token-level policy-gradient loss.
+
+A *group* is every rollout of one task started from the same prompt under one policy version. Its
+advantages are the rewards minus the group mean (optionally divided by the group std). A group whose
+rewards are all equal carries no learning signal (every advantage is zero), so it is dropped before
+the step and counted, rather than diluting the token average.
+
+The loss is a REINFORCE-style policy gradient over model-generated tokens only (``loss_mask`` is 0
+on prompt and tool-output tokens), averaged over all generated tokens of the batch:
+
+    loss = -Σ_t m_t · w_t · A · logπ(a_t)  /  Σ_t m_t   (+ β · KL)
+
+``w_t = min(exp(logπ_train(a_t) - logπ_serve(a_t)), tis_cap)`` is a truncated importance weight,
+computed without gradient: the engine that sampled the rollout (older adapter version, different
+kernels, bf16) is not the policy being trained, and the weight corrects for that mismatch while the
+cap bounds the variance. The optional KL term is the k3 estimator against the reference policy (the
+base model with the adapter disabled): ``exp(ref - logπ) - (ref - logπ) - 1``, also token-averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    advantages: torch.Tensor  # [groups, samples], zero on dropped groups
+    kept: torch.Tensor  # [groups] bool: the group has non-zero reward variance
+    dropped_groups: int
+
+
+def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: float = 1e-6) -> GroupAdvantages:
+    """Advantages of ``rewards`` shaped ``[groups, samples]``, relative to each group's mean."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards: expected [groups, samples], got shape {tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float64)
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True, unbiased=False)
+    kept = std.squeeze(1) > eps
+    adv = rewards - mean
+    if scale_by_std:
+        adv = adv / (std + eps)
+    adv = torch.where(kept.unsqueeze(1), adv, torch.zeros_like(adv))
+    return GroupAdvantages(advantages=adv.to(torch.float32), kept=kept, dropped_groups=int((~kept).sum()))
+
+
+@dataclass(frozen=True)
+class LossStats:
+    loss: float
+    pg_loss: float
+    kl: float
+    tokens: int
+    mean_is_weight: float
+    clipped_is_fraction: float
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    serving_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    tis_cap: float = 2.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, LossStats]:
+    """The GRPO loss of one batch.
+
+    ``logprobs`` [B, T]: the trained policy's log-probability of each sequence's token at each
+    position (with gradient); ``serving_logprobs`` [B, T]: what the engine reported when it sampled
+    that token; ``loss_mask`` [B, T]: 1 on model-generated tokens; ``advantages`` [B].
+    """
+    if logprobs.shape != serving_logprobs.shape or logprobs.shape != loss_mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, serving_logprobs {tuple(serving_logprobs.shape)} and "
+            f"loss_mask {tuple(loss_mask.shape)} must have one shape"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages: expected shape ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
+    mask = loss_mask.to(logprobs.dtype)
+    tokens = mask.sum()
+    denom = tokens.clamp(min=1.0)
+    with torch.no_grad():
+        raw_w = torch.exp(logprobs.detach() - serving_logprobs)
+        w = raw_w.clamp(max=tis_cap)
+    pg = -(w * advantages.unsqueeze(1) * logprobs * mask).sum() / denom
+    loss = pg
+    kl_value = torch.zeros((), dtype=logprobs.dtype)
+    if ref_logprobs is not None and kl_coef:
+        delta = ref_logprobs - logprobs
+        kl_value = ((torch.exp(delta) - delta - 1.0) * mask).sum() / denom
+        loss = loss + kl_coef * kl_value
+    n = max(int(tokens.item()), 1)
+    stats = LossStats(
+        loss=float(loss.detach()),
+        pg_loss=float(pg.detach()),
+        kl=float(kl_value.detach()),
+        tokens=int(tokens.item()),
+        mean_is_weight=float((w * mask).sum() / n),
+        clipped_is_fraction=float(((raw_w > tis_cap).to(mask.dtype) * mask).sum() / n),
+    )
+    return loss, stats
