@@ -1,0 +1,151 @@
+"""Attention-output recomputation gives the gradients of the model that keeps every activation.
+
+Runs on the CPU with PyTorch's CPU flash-attention kernels (which return the log-sum-exp, like the
+CUDA ones) on a tiny Qwen3-shaped decoder in float64 and float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training.recompute import (
+    DecoderShape,
+    Qwen3Decoder,
+    attention_kernels,
+    layer_forward,
+)
+
+TINY = DecoderShape(
+    hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=96, vocab_size=97, lora_rank=4, lora_alpha=8.0,
+)
+
+
+def _model(dtype: torch.dtype, seed: int = 0) -> Qwen3Decoder:
+    torch.manual_seed(seed)
+    model = Qwen3Decoder(TINY, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(std=0.2)  # a fresh adapter's B is zero, which would hide A's gradient
+            elif name.endswith("norm"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _loss_and_grads(model: Qwen3Decoder, ids: torch.Tensor, recompute: str):
+    model.zero_grad(set_to_none=True)
+    hidden = model(ids[:, :-1], recompute=recompute)
+    loss = -model.token_logprobs(hidden, ids[:, 1:], chunk_tokens=7).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("recompute", ["attention", "full"])
+def test_gradients_match_no_recomputation(dtype, tol, recompute):
+    model = _model(dtype)
+    ids = torch.randint(0, TINY.vocab_size, (2, 20))
+    ref_loss, ref_grads = _loss_and_grads(model, ids, "none")
+    loss, grads = _loss_and_grads(model, ids, recompute)
+    assert _rel(loss, ref_loss) < tol
+    assert ref_grads.keys() == grads.keys() and len(grads) == 7 * 2 * TINY.num_layers
+    for name, g in grads.items():
+        assert torch.isfinite(g).all(), name
+        assert ref_grads[name].norm() > 0, name
+        assert _rel(g, ref_grads[name]) < tol, (name, _rel(g, ref_grads[name]))
+
+
+def test_layer_input_gradient_matches():
+    """A layer whose input needs a gradient (every layer but the first) gets the same one."""
+    model = _model(torch.float64, seed=1)
+    layer = model.layers[0]
+    cos, sin = model._rope_tables(9, model.embed)
+    x = torch.randn(3, 9, TINY.hidden_size, dtype=torch.float64, requires_grad=True)
+    grad_y = torch.randn(3, 9, TINY.hidden_size, dtype=torch.float64)
+    grads = {}
+    for mode in ("none", "attention"):
+        layer.zero_grad(set_to_none=True)
+        y = layer_forward(layer, x, cos, sin, mode)
+        (gx,) = torch.autograd.grad(y, [x], grad_y, retain_graph=True)
+        y.backward(grad_y)
+        grads[mode] = (y.detach(), gx, layer.q_proj.lora_a.grad.clone(), layer.down_proj.lora_b.grad.clone())
+    for a, b in zip(grads["attention"], grads["none"]):
+        assert _rel(a, b) < 1e-10
+
+
+class _CountingKernels:
+    def __init__(self, kernels):
+        self.inner, self.forwards, self.backwards = kernels, 0, 0
+        self.name = kernels.name
+
+    def forward(self, *args):
+        self.forwards += 1
+        return self.inner.forward(*args)
+
+    def backward(self, *args):
+        self.backwards += 1
+        return self.inner.backward(*args)
+
+
+@pytest.mark.parametrize("recompute, forwards", [("none", 2), ("full", 4), ("attention", 2)])
+def test_attention_forward_is_never_recomputed(recompute, forwards):
+    model = _model(torch.float32)
+    counter = _CountingKernels(attention_kernels("cpu"))
+    for layer in model.layers:
+        layer.kernels = counter
+    ids = torch.randint(0, TINY.vocab_size, (1, 12))
+    _loss_and_grads(model, ids, recompute)
+    assert (counter.forwards, counter.backwards) == (forwards, TINY.num_layers)
+
+
+def test_attention_keeps_only_input_output_and_lse():
+    """What one layer keeps for backward: its input, the attention output and the log-sum-exp."""
+    model = _model(torch.float32)
+    layer = model.layers[1]
+    b, s = 2, 11
+    cos, sin = model._rope_tables(s, model.embed)
+    x = torch.randn(b, s, TINY.hidden_size, requires_grad=True)
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer_forward(layer, x, cos, sin, "attention")
+    shapes = sorted(tuple(t.shape) for t in kept)
+    expected = sorted([
+        (b, s, TINY.hidden_size),  # layer input
+        (s, TINY.head_dim), (s, TINY.head_dim),  # shared rope tables, not per-layer memory
+        (b, TINY.num_heads, s, TINY.head_dim),  # attention output
+        (b, TINY.num_heads, s),  # log-sum-exp
+    ])
+    assert shapes == expected
+
+
+def test_model_flops_count():
+    shape = DecoderShape.qwen3("8b")
+    # Qwen3-8B: 36 layers of 4096-wide projections, about 6.95e9 projection weights.
+    assert math.isclose(shape.num_layers * shape.base_params_per_layer(), 6.946e9, rel_tol=1e-3)
+    per_token = shape.train_flops_per_token(32768)
+    attention = shape.num_layers * 6 * 32768 * 4096
+    assert per_token > attention and math.isclose(per_token - attention, 4 * 6.946e9 + 4 * 4096 * 151936
+                                                  + 6 * 36 * shape.lora_params_per_layer(), rel_tol=1e-3)
+
+
+def test_unknown_mode_and_shape_are_named():
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        layer_forward(_model(torch.float32).layers[0], torch.zeros(1, 2, 48), None, None, "some")
+    with pytest.raises(ValueError, match="unknown Qwen3 size"):
+        DecoderShape.qwen3("3b")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        DecoderShape(hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
+                     intermediate_size=8, vocab_size=8)

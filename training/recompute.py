@@ -1,0 +1,454 @@
+"""Activation recomputation for long-context LoRA training that never recomputes attention.
+
+Full activation recomputation (``torch.utils.checkpoint`` around each decoder layer) keeps only the
+layer input and repeats the whole layer forward in backward, attention included; at 32K tokens and
+beyond the attention forward is the most expensive part of that repeat. This module keeps, per
+layer, the layer input, the attention output and the attention's log-sum-exp. Backward recomputes
+the cheap parts (RMSNorms, q/k/v projections with q/k norm and RoPE, the output projection, the
+SwiGLU MLP, all with their LoRA adapters) and feeds the attention backward kernel directly with the
+saved output and log-sum-exp, the two things a flash-attention backward needs besides q, k and v.
+
+The decoder is Qwen3-shaped (RMSNorm, q/k/v/o projections with per-head q/k RMSNorm, grouped-query
+attention, rotary embeddings, SwiGLU MLP) with frozen base weights and LoRA on the seven
+projections. Three recomputation modes share every kernel, so a benchmark compares only what is
+kept::
+
+    model = Qwen3Decoder(DecoderShape.qwen3("4b"), dtype=torch.bfloat16, device="cuda")
+    hidden = model(input_ids, recompute="attention")   # or "none", "full"
+    logprobs = model.token_logprobs(hidden, target_ids)
+
+Attention kernels, chosen by :func:`attention_kernels`: flash-attn's ``_flash_attn_forward`` /
+``_flash_attn_backward`` where flash-attn is installed on a CUDA device, else PyTorch's own flash
+kernels (``aten._scaled_dot_product_flash_attention`` and its backward on CUDA,
+``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward on the CPU). All are causal,
+take grouped-query k/v without expanding them, and return the log-sum-exp. There is no dropout, so
+no RNG state needs keeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+RecomputeMode = Literal["none", "full", "attention"]
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "full", "attention")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes of a Qwen3-style decoder and of its LoRA adapters."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    lora_rank: int = 32
+    lora_alpha: float = 64.0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def qwen3(cls, size: str, **overrides) -> "DecoderShape":
+        """The published Qwen3 dense shapes ("0.6b", "1.7b", "4b", "8b", "14b")."""
+        shapes = {
+            "0.6b": dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=3072),
+            "1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=6144),
+            "4b": dict(hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728),
+            "8b": dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288),
+            "14b": dict(hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=8, intermediate_size=17408),
+        }
+        if size not in shapes:
+            raise ValueError(f"unknown Qwen3 size {size!r}; expected one of {sorted(shapes)}")
+        return cls(**{**shapes[size], "head_dim": 128, "vocab_size": 151_936, **overrides})
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def base_params_per_layer(self) -> int:
+        """Weights of the projections of one layer (norm weights are negligible and left out)."""
+        h = self.hidden_size
+        return h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * self.intermediate_size
+
+    def lora_params_per_layer(self) -> int:
+        h, r, i = self.hidden_size, self.lora_rank, self.intermediate_size
+        pairs = [(h, self.q_size), (h, self.kv_size), (h, self.kv_size), (self.q_size, h), (h, i), (h, i), (i, h)]
+        return sum(r * (fan_in + fan_out) for fan_in, fan_out in pairs)
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one LoRA training step per token of a causal sequence of ``seq_len``.
+
+        Counted as the work the model needs, not what a recomputation scheme repeats: the frozen
+        projections cost a forward (2 FLOPs per weight) and an input-gradient backward (2 more; they
+        have no weight gradient), the LoRA factors 6 per weight, the LM head 4 per weight, and
+        causal attention 2·S·heads·head_dim per token forward (half of the S×S scores) and twice
+        that backward.
+        """
+        per_layer_linear = 4 * self.base_params_per_layer() + 6 * self.lora_params_per_layer()
+        per_layer_attention = 3 * 2 * seq_len * self.q_size
+        lm_head = 4 * self.hidden_size * self.vocab_size
+        return self.num_layers * (per_layer_linear + per_layer_attention) + lm_head
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention kernels: forward returns (out, lse, state); backward takes them back.
+# q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim); out like q;
+# lse: (batch, heads, seq) float32 (float64 for float64 inputs on the CPU).
+
+
+class AttentionKernels(NamedTuple):
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _torch_cpu_forward(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _torch_cpu_backward(grad_out, q, k, v, out, lse, state, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, True, scale=scale
+    )
+
+
+def _torch_cuda_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _torch_cuda_backward(grad_out, q, k, v, out, lse, state, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    )
+
+
+def _flash_attn_kernels() -> AttentionKernels | None:
+    """flash-attn 2.x's private entry points, which take and return the log-sum-exp.
+
+    flash-attn works in (batch, seq, heads, head_dim); the transposes below are views.
+    """
+    try:
+        from flash_attn import flash_attn_interface as fa
+    except ImportError:
+        return None
+
+    def forward(q, k, v, scale):
+        out, lse, _, _ = fa._flash_attn_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            dropout_p=0.0, softmax_scale=scale, causal=True,
+            window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, return_softmax=False,
+        )
+        return out.transpose(1, 2), lse, ()
+
+    def backward(grad_out, q, k, v, out, lse, state, scale):
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+        fa._flash_attn_backward(
+            grad_out.transpose(1, 2).contiguous(), qt, kt, vt, out.transpose(1, 2), lse, dq, dk, dv,
+            dropout_p=0.0, softmax_scale=scale, causal=True,
+            window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, deterministic=False, rng_state=None,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    return AttentionKernels("flash-attn", forward, backward)
+
+
+def attention_kernels(device: torch.device | str, prefer: str = "auto") -> AttentionKernels:
+    """The attention kernels for ``device``: flash-attn if installed (CUDA), else PyTorch's flash.
+
+    ``prefer`` is "auto", "flash-attn" or "torch".
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if prefer in ("auto", "flash-attn"):
+            kernels = _flash_attn_kernels()
+            if kernels is not None:
+                return kernels
+            if prefer == "flash-attn":
+                raise RuntimeError("flash-attn was asked for but is not installed (pip install 'posttrain[gpu]')")
+        return AttentionKernels("torch-flash-cuda", _torch_cuda_forward, _torch_cuda_backward)
+    if device.type == "cpu":
+        if prefer == "flash-attn":
+            raise RuntimeError("flash-attn runs on CUDA devices only")
+        return AttentionKernels("torch-flash-cpu", _torch_cpu_forward, _torch_cpu_backward)
+    raise RuntimeError(f"no attention kernels for device type {device.type!r}")
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Causal attention through the chosen kernels, saving q, k, v, out and lse like SDPA does.
+
+    Used by the "none" and "full" modes so that all three modes run the same attention kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernels: AttentionKernels, scale: float):
+        out, lse, state = kernels.forward(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernels, ctx.state, ctx.scale = kernels, state, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernels.backward(grad_out.contiguous(), q, k, v, out, lse, ctx.state, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder.
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear projection plus a trainable low-rank update ``scale * B(A(x))``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, *, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features, dtype=dtype, device=device))
+        self.lora_b = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype, device=device))
+        self.scale = alpha / rank
+        nn.init.normal_(self.weight, std=in_features**-0.5)
+        nn.init.normal_(self.lora_a, std=in_features**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def rope_tables(shape: DecoderShape, seq_len: int, *, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_dim) for rotate-half rotary embeddings."""
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """One decoder layer, split at attention into the two halves that backward recomputes."""
+
+    def __init__(self, shape: DecoderShape, kernels: AttentionKernels, *, dtype, device):
+        super().__init__()
+        self.shape, self.kernels = shape, kernels
+        h, r, a = shape.hidden_size, shape.lora_rank, shape.lora_alpha
+
+        def lin(i, o):
+            return LoRALinear(i, o, r, a, dtype=dtype, device=device)
+
+        def norm(n):
+            return nn.Parameter(torch.ones(n, dtype=dtype, device=device), requires_grad=False)
+
+        self.input_norm, self.post_attention_norm = norm(h), norm(h)
+        self.q_norm, self.k_norm = norm(shape.head_dim), norm(shape.head_dim)
+        self.q_proj, self.k_proj, self.v_proj = lin(h, shape.q_size), lin(h, shape.kv_size), lin(h, shape.kv_size)
+        self.o_proj = lin(shape.q_size, h)
+        self.gate_proj, self.up_proj = lin(h, shape.intermediate_size), lin(h, shape.intermediate_size)
+        self.down_proj = lin(shape.intermediate_size, h)
+        self.softmax_scale = shape.head_dim**-0.5
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, self.shape.rms_eps)
+
+    def attention_inputs(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v in (batch, heads, seq, head_dim) from the layer input (batch, seq, hidden)."""
+        b, s, _ = x.shape
+        d = self.shape.head_dim
+        h = self._rms(x, self.input_norm)
+        q = self._rms(self.q_proj(h).view(b, s, -1, d), self.q_norm).transpose(1, 2)
+        k = self._rms(self.k_proj(h).view(b, s, -1, d), self.k_norm).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, -1, d).transpose(1, 2)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def attention_outputs(self, x, attn) -> torch.Tensor:
+        """The layer output from its input and the attention output (batch, heads, seq, head_dim)."""
+        b, s, _ = x.shape
+        y = x + self.o_proj(attn.transpose(1, 2).reshape(b, s, self.shape.q_size))
+        h = self._rms(y, self.post_attention_norm)
+        return y + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def forward(self, x, cos, sin) -> torch.Tensor:
+        q, k, v = self.attention_inputs(x, cos, sin)
+        attn = _FlashAttention.apply(q, k, v, self.kernels, self.softmax_scale)
+        return self.attention_outputs(x, attn)
+
+
+class _KeepAttentionOutput(torch.autograd.Function):
+    """A decoder layer that keeps only its input, the attention output and the log-sum-exp.
+
+    Forward runs without building a graph. Backward rebuilds the graph of the two halves around
+    attention, the post-attention half from the saved output, backpropagates it to get the
+    gradient of the attention output, runs the attention backward kernel on the saved output and
+    log-sum-exp, and backpropagates the resulting q/k/v gradients through the rebuilt
+    pre-attention half. Attention itself runs once, in forward.
+    """
+
+    @staticmethod
+    def forward(ctx, layer: Qwen3DecoderLayer, x, cos, sin, *trainable):
+        with torch.no_grad():
+            q, k, v = layer.attention_inputs(x, cos, sin)
+            attn, lse, state = layer.kernels.forward(q, k, v, layer.softmax_scale)
+            del q, k, v
+            y = layer.attention_outputs(x, attn)
+        ctx.save_for_backward(x, cos, sin, attn, lse)
+        ctx.layer, ctx.state = layer, state
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, cos, sin, attn, lse = ctx.saved_tensors
+        layer: Qwen3DecoderLayer = ctx.layer
+        trainable = [p for p in layer.parameters() if p.requires_grad]
+        want_x = ctx.needs_input_grad[1]
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(want_x)
+            attn_in = attn.detach().requires_grad_(True)
+            y = layer.attention_outputs(x_in, attn_in)
+            post_inputs = [attn_in] + ([x_in] if want_x else []) + trainable
+            post_grads = torch.autograd.grad(y, post_inputs, grad_y, allow_unused=True)
+            del y
+            grad_attn = post_grads[0]
+            grad_x_post = post_grads[1] if want_x else None
+            grad_params = list(post_grads[2 if want_x else 1 :])
+
+            q, k, v = layer.attention_inputs(x_in, cos, sin)
+            dq, dk, dv = layer.kernels.backward(
+                grad_attn.contiguous(), q.detach(), k.detach(), v.detach(), attn, lse, ctx.state, layer.softmax_scale
+            )
+            del grad_attn
+            pre_inputs = ([x_in] if want_x else []) + trainable
+            pre_grads = torch.autograd.grad((q, k, v), pre_inputs, (dq, dk, dv), allow_unused=True)
+
+        if want_x:
+            grad_x, pre_grads = grad_x_post + pre_grads[0], pre_grads[1:]
+        else:
+            grad_x = None
+        for i, g in enumerate(pre_grads):
+            if g is not None:
+                grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+        return (None, grad_x, None, None, *grad_params)
+
+
+def layer_forward(layer: Qwen3DecoderLayer, x, cos, sin, recompute: RecomputeMode) -> torch.Tensor:
+    """Run one layer with the given recomputation mode."""
+    if recompute == "none":
+        return layer(x, cos, sin)
+    if recompute == "full":
+        return checkpoint(layer, x, cos, sin, use_reentrant=False)
+    if recompute == "attention":
+        trainable = [p for p in layer.parameters() if p.requires_grad]
+        return _KeepAttentionOutput.apply(layer, x, cos, sin, *trainable)
+    raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+
+
+class Qwen3Decoder(nn.Module):
+    """A Qwen3-style decoder with frozen, randomly initialised base weights and LoRA adapters.
+
+    Weights are random (the benchmark measures speed and memory, not quality); load real ones with
+    ``load_state_dict`` if needed: the parameter names follow the layer structure above.
+    """
+
+    def __init__(self, shape: DecoderShape, *, dtype=torch.float32, device="cpu", kernels: AttentionKernels | None = None):
+        super().__init__()
+        self.shape = shape
+        self.kernels = kernels or attention_kernels(device)
+        self.embed = nn.Parameter(torch.randn(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(shape, self.kernels, dtype=dtype, device=device) for _ in range(shape.num_layers)
+        )
+        self.final_norm = nn.Parameter(torch.ones(shape.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.lm_head = nn.Parameter(
+            torch.randn(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device) * shape.hidden_size**-0.5,
+            requires_grad=False,
+        )
+        self._rope: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def _rope_tables(self, seq_len: int, like: torch.Tensor):
+        if self._rope is None or self._rope[0] < seq_len or self._rope[1].dtype != like.dtype:
+            cos, sin = rope_tables(self.shape, seq_len, dtype=like.dtype, device=like.device)
+            self._rope = (seq_len, cos, sin)
+        return self._rope[1][:seq_len], self._rope[2][:seq_len]
+
+    def forward(self, input_ids: torch.Tensor, recompute: RecomputeMode = "attention") -> torch.Tensor:
+        """Final hidden states (batch, seq, hidden) of ``input_ids`` (batch, seq)."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self._rope_tables(input_ids.shape[1], x)
+        for layer in self.layers:
+            x = layer_forward(layer, x, cos, sin, recompute)
+        return F.rms_norm(x, self.final_norm.shape, self.final_norm, self.shape.rms_eps)
+
+    def token_logprobs(self, hidden: torch.Tensor, target_ids: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+        """Log-probabilities (batch, seq) of ``target_ids`` under the LM head, in float32.
+
+        The logits of a long sequence (seq × 151,936 floats) would outweigh every kept activation,
+        so they are made and dropped chunk by chunk, and made again in backward.
+        """
+        return chunked_token_logprobs(hidden, self.lm_head, target_ids, chunk_tokens)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, lm_head).float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_token_logprobs(hidden, lm_head, target_ids, chunk_tokens: int = 4096) -> torch.Tensor:
+    pieces = []
+    for start in range(0, hidden.shape[1], chunk_tokens):
+        h = hidden[:, start : start + chunk_tokens]
+        t = target_ids[:, start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            pieces.append(checkpoint(_chunk_logprobs, h, lm_head, t, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(h, lm_head, t))
+    return torch.cat(pieces, dim=1)
+
+
+__all__ = [
+    "AttentionKernels",
+    "DecoderShape",
+    "LoRALinear",
+    "Qwen3Decoder",
+    "Qwen3DecoderLayer",
+    "RECOMPUTE_MODES",
+    "RecomputeMode",
+    "attention_kernels",
+    "chunked_token_logprobs",
+    "layer_forward",
+    "rope_tables",
+]
