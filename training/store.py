@@ -1,0 +1,238 @@
+"""The durable rollout store: every finished rollout, on disk, until the trainer has used it.
+
+Why SQLite in WAL mode rather than Parquet segments and a manifest: rollouts arrive one at a time
+from many producer threads, and the trainer marks whole groups consumed or discarded at each step.
+SQLite gives one atomic, durable commit per rollout and per status change without our own manifest
+protocol; WAL lets the trainer read while producers write; a process killed mid-write (SIGKILL, OOM)
+leaves the last committed state intact, because an uncommitted WAL frame is ignored on the next open.
+With ``synchronous=FULL`` a commit also survives power loss. A Parquet segment would have to be
+buffered (losing the rollouts not yet flushed) or written per rollout (thousands of tiny files).
+
+Layout: ``rollouts`` (one row per rollout, tokens and logprobs as packed little-endian arrays) and
+``groups`` (one row per group: task, adapter version, expected size). A group is *complete* when all of
+its rollouts are stored. Status moves ``ready -> consumed`` (used by step N) or ``ready -> discarded``
+(too stale when the trainer looked). :meth:`RolloutStore.rewind_to` undoes the status changes of steps
+after a checkpoint, so a resumed run sees exactly the rollouts that were unused at that checkpoint,
+plus every rollout finished since.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.rollout import Rollout
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT UNIQUE NOT NULL,
+    task_id TEXT NOT NULL,
+    adapter_version INTEGER NOT NULL,
+    group_size INTEGER NOT NULL,
+    created_s REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT PRIMARY KEY,
+    group_id TEXT NOT NULL REFERENCES groups(group_id),
+    task_id TEXT NOT NULL,
+    adapter_version INTEGER NOT NULL,
+    reward REAL NOT NULL,
+    total_tokens INTEGER NOT NULL,
+    generated_tokens INTEGER NOT NULL,
+    input_ids BLOB NOT NULL,
+    loss_mask BLOB NOT NULL,
+    serving_logprobs BLOB NOT NULL,
+    info TEXT NOT NULL,
+    created_s REAL NOT NULL,
+    status TEXT NOT NULL DEFAULT 'ready',
+    status_step INTEGER
+);
+CREATE INDEX IF NOT EXISTS rollouts_by_group ON rollouts(group_id);
+CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts(status);
+"""
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: str
+    task_id: str
+    adapter_version: int
+    rollouts: list[Rollout]
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.generated_tokens for r in self.rollouts)
+
+
+@dataclass(frozen=True)
+class Take:
+    """What :meth:`RolloutStore.take_groups` returned: fresh groups and what it discarded as stale."""
+
+    groups: list[Group]
+    discarded_groups: list[Group]
+
+    @property
+    def discarded_samples(self) -> int:
+        return sum(len(g.rollouts) for g in self.discarded_groups)
+
+    @property
+    def discarded_tokens(self) -> int:
+        return sum(g.generated_tokens for g in self.discarded_groups)
+
+
+def _pack(values: list, code: str) -> bytes:
+    return array(code, values).tobytes()
+
+
+def _unpack(blob: bytes, code: str) -> list:
+    out = array(code)
+    out.frombytes(blob)
+    return out.tolist()
+
+
+class RolloutStore:
+    """A SQLite database at ``path``; safe to use from several threads (one connection each)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        with self._conn() as conn:
+            conn.executescript(SCHEMA)
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            self._local.conn = conn
+        return _Tx(conn)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def add_group(self, group_id: str, task_id: str, adapter_version: int, group_size: int) -> None:
+        """Announce a group before its rollouts arrive (idempotent)."""
+        with self._conn() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO groups(group_id, task_id, adapter_version, group_size, created_s) VALUES (?,?,?,?,?)",
+                (group_id, task_id, adapter_version, group_size, time.time()),
+            )
+
+    def put(self, rollout: Rollout) -> None:
+        """Store one finished rollout durably; returns once it is committed."""
+        with self._conn() as conn:
+            row = conn.execute("SELECT 1 FROM groups WHERE group_id=?", (rollout.group_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"rollout {rollout.rollout_id}: group {rollout.group_id!r} was never added")
+            conn.execute(
+                "INSERT INTO rollouts(rollout_id, group_id, task_id, adapter_version, reward, total_tokens, "
+                "generated_tokens, input_ids, loss_mask, serving_logprobs, info, created_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    rollout.rollout_id, rollout.group_id, rollout.task_id, rollout.adapter_version,
+                    float(rollout.reward), len(rollout.input_ids), rollout.generated_tokens,
+                    _pack(rollout.input_ids, "i"), _pack(rollout.loss_mask, "b"),
+                    _pack(rollout.serving_logprobs, "f"), json.dumps(rollout.info), time.time(),
+                ),
+            )
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _complete_group_rows(self, conn: sqlite3.Connection) -> list[tuple]:
+        return conn.execute(
+            "SELECT g.group_id, g.task_id, g.adapter_version FROM groups g "
+            "JOIN rollouts r ON r.group_id = g.group_id "
+            "GROUP BY g.seq HAVING SUM(r.status='ready') = g.group_size ORDER BY g.seq"
+        ).fetchall()
+
+    def _group(self, conn: sqlite3.Connection, group_id: str, task_id: str, version: int) -> Group:
+        rows = conn.execute(
+            "SELECT rollout_id, adapter_version, input_ids, loss_mask, serving_logprobs, reward, info "
+            "FROM rollouts WHERE group_id=? ORDER BY rollout_id", (group_id,),
+        ).fetchall()
+        rollouts = [
+            Rollout(
+                rollout_id=r[0], group_id=group_id, task_id=task_id, adapter_version=r[1],
+                input_ids=_unpack(r[2], "i"), loss_mask=_unpack(r[3], "b"), serving_logprobs=_unpack(r[4], "f"),
+                reward=r[5], info=json.loads(r[6]),
+            )
+            for r in rows
+        ]
+        return Group(group_id=group_id, task_id=task_id, adapter_version=version, rollouts=rollouts)
+
+    def ready_groups(self) -> int:
+        with self._conn() as conn:
+            return len(self._complete_group_rows(conn))
+
+    def take_groups(self, count: int, *, step: int, min_version: int) -> Take:
+        """Mark up to ``count`` complete groups sampled at ``adapter_version >= min_version`` consumed
+        by ``step`` and return them, oldest first; complete groups older than ``min_version`` are
+        marked discarded and returned separately (they are counted, never trained on)."""
+        with self._conn() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            fresh, stale = [], []
+            for group_id, task_id, version in self._complete_group_rows(conn):
+                if version < min_version:
+                    stale.append(self._group(conn, group_id, task_id, version))
+                elif len(fresh) < count:
+                    fresh.append(self._group(conn, group_id, task_id, version))
+            for status, groups in (("consumed", fresh), ("discarded", stale)):
+                conn.executemany(
+                    "UPDATE rollouts SET status=?, status_step=? WHERE group_id=?",
+                    [(status, step, g.group_id) for g in groups],
+                )
+            conn.execute("COMMIT")
+        return Take(groups=fresh, discarded_groups=stale)
+
+    def rewind_to(self, step: int) -> int:
+        """Make every rollout consumed or discarded by a step after ``step`` ready again; returns
+        how many. Used on resume from the checkpoint of ``step``."""
+        with self._conn() as conn:
+            cur = conn.execute("UPDATE rollouts SET status='ready', status_step=NULL WHERE status_step > ?", (step,))
+            return cur.rowcount
+
+    def counts(self) -> dict[str, int]:
+        with self._conn() as conn:
+            rows = conn.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status").fetchall()
+            groups = conn.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
+        out = {"ready": 0, "consumed": 0, "discarded": 0, **dict(rows)}
+        out["groups"] = groups
+        return out
+
+    def snapshot(self, dest: str | Path) -> None:
+        """A consistent copy of the whole store at ``dest`` (SQLite's online backup)."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        target = sqlite3.connect(dest)
+        try:
+            with self._conn() as conn:
+                conn.backup(target)
+        finally:
+            target.close()
+
+
+class _Tx:
+    """``with store._conn() as conn``: the thread's connection; statements autocommit unless a
+    ``BEGIN`` is issued, and an exception inside a ``BEGIN`` rolls it back."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
