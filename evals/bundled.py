@@ -1,0 +1,399 @@
+"""The bundled task suite: small Python repositories generated reproducibly, validated for real.
+
+Every task is a one-module repository (``<module>.py`` at the root, pytest tests under ``tests/``)
+committed at a base commit with fixed author and dates, so the same generator version always gives
+the same commits. The module holds two to four short functions; one or two of them carry a bug that
+a one-line edit fixes. Each function has its own test: the buggy functions' tests are the *target
+tests*, the others the *existing tests*.
+
+Three difficulty levels:
+
+1. two functions, one bug; the instruction names the function to fix;
+2. three or four functions, one bug; the instruction only says which test fails;
+3. three or four functions, two bugs (two line edits).
+
+Bugs come from fixed *kinds* (a wrong operator, an off-by-one range, a flipped comparison, a wrong
+slice, a wrong constant...) instantiated with varied names and constants, so a tiny model trained on
+the train split can learn the kinds and be measured on held-out instances (``split="eval"``, a fixed
+quarter of each level).
+
+:func:`build_suite` writes ``OUT/suite.json`` and ``OUT/tasks/<id>/{repo/, task.json}``. Each task is
+validated by running its tests in a sandbox (the base fails every target test and passes every
+existing test; the reference solution, committed and graded through :func:`evals.grading.grade_patch`,
+scores reward 1); an invalid task fails the build with its id. The failing test output seen at base
+is stored with the task (``metadata.failing_output``) and shown to the agent in its instruction.
+The build writes under a temporary name and renames, and :func:`ensure_suite` reuses a complete
+build of the same generator version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from evals.sandbox import GIT_ENV, SandboxFactory, local_repo_sandbox
+from evals.tasks import Task, load_bundled, task_from_json
+
+GENERATOR_VERSION = 1
+TASKS_PER_LEVEL = 60
+EVAL_EVERY = 4  # every 4th task of a level is held out for evaluation
+REPORT = ".pytest-report.xml"
+TEST_COMMAND = f"python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
+GIT_DATE = "2024-01-01T00:00:00+00:00"
+
+
+class SuiteBuildError(RuntimeError):
+    """The suite could not be built; the message names the task that failed validation."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One bug kind: a correct function body, the buggy variant of one of its lines, and test inputs.
+
+    ``lines`` are the function's lines with ``{f}`` (function name), ``{k}`` (a constant) and ``{w}``
+    (a word) placeholders; ``bug_line`` indexes the line the bug replaces with ``buggy``; ``args`` maps
+    the constant to two argument tuples whose results differ between the correct and buggy versions.
+    """
+
+    stem: str
+    lines: tuple[str, ...]
+    bug_line: int
+    buggy: str
+    args: Callable[[int], Sequence[tuple]]
+    constants: Sequence[int] = (3, 4, 5, 6, 7, 8, 9)
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("scale", ("def {f}(x):", "    return x * {k}"), 1, "    return x + {k}", lambda k: [(2,), (5,)]),
+    Kind("shift", ("def {f}(x):", "    return x + {k}"), 1, "    return x - {k}", lambda k: [(1,), (10,)]),
+    Kind("divisible", ("def {f}(n):", "    return n % {k} == 0"), 1, "    return n % {k} != 0",
+         lambda k: [(k * 2,), (k + 1,)]),
+    Kind("total", ("def {f}(n):", "    return sum(range(n + 1))"), 1, "    return sum(range(n))",
+         lambda k: [(k,), (k + 2,)]),
+    Kind("tail", ("def {f}(items):", "    return items[-{k}:]"), 1, "    return items[{k}:]",
+         lambda k: [(list(range(k * 3)),), (list(range(10, 10 + k * 2 + 1)),)], (2, 3, 4)),
+    Kind("count_over", ("def {f}(items, limit):", "    return sum(1 for x in items if x > limit)"), 1,
+         "    return sum(1 for x in items if x < limit)", lambda k: [([1, k, k * 3, k * 4], k), ([k + 1] * 3, 0)]),
+    Kind("largest", ("def {f}(items):", "    return max(items)"), 1, "    return min(items)",
+         lambda k: [([k, 1, k * 2],), ([7, k, 3],)]),
+    Kind("label", ("def {f}(n):", "    return '{w}-' + str(n)"), 1, "    return '{w}_' + str(n)", lambda k: [(k,), (k * 10,)]),
+    Kind("area", ("def {f}(width, height):", "    return width * height"), 1, "    return width + height",
+         lambda k: [(k, 3), (4, k + 1)]),
+    Kind("cap", ("def {f}(x):", "    if x > {k}:", "        return {k}", "    return x"), 1, "    if x < {k}:",
+         lambda k: [(k + 5,), (k - 2,)]),
+    Kind("mean", ("def {f}(items):", "    return sum(items) / len(items)"), 1,
+         "    return sum(items) / (len(items) + 1)", lambda k: [([k, k + 2],), ([1, 2, 3, k],)]),
+    Kind("words", ("def {f}(text):", "    return ' '.join(reversed(text.split()))"), 1,
+         "    return ' '.join(text.split())", lambda k: [("{w} b c",), ("x {w}",)]),
+    Kind("discount", ("def {f}(price):", "    return price - price * {k} // 100"), 1,
+         "    return price - price * {k} // 10", lambda k: [(200,), (1000,)]),
+    Kind("between", ("def {f}(x, lo, hi):", "    return lo <= x <= hi"), 1, "    return lo < x < hi",
+         lambda k: [(k, k, k + 5), (k + 5, k, k + 5)]),
+    Kind("first", ("def {f}(items):", "    return items[0] if items else None"), 1,
+         "    return items[-1] if items else None", lambda k: [([k, 2, 9],), ([1, k + 1],)]),
+    Kind("double_all", ("def {f}(items):", "    return [x * 2 for x in items]"), 1,
+         "    return [x + 2 for x in items]", lambda k: [([k, 1],), ([5, k * 2],)]),
+)
+
+MODULES = ("pricing", "inventory", "ledger", "scores", "metrics", "orders", "shipping", "payroll",
+           "grades", "stock", "budget", "weather", "traffic", "library", "garden", "kitchen")
+WORDS = ("item", "user", "order", "box", "task", "node", "page", "row", "tag", "job", "cart", "unit")
+QUALIFIERS = ("price", "rate", "count", "score", "value", "size", "weight", "level", "step", "total", "amount", "budget")
+
+
+@dataclass(frozen=True)
+class GeneratedTask:
+    """A task before it is written: its files, where the bugs are, and its reference edits."""
+
+    id: str
+    difficulty: int
+    split: str
+    module: str
+    functions: tuple[str, ...]
+    buggy_functions: tuple[str, ...]
+    files: dict[str, str]
+    reference_edits: tuple[tuple[str, int, str], ...]  # (file, 1-based line, correct text)
+    instruction_head: str
+
+
+def _fill(line: str, name: str, k: int, w: str) -> str:
+    return line.replace("{f}", name).replace("{k}", str(k)).replace("{w}", w)
+
+
+def _generate_one(level: int, index: int, rng: random.Random) -> GeneratedTask:
+    n_funcs = 2 if level == 1 else rng.choice((3, 4))
+    n_bugs = 2 if level == 3 else 1
+    kinds = rng.sample(KINDS, n_funcs)
+    module = f"{rng.choice(MODULES)}"
+    word = rng.choice(WORDS)
+    names = []
+    for kind in kinds:
+        while True:
+            name = f"{kind.stem}_{rng.choice(QUALIFIERS)}"
+            if name not in names:
+                break
+        names.append(name)
+    buggy = sorted(rng.sample(range(n_funcs), n_bugs))
+    src_lines: list[str] = []
+    tests = [f"from {module} import {', '.join(names)}", ""]
+    edits = []
+    for i, (kind, name) in enumerate(zip(kinds, names)):
+        k = rng.choice(kind.constants)
+        correct = [_fill(line, name, k, word) for line in kind.lines]
+        namespace: dict[str, Any] = {}
+        exec("\n".join(correct), namespace)  # the correct function computes the expected values
+        asserts = []
+        for args in kind.args(k):
+            args = tuple(_fill(a, name, k, word) if isinstance(a, str) else a for a in args)
+            expected = namespace[name](*args)
+            asserts.append(f"    assert {name}({', '.join(repr(a) for a in args)}) == {expected!r}")
+        start = len(src_lines)
+        body = list(correct)
+        if i in buggy:
+            body[kind.bug_line] = _fill(kind.buggy, name, k, word)
+            edits.append((f"{module}.py", start + kind.bug_line + 1, correct[kind.bug_line]))
+        src_lines += body + [""]
+        tests += ["", f"def test_{name}():", *asserts, ""]
+    source = "\n".join(src_lines).rstrip("\n") + "\n"
+    test_source = "\n".join(tests).rstrip("\n") + "\n"
+    task_id = f"bundled-l{level}-{index:03d}-{module}"
+    split = "eval" if index % EVAL_EVERY == 0 else "train"
+    bug_names = tuple(names[i] for i in buggy)
+    if level == 1:
+        head = f"Fix {bug_names[0]} in {module}.py so its test passes."
+    elif level == 2:
+        head = f"A test of {module}.py fails. Fix the bug in {module}.py."
+    else:
+        head = f"Two tests of {module}.py fail. Fix both bugs in {module}.py."
+    return GeneratedTask(
+        id=task_id, difficulty=level, split=split, module=module, functions=tuple(names),
+        buggy_functions=bug_names,
+        files={f"{module}.py": source, f"tests/test_{module}.py": test_source,
+               ".gitignore": f"__pycache__/\n{REPORT}\n"},
+        reference_edits=tuple(edits), instruction_head=head,
+    )
+
+
+def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL) -> list[GeneratedTask]:
+    """Every task of the suite, deterministically from ``seed`` (no file is written)."""
+    out = []
+    for level in (1, 2, 3):
+        rng = random.Random(f"posttrain-bundled-{seed}-{level}")
+        out += [_generate_one(level, i, rng) for i in range(per_level)]
+    return out
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, **GIT_ENV, "GIT_AUTHOR_DATE": GIT_DATE, "GIT_COMMITTER_DATE": GIT_DATE}
+    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SuiteBuildError(f"git {' '.join(args)} in {repo}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def _write_repo(gen: GeneratedTask, repo: Path) -> str:
+    repo.mkdir(parents=True)
+    for rel, text in gen.files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", f"{gen.module}: base of task {gen.id}")
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _task_json(gen: GeneratedTask, base_commit: str) -> dict[str, Any]:
+    test_file = f"tests/test_{gen.module}.py"
+    test_id = f"tests.test_{gen.module}.test_"
+    return {
+        "id": gen.id, "source": "bundled", "language": "python",
+        "instruction": gen.instruction_head,
+        "target_tests": [test_id + f for f in gen.functions if f in gen.buggy_functions],
+        "existing_tests": [test_id + f for f in gen.functions if f not in gen.buggy_functions],
+        "test_command": TEST_COMMAND, "report_format": "junit", "report_paths": [REPORT],
+        "base_commit": base_commit, "repo": "repo", "workdir": ".",
+        "protected_paths": ["tests"],
+        "limits": {"cpus": 1.0, "memory_mb": 512, "storage_mb": 64, "agent_timeout_s": 120.0, "test_timeout_s": 60.0},
+        "split": gen.split, "difficulty": gen.difficulty,
+        "metadata": {
+            "module_file": f"{gen.module}.py",
+            "test_file": test_file,
+            "source_text": gen.files[f"{gen.module}.py"],
+            "reference_edits": [list(e) for e in gen.reference_edits],
+            "generator_version": GENERATOR_VERSION,
+        },
+    }
+
+
+def failing_summary(test_output: str, max_lines: int = 6) -> str:
+    """The informative lines of pytest's ``--tb=short`` output: each failing assert and its ``E`` line."""
+    lines = test_output.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith("assert ") and i + 1 < len(lines) and lines[i + 1].startswith("E"):
+            out.append(f"{stripped} -> {lines[i + 1][1:].strip()}")
+    return "\n".join(out[:max_lines])
+
+
+def apply_edits(text: str, edits: Sequence[tuple[int, str]]) -> str:
+    """``text`` with each 1-based line replaced; a line number out of range raises ``ValueError``."""
+    lines = text.split("\n")
+    for lineno, new in edits:
+        if not 1 <= lineno <= len(lines) - (1 if text.endswith("\n") else 0):
+            raise ValueError(f"line {lineno} is outside the file (1..{len(lines) - 1})")
+        lines[lineno - 1] = new
+    return "\n".join(lines)
+
+
+def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
+    """Check ``task`` by running its tests for real; return the failing output at base.
+
+    Raises :class:`SuiteBuildError` naming the task when the base passes a target test, fails an
+    existing test, or the committed reference solution does not score reward 1.
+    """
+    from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
+
+    with sandbox_factory(task) as sandbox:
+        run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s)
+        try:
+            statuses = parse_junit_bytes(sandbox.read_file(REPORT), f"{task.id}/{REPORT}")
+        except FileNotFoundError as exc:
+            raise SuiteBuildError(f"task {task.id}: the tests wrote no report at base: {run.output[-800:]}") from exc
+        passing = [t for t in task.target_tests if statuses.get(t) is Status.PASSED]
+        if passing:
+            raise SuiteBuildError(f"task {task.id}: target tests pass at the base commit: {passing}")
+        broken = [t for t in task.existing_tests if statuses.get(t) is not Status.PASSED]
+        if broken:
+            raise SuiteBuildError(f"task {task.id}: existing tests fail at the base commit: {broken}")
+        module = task.metadata["module_file"]
+        edits = [(line, text) for _, line, text in task.metadata["reference_edits"]]
+        sandbox.write_file(module, apply_edits(sandbox.read_file(module).decode(), edits).encode())
+        commit = sandbox.exec(f"git add {module} && git commit -q -m 'reference solution'", timeout_s=30)
+        if commit.exit_code != 0:
+            raise SuiteBuildError(f"task {task.id}: committing the reference solution failed: {commit.output}")
+        patch = committed_patch(sandbox, task.base_commit)
+    result = grade_patch(task, patch, sandbox_factory)
+    if result.status != GRADED or result.scores is None or result.scores.reward != 1.0:
+        raise SuiteBuildError(f"task {task.id}: the reference solution does not pass ({result.status}: "
+                              f"{result.scores}; {result.detail}; {result.test_output[-800:]})")
+    return failing_summary(run.output)
+
+
+def suite_fingerprint(seed: int = 0, per_level: int = TASKS_PER_LEVEL) -> str:
+    """A hash of the generator's output, so a built suite can be reused while nothing changed."""
+    digest = hashlib.sha256(f"{GENERATOR_VERSION}:{TEST_COMMAND}".encode())
+    for gen in generate(seed, per_level):
+        digest.update(json.dumps([gen.id, gen.split, gen.files, gen.reference_edits, gen.instruction_head]).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_suite(
+    out: str | Path,
+    *,
+    seed: int = 0,
+    per_level: int = TASKS_PER_LEVEL,
+    workers: int = 2,
+    sandbox_factory: SandboxFactory | None = None,
+) -> dict[str, Any]:
+    """Generate, write and validate the suite into ``out`` (replaced atomically); return its summary.
+
+    ``sandbox_factory`` runs the validation (default: :func:`default_sandbox_factory`); ``workers``
+    tasks are validated at once.
+    """
+    out = Path(out).resolve()
+    factory = sandbox_factory or default_sandbox_factory()
+    gens = generate(seed, per_level)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        drafts = []
+        for gen in gens:
+            task_dir = tmp / "tasks" / gen.id
+            base = _write_repo(gen, task_dir / "repo")
+            data = _task_json(gen, base)
+            drafts.append((gen, task_dir, data, task_from_json(data, task_dir, str(task_dir / "task.json"))))
+
+        def check(item):
+            return validate_task(item[3], factory)
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            failing = list(pool.map(check, drafts))
+        for (gen, task_dir, data, _), fail in zip(drafts, failing):
+            data["metadata"]["failing_output"] = fail
+            (task_dir / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        summary = {
+            "generator_version": GENERATOR_VERSION,
+            "fingerprint": suite_fingerprint(seed, per_level),
+            "seed": seed,
+            "tasks": [g.id for g in gens],
+            "splits": {s: sum(g.split == s for g in gens) for s in ("train", "eval")},
+            "by_difficulty": {str(lv): sum(g.difficulty == lv for g in gens) for lv in (1, 2, 3)},
+        }
+        (tmp / "suite.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {k: v for k, v in summary.items() if k != "tasks"} | {"n_tasks": len(gens), "path": str(out)}
+
+
+def default_sandbox_factory() -> SandboxFactory:
+    """The sandbox runtime validation uses: a working copy with this interpreter's pytest on PATH.
+
+    The bundled suite is code this module generated, so its validation may run without isolation;
+    agents' code goes through the ``sandboxes/`` runtimes (see :mod:`evals.sandbox`).
+    """
+    import contextlib
+
+    bindir = str(Path(sys.executable).parent)
+
+    @contextlib.contextmanager
+    def factory(task: Task):
+        with local_repo_sandbox(task) as sandbox:
+            sandbox._env["PATH"] = bindir + os.pathsep + sandbox._env.get("PATH", "")
+            yield sandbox
+
+    return factory
+
+
+def default_suite_dir() -> Path:
+    """``$POSTTRAIN_HOME/datasets/bundled`` (``./posttrain-data`` without the variable)."""
+    home = os.environ.get("POSTTRAIN_HOME") or str(Path.cwd() / "posttrain-data")
+    return Path(home).expanduser().resolve() / "datasets" / "bundled"
+
+
+def ensure_suite(path: str | Path | None = None, *, workers: int = 2) -> Path:
+    """The built suite at ``path`` (default :func:`default_suite_dir`), building it if it is missing
+    or was built from a different generator output."""
+    path = Path(path) if path else default_suite_dir()
+    index = path / "suite.json"
+    if index.is_file():
+        try:
+            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint():
+                return path
+        except json.JSONDecodeError:
+            pass
+    build_suite(path, workers=workers)
+    return path
+
+
+def load_suite(path: str | Path | None = None) -> list[Task]:
+    """The bundled tasks (built on first use)."""
+    return list(load_bundled(ensure_suite(path)).tasks)

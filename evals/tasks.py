@@ -1,0 +1,407 @@
+"""What a task is, and the loaders that turn each source format into one schema.
+
+A :class:`Task` is the same thing whatever it came from: an id, a repository snapshot (a local git
+repo at a base commit, or a container image), an instruction, the *target tests* (they must go from
+failing to passing) and the *existing tests* (they must keep passing), how to run the tests and in
+which report format, resource limits, and free-form metadata.
+
+Sources:
+
+- **Harbor / DeepSWE** (:func:`load_harbor`): a folder of task folders, each with ``task.toml``,
+  ``instruction.md`` and ``tests/config.json`` (``f2p_node_ids``, ``p2p_node_ids``, ``grade``). A task
+  folder that lacks a file is returned as an :class:`IncompleteTask` with the reason, never dropped.
+- **SWE-bench** (:func:`load_swebench`): JSONL or Parquet rows with ``instance_id``,
+  ``problem_statement``, ``base_commit`` and ``FAIL_TO_PASS`` / ``PASS_TO_PASS`` as JSON strings.
+- **Bundled** (:func:`load_bundled`): the generated suite of small Python repos (see
+  :mod:`evals.bundled`), each task a ``task.json`` beside its git repo.
+
+:func:`load_tasks` picks the loader from what ``PATH`` is; :func:`summarize` gives the summary that
+``posttrain tasks inspect`` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+REPORT_FORMATS = ("junit", "ctrf")
+
+
+class TaskLoadError(ValueError):
+    """A task source is malformed; the message names the file, the key and what was expected."""
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    """What one sandbox of the task may use, and how long agent and tests may run."""
+
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    storage_mb: int = 4096
+    agent_timeout_s: float = 600.0
+    test_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task in the schema every source is loaded into.
+
+    ``repo_path`` (a local git repository whose ``base_commit`` is the state the agent starts from)
+    or ``image`` (a container image with the repository at ``workdir``) names the snapshot.
+    ``test_command`` runs the tests inside the sandbox, in the repository folder, and writes the
+    reports listed in ``report_paths`` in ``report_format`` (``junit`` or ``ctrf``); for CTRF,
+    ``ctrf_node_id`` says how a test id is built (``name`` or ``suite.name``).
+    ``protected_paths`` are restored from the base commit before grading, so an agent cannot pass by
+    editing the tests. ``split`` (``train`` / ``eval``) and ``difficulty`` (1..3) are set where the
+    source defines them (the bundled suite), else empty / 0.
+    """
+
+    id: str
+    source: str
+    language: str
+    instruction: str
+    target_tests: tuple[str, ...]
+    existing_tests: tuple[str, ...]
+    test_command: str
+    report_format: str
+    report_paths: tuple[str, ...]
+    base_commit: str | None = None
+    repo_path: str | None = None
+    image: str | None = None
+    workdir: str = "/app"
+    ctrf_node_id: str = "name"
+    protected_paths: tuple[str, ...] = ()
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    split: str = ""
+    difficulty: int = 0
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise TaskLoadError("task: empty id")
+        if self.report_format not in REPORT_FORMATS:
+            raise TaskLoadError(f"task {self.id}: report format {self.report_format!r}, expected one of {REPORT_FORMATS}")
+        if self.repo_path is None and self.image is None:
+            raise TaskLoadError(f"task {self.id}: neither a repository path nor an image")
+
+    def to_row(self) -> dict[str, Any]:
+        """A flat row for Parquet: lists and mappings become JSON strings."""
+        row = asdict(self)
+        row["target_tests"] = json.dumps(list(self.target_tests))
+        row["existing_tests"] = json.dumps(list(self.existing_tests))
+        row["report_paths"] = json.dumps(list(self.report_paths))
+        row["protected_paths"] = json.dumps(list(self.protected_paths))
+        row["limits"] = json.dumps(asdict(self.limits))
+        row["metadata"] = json.dumps(dict(self.metadata), sort_keys=True, default=str)
+        return row
+
+
+@dataclass(frozen=True)
+class IncompleteTask:
+    """A task that a source lists but that cannot be loaded; kept so it is reported, not lost."""
+
+    id: str
+    source: str
+    path: str
+    reason: str
+    language: str = ""
+
+
+@dataclass(frozen=True)
+class TaskSet:
+    """The loaded tasks of one or more sources, and the ones that could not be loaded."""
+
+    tasks: tuple[Task, ...]
+    incomplete: tuple[IncompleteTask, ...] = ()
+
+    def __add__(self, other: "TaskSet") -> "TaskSet":
+        return TaskSet(self.tasks + other.tasks, self.incomplete + other.incomplete)
+
+    def by_id(self) -> dict[str, Task]:
+        return {t.id: t for t in self.tasks}
+
+    def split(self, name: str) -> list[Task]:
+        return [t for t in self.tasks if t.split == name]
+
+
+# ---------------------------------------------------------------- Harbor / DeepSWE
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskLoadError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TaskLoadError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def _str_list(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TaskLoadError(f"{where}: expected a list of test ids (strings), got {type(value).__name__}")
+    return tuple(value)
+
+
+def _harbor_task_dirs(root: Path) -> list[Path]:
+    if (root / "task.toml").is_file():
+        return [root]
+    base = root / "tasks" if (root / "tasks").is_dir() else root
+    dirs = sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [d for d in dirs if (d / "task.toml").is_file() or (d / "instruction.md").is_file()]
+
+
+def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
+    """Load one Harbor task folder; a missing file gives an :class:`IncompleteTask` with the reason.
+
+    A file that exists but is malformed raises :class:`TaskLoadError` naming the file and key: that
+    is broken data, not a partial copy.
+    """
+    task_dir = Path(task_dir)
+    toml_path = task_dir / "task.toml"
+    meta_all = _read_toml(toml_path) if toml_path.is_file() else {}
+    meta = meta_all.get("metadata", {})
+    task_id = str(meta.get("task_id") or task_dir.name)
+    language = str(meta.get("language", ""))
+    missing = [name for name in ("task.toml", "instruction.md", "tests/config.json") if not (task_dir / name).is_file()]
+    if missing:
+        return IncompleteTask(task_id, "harbor", str(task_dir), f"missing {', '.join(missing)}", language)
+
+    config_path = task_dir / "tests" / "config.json"
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise TaskLoadError(f"{config_path}: expected a JSON object")
+    for key in ("f2p_node_ids", "p2p_node_ids", "grade"):
+        if key not in config:
+            raise TaskLoadError(f"{config_path}: missing key {key!r}")
+    grade = config["grade"]
+    if not isinstance(grade, dict) or grade.get("format") not in REPORT_FORMATS:
+        raise TaskLoadError(f"{config_path}: key 'grade.format' must be one of {REPORT_FORMATS}")
+    node_id = grade.get("node_id", "name")
+    if node_id not in ("name", "suite.name"):
+        raise TaskLoadError(f"{config_path}: key 'grade.node_id' is {node_id!r}, expected 'name' or 'suite.name'")
+    env = meta_all.get("environment", {})
+    verifier = meta_all.get("verifier", {})
+    agent = meta_all.get("agent", {})
+    limits = ResourceLimits(
+        cpus=float(env.get("cpus", 2)),
+        memory_mb=int(env.get("memory_mb", 8192)),
+        storage_mb=int(env.get("storage_mb", 20480)),
+        agent_timeout_s=float(agent.get("timeout_sec", 5400.0)),
+        test_timeout_s=float(verifier.get("timeout_sec", 1800.0)),
+    )
+    image = env.get("docker_image")
+    if not image:
+        raise TaskLoadError(f"{toml_path}: missing key 'environment.docker_image'")
+    extra = {k: v for k, v in meta.items() if k not in ("task_id", "language")}
+    extra["tool_label"] = grade.get("tool_label", "")
+    extra["task_dir"] = str(task_dir)
+    return Task(
+        id=task_id,
+        source="harbor",
+        language=language,
+        instruction=(task_dir / "instruction.md").read_text(),
+        target_tests=_str_list(config["f2p_node_ids"], f"{config_path}: key 'f2p_node_ids'"),
+        existing_tests=_str_list(config["p2p_node_ids"], f"{config_path}: key 'p2p_node_ids'"),
+        # Harbor runs the task's verifier script; the scripts are not part of the shared copy.
+        test_command="bash /tests/test.sh",
+        report_format=grade["format"],
+        report_paths=_str_list(grade.get("reports", []), f"{config_path}: key 'grade.reports'"),
+        base_commit=str(config.get("base_commit") or meta.get("base_commit_hash") or "") or None,
+        image=str(image),
+        workdir="/app",
+        ctrf_node_id=node_id,
+        limits=limits,
+        metadata=extra,
+    )
+
+
+def load_harbor(root: str | Path) -> TaskSet:
+    """Every task folder under ``root`` (a dataset folder with ``tasks/``, or one task folder)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise TaskLoadError(f"{root}: not a folder")
+    tasks: list[Task] = []
+    incomplete: list[IncompleteTask] = []
+    for task_dir in _harbor_task_dirs(root):
+        loaded = load_harbor_task(task_dir)
+        (incomplete if isinstance(loaded, IncompleteTask) else tasks).append(loaded)
+    if not tasks and not incomplete:
+        raise TaskLoadError(f"{root}: no Harbor task folders (a folder with task.toml) found")
+    return TaskSet(tuple(tasks), tuple(incomplete))
+
+
+# ---------------------------------------------------------------- SWE-bench
+
+
+def _json_list_field(row: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    if key not in row:
+        raise TaskLoadError(f"{where}: missing key {key!r}")
+    value = row[key]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise TaskLoadError(f"{where}: key {key!r} is not a JSON list string: {exc}") from exc
+    elif hasattr(value, "tolist"):
+        value = value.tolist()
+    return _str_list(list(value) if isinstance(value, tuple) else value, f"{where}: key {key!r}")
+
+
+def swebench_image(instance_id: str) -> str:
+    """The SWE-bench harness's conventional evaluation image name of an instance."""
+    return f"swebench/sweb.eval.x86_64.{instance_id.replace('__', '_1776_').lower()}:latest"
+
+
+def _swebench_rows(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return [(f"{path}: row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskLoadError(f"{path}: line {lineno}: not valid JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise TaskLoadError(f"{path}: line {lineno}: expected a JSON object")
+        rows.append((f"{path}: line {lineno}", row))
+    return rows
+
+
+def load_swebench(path: str | Path) -> TaskSet:
+    """SWE-bench-style rows from a ``.jsonl`` or ``.parquet`` file.
+
+    A row without ``instance_id`` or ``problem_statement`` raises :class:`TaskLoadError` naming the
+    line. Tests run with pytest and report JUnit XML to ``/tmp/posttrain-report.xml``; an explicit
+    ``test_cmd`` column overrides the command.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TaskLoadError(f"{path}: no such file")
+    tasks = []
+    for where, row in _swebench_rows(path):
+        for key in ("instance_id", "problem_statement", "base_commit"):
+            if not row.get(key):
+                raise TaskLoadError(f"{where}: missing key {key!r}")
+        instance_id = str(row["instance_id"])
+        report = "/tmp/posttrain-report.xml"
+        meta = {k: row[k] for k in ("repo", "version", "created_at", "environment_setup_commit") if row.get(k)}
+        tasks.append(
+            Task(
+                id=instance_id,
+                source="swebench",
+                language=str(row.get("language") or "python"),
+                instruction=str(row["problem_statement"]),
+                target_tests=_json_list_field(row, "FAIL_TO_PASS", where),
+                existing_tests=_json_list_field(row, "PASS_TO_PASS", where),
+                test_command=str(row.get("test_cmd") or f"python -m pytest -rA --junitxml={report}"),
+                report_format="junit",
+                report_paths=(report,),
+                base_commit=str(row["base_commit"]),
+                image=str(row.get("image_name") or swebench_image(instance_id)),
+                workdir="/testbed",
+                metadata=meta,
+            )
+        )
+    return TaskSet(tuple(tasks))
+
+
+# ---------------------------------------------------------------- bundled suite and dispatch
+
+
+def load_bundled(root: str | Path) -> TaskSet:
+    """The built bundled suite under ``root`` (see :func:`evals.bundled.build_suite`)."""
+    root = Path(root)
+    index = root / "suite.json"
+    if not index.is_file():
+        raise TaskLoadError(f"{root}: no suite.json; build the bundled suite with `posttrain tasks build OUT`")
+    suite = _read_json(index)
+    tasks = []
+    for task_id in suite.get("tasks", []):
+        path = root / "tasks" / task_id / "task.json"
+        if not path.is_file():
+            raise TaskLoadError(f"{index}: lists task {task_id} but {path} is missing")
+        tasks.append(task_from_json(_read_json(path), root / "tasks" / task_id, str(path)))
+    return TaskSet(tuple(tasks))
+
+
+def task_from_json(data: Mapping[str, Any], task_dir: Path, where: str) -> Task:
+    """A bundled task from its ``task.json``; ``repo`` is resolved relative to ``task_dir``."""
+    try:
+        limits = ResourceLimits(**data.get("limits", {}))
+        return Task(
+            id=data["id"],
+            source=data.get("source", "bundled"),
+            language=data["language"],
+            instruction=data["instruction"],
+            target_tests=tuple(data["target_tests"]),
+            existing_tests=tuple(data["existing_tests"]),
+            test_command=data["test_command"],
+            report_format=data["report_format"],
+            report_paths=tuple(data["report_paths"]),
+            base_commit=data["base_commit"],
+            repo_path=str((task_dir / data["repo"]).resolve()),
+            workdir=data.get("workdir", "."),
+            protected_paths=tuple(data.get("protected_paths", ())),
+            limits=limits,
+            split=data.get("split", ""),
+            difficulty=int(data.get("difficulty", 0)),
+            metadata=data.get("metadata", {}),
+        )
+    except KeyError as exc:
+        raise TaskLoadError(f"{where}: missing key {exc.args[0]!r}") from exc
+    except TypeError as exc:
+        raise TaskLoadError(f"{where}: {exc}") from exc
+
+
+def load_tasks(path: str | Path) -> TaskSet:
+    """Load ``path`` with the loader its shape calls for.
+
+    ``bundled`` is the bundled suite (built on first use into a cache folder); a ``.jsonl`` or
+    ``.parquet`` file is SWE-bench; a folder with ``suite.json`` is a built bundled suite; any other
+    folder is read as Harbor task folders.
+    """
+    if str(path) == "bundled":
+        from evals.bundled import ensure_suite
+
+        return load_bundled(ensure_suite())
+    p = Path(path)
+    if p.is_file() and p.suffix in (".jsonl", ".json", ".parquet"):
+        return load_swebench(p)
+    if p.is_dir() and (p / "suite.json").is_file():
+        return load_bundled(p)
+    if p.is_dir():
+        return load_harbor(p)
+    raise TaskLoadError(f"{path}: no such file or folder (expected a Harbor folder, a SWE-bench .jsonl/.parquet, or 'bundled')")
+
+
+def _median(values: Iterable[int]) -> float:
+    values = list(values)
+    return float(statistics.median(values)) if values else 0.0
+
+
+def summarize(task_set: TaskSet) -> dict[str, Any]:
+    """The ``posttrain tasks inspect`` summary: counts over the complete tasks, and the incomplete ids."""
+    by_language: dict[str, int] = {}
+    for task in task_set.tasks:
+        by_language[task.language] = by_language.get(task.language, 0) + 1
+    return {
+        "tasks": len(task_set.tasks),
+        "incomplete": [t.id for t in task_set.incomplete],
+        "by_language": dict(sorted(by_language.items())),
+        "median_target_tests": _median(len(t.target_tests) for t in task_set.tasks),
+        "median_existing_tests": _median(len(t.existing_tests) for t in task_set.tasks),
+        "ids": [t.id for t in task_set.tasks],
+    }
