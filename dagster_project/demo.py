@@ -24,7 +24,7 @@ def _stage(message: str, started: float) -> None:
 
 
 def _execute(defs: dg.Definitions, job_name: str, instance: dg.DagsterInstance, **kwargs: Any) -> None:
-    result = defs.get_job_def(job_name).execute_in_process(instance=instance, raise_on_error=True, **kwargs)
+    result = defs.resolve_job_def(job_name).execute_in_process(instance=instance, raise_on_error=True, **kwargs)
     if not result.success:
         raise RuntimeError(f"job {job_name} failed")
 
