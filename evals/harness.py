@@ -1,0 +1,292 @@
+"""The agent harness: one *episode* of a model acting on a task in a sandbox until it commits.
+
+The episode API (what training's producer and :func:`evals.evaluate.evaluate` call)::
+
+    trajectory = run_episode(
+        task,                      # evals.tasks.Task
+        model,                     # ModelClient: SGLang-native generate(body) -> response
+        tokenizer,                 # encode(text, add_special_tokens=False) -> ids; decode(ids) -> text
+        sandbox_factory,           # evals.sandbox.SandboxFactory: task -> context manager of a Sandbox
+        adapter_version="step_000004",   # LoRA adapter name sent as lora_path (None: base model)
+        session_id="run-a/task/3",       # sent as rid, so the serving side's capture is keyed by it
+        action_format="compact",   # or "json" (tool calls for real models)
+        max_turns=4, max_new_tokens=64, temperature=1.0,
+    )
+    trajectory.reward              # 1.0 / 0.0 from grading the committed work (None: not graded)
+    trajectory.calls               # every model call: input_ids, output_ids, output_logprobs, meta
+    trajectory.steps               # every action, its observation and how long it took
+
+How a turn goes: the context so far (the prompt from :mod:`evals.actions`, then each answer and its
+observations) is tokenized and sent with ``return_logprob`` to the model; the answer's
+``output_ids`` are decoded and parsed into actions, which run in the sandbox; their results are
+appended as the next observation. The episode ends when the agent commits, or at ``max_turns``, the
+time limit, or the context limit. Then the committed work (``git diff BASE HEAD``) is graded in a
+fresh sandbox (:func:`evals.grading.grade_patch`); uncommitted edits are never graded. Token ids and
+logprobs are the ones the serving side returned for the call, never re-tokenized text: the context of
+turn ``t+1`` is the exact ``input_ids + output_ids`` of turn ``t`` followed by the observation's tokens.
+
+A sandbox failure (:class:`evals.sandbox.InfraError`) ends the episode with ``stop_reason
+"infra_error"`` and no reward: callers retry such episodes and never count them as failures.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from evals.actions import Action, ActionParseError, observation, parse_actions, render_prompt
+from evals.bundled import apply_edits, failing_summary
+from evals.grading import GRADED, INFRA_ERROR, GradeResult, committed_patch, grade_patch
+from evals.sandbox import InfraError, Sandbox, SandboxFactory
+from evals.tasks import Task
+
+OBSERVATION_CAP_CHARS = 2000
+
+
+class ModelClient(Protocol):
+    """Anything that answers SGLang's native ``POST /generate`` body with its response dict."""
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class ModelCall:
+    """One call as the serving side answered it."""
+
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str
+    meta: dict[str, Any]
+    latency_s: float
+
+
+@dataclass
+class Step:
+    turn: int
+    action: dict[str, Any]
+    observation: str
+    duration_s: float
+
+
+@dataclass
+class Trajectory:
+    """Everything an episode did; ``grade`` holds the grading of its committed work."""
+
+    task_id: str
+    session_id: str
+    adapter_version: str | None
+    action_format: str
+    calls: list[ModelCall] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    committed: bool = False
+    stop_reason: str = ""
+    patch: str = ""
+    grade: GradeResult | None = None
+    error: str = ""
+    started_at: float = 0.0
+    agent_s: float = 0.0
+    grade_s: float = 0.0
+
+    @property
+    def reward(self) -> float | None:
+        """1.0 / 0.0 once graded (``apply_failed`` is 0.0); None for infra errors and ungraded episodes."""
+        if self.grade is None or self.grade.scores is None:
+            return None
+        return self.grade.scores.reward
+
+    @property
+    def infra_error(self) -> bool:
+        return self.stop_reason == INFRA_ERROR or (self.grade is not None and self.grade.status == INFRA_ERROR)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["reward"] = self.reward
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=str)
+
+
+def _token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return list(getattr(ids, "ids", ids))
+
+
+def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 60.0) -> tuple[str, bool]:
+    """Run one action in the sandbox; return ``(observation, committed)``.
+
+    Mistakes of the agent (a line out of range, a missing file) become the observation; a sandbox
+    failure raises :class:`InfraError`.
+    """
+    args = action.args
+    try:
+        if action.tool == "replace_line":
+            path = str(args["path"])
+            text = sandbox.read_file(path).decode()
+            sandbox.write_file(path, apply_edits(text, [(int(args["line"]), str(args["text"]))]).encode())
+            return "ok", False
+        if action.tool == "write_file":
+            sandbox.write_file(str(args["path"]), str(args["content"]).encode())
+            return "ok", False
+        if action.tool == "read_file":
+            return sandbox.read_file(str(args["path"])).decode(errors="replace")[:OBSERVATION_CAP_CHARS], False
+        if action.tool == "bash":
+            res = sandbox.exec(str(args["command"]), timeout_s=timeout_s, output_cap_bytes=OBSERVATION_CAP_CHARS * 4)
+            tail = res.output[-OBSERVATION_CAP_CHARS:]
+            return f"exit {res.exit_code}{' (timed out)' if res.timed_out else ''}\n{tail}", False
+        if action.tool == "test":
+            res = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s)
+            if res.exit_code == 0:
+                return "all tests pass", False
+            summary = failing_summary(res.output) if task.report_format == "junit" else ""
+            return (summary or res.output[-OBSERVATION_CAP_CHARS:]).replace("AssertionError: ", ""), False
+        if action.tool == "commit":
+            message = str(args.get("message") or "agent commit").replace("'", "")
+            res = sandbox.exec(f"git add -A && git commit -q -m '{message}'", timeout_s=60)
+            if res.exit_code != 0 and "nothing to commit" in res.output:
+                return "nothing to commit", True
+            return ("committed" if res.exit_code == 0 else f"commit failed: {res.output[-300:]}"), True
+    except InfraError:
+        raise
+    except (ValueError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        return f"error: {exc}", False
+    return f"error: unknown tool {action.tool!r}", False
+
+
+def run_episode(
+    task: Task,
+    model: ModelClient,
+    tokenizer: Tokenizer,
+    sandbox_factory: SandboxFactory,
+    *,
+    adapter_version: str | None = None,
+    session_id: str | None = None,
+    action_format: str = "compact",
+    max_turns: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    max_context_tokens: int = 4096,
+    time_limit_s: float | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+    grade: bool = True,
+    grader_factory: SandboxFactory | None = None,
+) -> Trajectory:
+    """Run one episode of ``task`` and grade its committed work; see the module docstring.
+
+    ``seed`` (with ``turn`` added per call) makes sampling reproducible where the engine supports
+    it. ``grader_factory`` opens the pristine grading sandbox (default: ``sandbox_factory``).
+    """
+    session_id = session_id or f"{task.id}/{uuid.uuid4().hex[:12]}"
+    traj = Trajectory(task.id, session_id, adapter_version, action_format, started_at=time.time())
+    deadline = time.monotonic() + (time_limit_s if time_limit_s is not None else task.limits.agent_timeout_s)
+    started = time.monotonic()
+    try:
+        with sandbox_factory(task) as sandbox:
+            context_ids = _token_ids(tokenizer, render_prompt(task, action_format))
+            for turn in range(max_turns):
+                if time.monotonic() > deadline:
+                    traj.stop_reason = "time_limit"
+                    break
+                if len(context_ids) + max_new_tokens > max_context_tokens:
+                    traj.stop_reason = "context"
+                    break
+                params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+                if stop_token_ids:
+                    params["stop_token_ids"] = list(stop_token_ids)
+                if seed is not None:
+                    params["sampling_seed"] = seed + turn
+                body: dict[str, Any] = {"input_ids": list(context_ids), "sampling_params": params,
+                                        "return_logprob": True, "rid": session_id}
+                if adapter_version is not None:
+                    body["lora_path"] = adapter_version
+                t0 = time.monotonic()
+                response = model.generate(body)
+                output_ids = list(response["output_ids"])
+                meta = dict(response.get("meta_info", {}))
+                logprobs = [float(entry[0]) for entry in meta.pop("output_token_logprobs", [])]
+                text = tokenizer.decode(output_ids)
+                traj.calls.append(ModelCall(list(context_ids), output_ids, logprobs, text, meta, time.monotonic() - t0))
+                results = []
+                try:
+                    actions = parse_actions(text, action_format)
+                    parse_error = None
+                except ActionParseError as exc:
+                    actions = list(getattr(exc, "actions", []))
+                    parse_error = str(exc)
+                for action in actions:
+                    s0 = time.monotonic()
+                    obs, committed = execute(action, task, sandbox)
+                    traj.steps.append(Step(turn, asdict(action), obs, time.monotonic() - s0))
+                    results.append(obs)
+                    if committed:
+                        traj.committed = True
+                        break
+                if parse_error and not traj.committed:
+                    traj.steps.append(Step(turn, {"tool": "parse_error", "args": {}}, parse_error, 0.0))
+                    results.append(f"error: {parse_error}")
+                if traj.committed:
+                    traj.stop_reason = "commit"
+                    break
+                context_ids = context_ids + output_ids + _token_ids(tokenizer, observation(results, action_format))
+            else:
+                traj.stop_reason = "max_turns"
+            if grade:
+                traj.patch = committed_patch(sandbox, task.base_commit or "HEAD")
+    except InfraError as exc:
+        traj.stop_reason = INFRA_ERROR
+        traj.error = str(exc)
+        traj.agent_s = time.monotonic() - started
+        return traj
+    traj.agent_s = time.monotonic() - started
+    if grade:
+        g0 = time.monotonic()
+        traj.grade = grade_patch(task, traj.patch, grader_factory or sandbox_factory)
+        traj.grade_s = time.monotonic() - g0
+    return traj
+
+
+class EngineClient:
+    """A :class:`ModelClient` over an in-process ``serving`` engine (its ``generate(GenerateRequest)``)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        from serving.protocol import parse_generate
+
+        (request,) = parse_generate(body)
+        return self.engine.generate(request)
+
+
+class HttpClient:
+    """A :class:`ModelClient` over an engine or router's HTTP ``POST /generate``."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        import requests
+
+        self.url = base_url.rstrip("/") + "/generate"
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+
+    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        resp = self.session.post(self.url, json=body, timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise RuntimeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+
+def graded_ok(traj: Trajectory) -> bool:
+    """True when the trajectory carries a real score (not an infra error, not ungraded)."""
+    return traj.grade is not None and traj.grade.status != INFRA_ERROR and traj.grade.status in (GRADED, "apply_failed")
