@@ -1,0 +1,215 @@
+"""The serving geometry of a model: what one token of KV cache and one recurrent-state slot cost.
+
+It comes from the run file's ``[model]`` keys, or from the ``config.json`` (and weight files) of the
+checkpoint at ``[model] path``; a key set in the run file wins over the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serving.planner.schema import ModelSection, PlanError
+
+GIB = 1024**3
+
+GEOMETRY_KEYS = (
+    "weights_gib",
+    "full_attention_layers",
+    "kv_heads",
+    "head_dim",
+    "kv_dtype_bytes",
+    "recurrent_layers",
+    "recurrent_heads",
+    "recurrent_state_dims",
+    "recurrent_state_dtype_bytes",
+)
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1, "fp8": 1}
+_FULL_LAYER_TYPES = {"full_attention", "attention"}
+_RECURRENT_LAYER_TYPES = {"linear_attention", "mamba", "mamba2", "gated_deltanet", "gated_delta_net", "recurrent"}
+# SGLang keeps recurrent (mamba / linear-attention) state in float32 unless told otherwise.
+DEFAULT_RECURRENT_STATE_DTYPE_BYTES = 4
+DEFAULT_KV_DTYPE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Resolved geometry; a field is ``None`` when neither the run file nor the checkpoint gives it."""
+
+    weights_gib: float | None
+    full_attention_layers: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    kv_dtype_bytes: int
+    recurrent_layers: int | None  # None: the checkpoint's metadata was needed and could not be read
+    recurrent_heads: int | None
+    recurrent_state_dims: tuple[int, ...] | None
+    recurrent_state_dtype_bytes: int
+    sources: dict[str, str]  # key -> "run file" | "config.json" | "weight files" | "default"
+    metadata_problem: str | None  # why the checkpoint's metadata could not be read, if it could not
+    model_type: str | None = None
+    max_position_embeddings: int | None = None
+
+    def missing(self) -> list[str]:
+        """Geometry keys still unknown that memory sizing needs."""
+        needed = ["weights_gib", "full_attention_layers", "recurrent_layers"]
+        if self.full_attention_layers:
+            needed += ["kv_heads", "head_dim"]
+        if self.recurrent_layers:
+            needed += ["recurrent_heads", "recurrent_state_dims"]
+        return [k for k in needed if getattr(self, k) is None]
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """2 (K and V) x full-attention layers x KV heads x head dim x dtype bytes."""
+        if self.full_attention_layers is None:
+            return None
+        if self.full_attention_layers == 0:
+            return 0
+        if self.kv_heads is None or self.head_dim is None:
+            return None
+        return 2 * self.full_attention_layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def state_bytes_per_slot(self) -> int | None:
+        """Recurrent layers x heads x product of state dims x dtype bytes (0 without recurrent layers)."""
+        if self.recurrent_layers == 0:
+            return 0
+        if self.recurrent_layers is None or self.recurrent_heads is None or self.recurrent_state_dims is None:
+            return None
+        return (
+            self.recurrent_layers
+            * self.recurrent_heads
+            * math.prod(self.recurrent_state_dims)
+            * self.recurrent_state_dtype_bytes
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{k: (list(v) if isinstance(v, tuple) else v) for k in GEOMETRY_KEYS for v in [getattr(self, k)]},
+            "model_type": self.model_type,
+            "sources": dict(self.sources),
+        }
+
+
+def _from_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Geometry keys read from a Hugging Face checkpoint folder, and config facts for the plan."""
+    config = json.loads((path / "config.json").read_text())
+    if isinstance(config.get("text_config"), dict):  # multimodal wrappers keep the LM in text_config
+        config = {**config, **config["text_config"]}
+    found: dict[str, Any] = {}
+    layers = config.get("num_hidden_layers")
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        found["full_attention_layers"] = sum(1 for t in layer_types if t in _FULL_LAYER_TYPES)
+        found["recurrent_layers"] = sum(1 for t in layer_types if t in _RECURRENT_LAYER_TYPES)
+    elif isinstance(layers, int) and isinstance(config.get("full_attention_interval"), int):
+        full = layers // config["full_attention_interval"]
+        found["full_attention_layers"] = full
+        found["recurrent_layers"] = layers - full
+    elif isinstance(layers, int):
+        found["full_attention_layers"] = layers
+        found["recurrent_layers"] = 0
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    if isinstance(kv_heads, int):
+        found["kv_heads"] = kv_heads
+    head_dim = config.get("head_dim")
+    if not isinstance(head_dim, int) and isinstance(config.get("hidden_size"), int) and isinstance(heads, int):
+        head_dim = config["hidden_size"] // heads
+    if isinstance(head_dim, int):
+        found["head_dim"] = head_dim
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if isinstance(dtype, str) and dtype in _DTYPE_BYTES:
+        found["kv_dtype_bytes"] = _DTYPE_BYTES[dtype]
+    if isinstance(config.get("linear_num_value_heads"), int):
+        found["recurrent_heads"] = config["linear_num_value_heads"]
+    dims = [config.get("linear_key_head_dim"), config.get("linear_value_head_dim")]
+    if all(isinstance(d, int) for d in dims):
+        found["recurrent_state_dims"] = tuple(dims)
+    weight_bytes = sum(
+        p.stat().st_size for pattern in ("*.safetensors", "*.bin") for p in path.glob(pattern) if p.is_file()
+    )
+    if weight_bytes:
+        found["weights_gib"] = weight_bytes / GIB
+    facts = {"model_type": config.get("model_type"), "max_position_embeddings": config.get("max_position_embeddings")}
+    return found, facts
+
+
+def resolve_geometry(model: ModelSection, source: str) -> Geometry:
+    """Merge the run file's geometry with the checkpoint's; raise ``PlanError`` on impossible values."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    problem: str | None = None
+    facts: dict[str, Any] = {}
+    if model.path:
+        path = Path(model.path).expanduser()
+        try:
+            found, facts = _from_checkpoint(path)
+        except FileNotFoundError:
+            problem = f"{path / 'config.json'} does not exist"
+        except (OSError, ValueError) as exc:
+            problem = f"{path / 'config.json'} cannot be read: {exc}"
+        else:
+            for key, value in found.items():
+                values[key] = value
+                sources[key] = "weight files" if key == "weights_gib" else "config.json"
+    for key in GEOMETRY_KEYS:
+        value = getattr(model, key)
+        if value is not None:
+            values[key] = value
+            sources[key] = "run file"
+    defaults: list[tuple[str, Any]] = [
+        ("kv_dtype_bytes", DEFAULT_KV_DTYPE_BYTES),
+        ("recurrent_state_dtype_bytes", DEFAULT_RECURRENT_STATE_DTYPE_BYTES),
+    ]
+    if problem is None:
+        # A model described by the run file alone, or by a readable checkpoint, has no recurrent
+        # layers unless it says so; with unreadable metadata the count stays unknown.
+        defaults.append(("recurrent_layers", 0))
+    for key, default in defaults:
+        if key not in values:
+            values[key] = default
+            sources[key] = "default"
+    geometry = Geometry(
+        weights_gib=values.get("weights_gib"),
+        full_attention_layers=values.get("full_attention_layers"),
+        kv_heads=values.get("kv_heads"),
+        head_dim=values.get("head_dim"),
+        kv_dtype_bytes=values["kv_dtype_bytes"],
+        recurrent_layers=values.get("recurrent_layers"),
+        recurrent_heads=values.get("recurrent_heads"),
+        recurrent_state_dims=values.get("recurrent_state_dims"),
+        recurrent_state_dtype_bytes=values["recurrent_state_dtype_bytes"],
+        sources=sources,
+        metadata_problem=problem,
+        model_type=facts.get("model_type"),
+        max_position_embeddings=facts.get("max_position_embeddings")
+        if isinstance(facts.get("max_position_embeddings"), int)
+        else None,
+    )
+    _check_geometry(geometry, source)
+    return geometry
+
+
+def _check_geometry(g: Geometry, source: str) -> None:
+    problems = []
+    if g.full_attention_layers == 0 and g.recurrent_layers == 0:
+        problems.append(
+            f"{source}: [model] full_attention_layers, recurrent_layers: a model needs at least one layer; both are 0"
+        )
+    if g.recurrent_layers and g.sources.get("recurrent_layers") == "run file":
+        for key in ("recurrent_heads", "recurrent_state_dims"):
+            if getattr(g, key) is None:
+                problems.append(
+                    f"{source}: [model] {key}: required when recurrent_layers = {g.recurrent_layers} "
+                    "(the recurrent state per slot is layers x heads x product of state dims x dtype bytes)"
+                )
+    if not g.recurrent_layers and g.sources.get("recurrent_heads") == "run file":
+        problems.append(f"{source}: [model] recurrent_heads: set, but recurrent_layers is 0; set recurrent_layers too")
+    if problems:
+        raise PlanError(problems)

@@ -1,0 +1,291 @@
+"""The run file: one TOML file per RL run, parsed once into frozen dataclasses.
+
+Every key of every section is declared here, with its type, its constraint and its default (the
+defaults of the ``generic`` profile live in ``presets.GENERIC_DEFAULTS`` for the inference knobs,
+which a preset may own). Parsing collects every problem in the file before raising, and each
+message names the file, the section and the key, and says what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+# Constraint tags carried in field metadata.
+POSITIVE = "positive"
+NON_NEGATIVE = "non-negative"
+FRACTION = "fraction"  # 0 < x <= 1
+
+
+def _key(check: str | None = None, *, choices: tuple[str, ...] | None = None, doc: str = "") -> dict[str, Any]:
+    return {"check": check, "choices": choices, "doc": doc}
+
+
+class PlanError(ValueError):
+    """A run file that cannot be planned. ``problems`` holds one message per offending key."""
+
+    def __init__(self, problems: list[str], detail: str = "") -> None:
+        self.problems = list(problems)
+        self.detail = detail
+        text = "\n".join(self.problems)
+        super().__init__(text + (f"\n{detail}" if detail else ""))
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """``[run]``: the name of the run and where it writes."""
+
+    name: str | None = field(default=None, metadata=_key(doc="run name; default: the run file's stem"))
+    dir: str | None = field(default=None, metadata=_key(doc="run directory; default: $POSTTRAIN_HOME/runs/NAME"))
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``[model]``: what is served and trained, and its serving geometry (for memory sizing)."""
+
+    name: str | None = field(default=None, metadata=_key(doc="model id, e.g. a Hugging Face id"))
+    path: str | None = field(default=None, metadata=_key(doc="local checkpoint folder whose config.json gives the geometry"))
+    family: str | None = field(default=None, metadata=_key(doc="model family that presets are measured on, e.g. olmo35-hybrid"))
+    weights_gib: float | None = field(default=None, metadata=_key(POSITIVE))
+    full_attention_layers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
+    kv_heads: int | None = field(default=None, metadata=_key(POSITIVE))
+    head_dim: int | None = field(default=None, metadata=_key(POSITIVE))
+    kv_dtype_bytes: int | None = field(default=None, metadata=_key(POSITIVE))
+    recurrent_layers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
+    recurrent_heads: int | None = field(default=None, metadata=_key(POSITIVE))
+    recurrent_state_dims: tuple[int, ...] | None = field(default=None, metadata=_key(POSITIVE))
+    recurrent_state_dtype_bytes: int | None = field(default=None, metadata=_key(POSITIVE))
+
+
+@dataclass(frozen=True)
+class InferenceSection:
+    """``[inference]``: the engine fleet and the SGLang knobs that size it.
+
+    ``None`` means "not set in the file": the profile (a preset, or the generic defaults) fills it.
+    """
+
+    profile: str = field(default="generic", metadata=_key(doc="generic, or a preset name"))
+    engines: int = field(default=1, metadata=_key(POSITIVE))
+    gpu: str = field(default="cpu", metadata=_key(doc="hardware name: cpu, h100, h200, b200, b300, ..."))
+    gpus_per_engine: int = field(default=1, metadata=_key(POSITIVE, doc="tensor-parallel size of one engine"))
+    gpu_memory_gib: float | None = field(default=None, metadata=_key(POSITIVE, doc="memory of one device"))
+    max_context_length: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_max_running_requests: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_server_concurrency: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_cuda_graph_max_bs_decode: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_max_total_tokens: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_max_mamba_cache_size: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_mem_fraction_static: float | None = field(default=None, metadata=_key(FRACTION))
+    sglang_disable_radix_cache: bool | None = None
+    sglang_chunked_prefill_size: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_mamba_scheduler_strategy: str | None = field(
+        default=None, metadata=_key(choices=("no_buffer", "extra_buffer"))
+    )
+    sglang_max_loras_per_batch: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_image: str = "lmsysorg/sglang:latest"
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    """``[trainer]``: the GRPO learner on a LoRA adapter."""
+
+    backend: str = field(default="torch", metadata=_key(choices=("torch", "megatron")))
+    steps: int = field(default=44, metadata=_key(POSITIVE))
+    learning_rate: float = field(default=1e-5, metadata=_key(POSITIVE))
+    lora_rank: int = field(default=16, metadata=_key(POSITIVE))
+    lora_alpha: float = field(default=32.0, metadata=_key(POSITIVE))
+    kl_coef: float = field(default=0.0, metadata=_key(NON_NEGATIVE))
+    checkpoint_every_steps: int = field(default=4, metadata=_key(POSITIVE))
+    seed: int = 0
+    gpus: int = field(default=0, metadata=_key(NON_NEGATIVE, doc="GPUs of the trainer pod; 0 on CPU"))
+
+
+@dataclass(frozen=True)
+class AsyncSection:
+    """``[async]``: how much work is in flight and how stale it may be when trained on."""
+
+    group_size: int = field(default=8, metadata=_key(POSITIVE, doc="samples per prompt (GRPO group)"))
+    collection_size: int = field(default=64, metadata=_key(POSITIVE, doc="samples per trainer step"))
+    async_max_concurrent_samples: int | None = field(default=None, metadata=_key(POSITIVE))
+    max_policy_lag: int = field(default=1, metadata=_key(NON_NEGATIVE, doc="adapter versions a sample may lag"))
+
+
+@dataclass(frozen=True)
+class SandboxSection:
+    """``[sandbox]``: one sandbox per episode."""
+
+    runtime: str = field(default="auto", metadata=_key(choices=("auto", "runsc", "bwrap", "k8s")))
+    cpus: float = field(default=1.0, metadata=_key(POSITIVE, doc="CPUs per sandbox"))
+    memory_gib: float = field(default=2.0, metadata=_key(POSITIVE, doc="memory per sandbox"))
+    max_sandboxes: int | None = field(default=None, metadata=_key(POSITIVE, doc="default: the producer budget"))
+    command_timeout_s: float = field(default=120.0, metadata=_key(POSITIVE))
+    image: str | None = None
+
+
+@dataclass(frozen=True)
+class CurriculumSection:
+    """``[curriculum]``: task order from the base model's pass rates."""
+
+    dataset: str = field(default="bundled", metadata=_key(doc="task dataset name or path"))
+    attempts_per_task: int = field(default=8, metadata=_key(POSITIVE))
+    tiers: int = field(default=3, metadata=_key(POSITIVE))
+    retry_unsolved_after_steps: int = field(default=8, metadata=_key(POSITIVE))
+
+
+@dataclass(frozen=True)
+class KubernetesSection:
+    """``[kubernetes]``: where ``posttrain run --target k8s`` puts the run."""
+
+    namespace: str = "posttrain"
+    image: str = field(default="posttrain:latest", metadata=_key(doc="image with this package installed"))
+    volume_gib: int = field(default=200, metadata=_key(POSITIVE, doc="size of the shared run volume"))
+    storage_class: str | None = None
+    service_account: str | None = None
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """A parsed run file. ``source`` is the file it came from (``<dict>`` for a mapping)."""
+
+    source: str
+    run: RunSection
+    model: ModelSection
+    inference: InferenceSection
+    trainer: TrainerSection
+    async_: AsyncSection
+    sandbox: SandboxSection
+    curriculum: CurriculumSection
+    kubernetes: KubernetesSection
+    explicit: frozenset[str]  # "section.key" for every key the file sets
+
+    def is_set(self, section: str, key: str) -> bool:
+        return f"{section}.{key}" in self.explicit
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunSection,
+    "model": ModelSection,
+    "inference": InferenceSection,
+    "trainer": TrainerSection,
+    "async": AsyncSection,
+    "sandbox": SandboxSection,
+    "curriculum": CurriculumSection,
+    "kubernetes": KubernetesSection,
+}
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
+    """Convert a TOML value to ``hint``; return (value, None) or (None, what was expected)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0])
+    if hint is bool:
+        return (value, None) if isinstance(value, bool) else (None, "true or false")
+    if hint is int:
+        return (value, None) if isinstance(value, int) and not isinstance(value, bool) else (None, "an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value), None
+        return None, "a number"
+    if hint is str:
+        return (value, None) if isinstance(value, str) and value else (None, "a non-empty string")
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list) or not value:
+            return None, "a non-empty list of integers"
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return None, "a non-empty list of integers"
+        return tuple(value), None
+    raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not in the file
+
+
+def _check(value: Any, meta: Mapping[str, Any]) -> str | None:
+    check, choices = meta.get("check"), meta.get("choices")
+    values = value if isinstance(value, tuple) else (value,)
+    if check == POSITIVE and any(v <= 0 for v in values):
+        return "a positive value" if len(values) == 1 else "positive values"
+    if check == NON_NEGATIVE and any(v < 0 for v in values):
+        return "a value of 0 or more"
+    if check == FRACTION and not 0 < value <= 1:
+        return "a fraction in (0, 1]"
+    if choices and value not in choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    return None
+
+
+def _parse_section(cls: type, table: Any, section: str, source: str, problems: list[str]) -> tuple[Any, set[str]]:
+    explicit: set[str] = set()
+    if not isinstance(table, dict):
+        problems.append(f"{source}: [{section}] must be a table, got {_describe(table)}")
+        return cls(), explicit
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in table.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            problems.append(f"{source}: [{section}] {key}: unknown key; [{section}] takes: {known}")
+            continue
+        value, expected = _convert(raw, hints[key])
+        if expected is None:
+            expected = _check(value, fields[key].metadata)
+        if expected is not None:
+            problems.append(f"{source}: [{section}] {key}: expected {expected}, got {_describe(raw)}")
+            continue
+        values[key] = value
+        explicit.add(f"{section}.{key}")
+    return cls(**values), explicit
+
+
+def parse_run_dict(data: Mapping[str, Any], source: str = "<dict>") -> RunFile:
+    """Validate a run file already read into a mapping (the shape ``tomllib`` returns)."""
+    problems: list[str] = []
+    parsed: dict[str, Any] = {}
+    explicit: set[str] = set()
+    for key in data:
+        if key not in SECTIONS:
+            problems.append(
+                f"{source}: [{key}]: unknown section; a run file has " + ", ".join(f"[{s}]" for s in SECTIONS)
+            )
+    for section, cls in SECTIONS.items():
+        value, keys = _parse_section(cls, data.get(section, {}), section, source, problems)
+        parsed[section] = value
+        explicit |= keys
+    if problems:
+        raise PlanError(problems)
+    return RunFile(
+        source=source,
+        run=parsed["run"],
+        model=parsed["model"],
+        inference=parsed["inference"],
+        trainer=parsed["trainer"],
+        async_=parsed["async"],
+        sandbox=parsed["sandbox"],
+        curriculum=parsed["curriculum"],
+        kubernetes=parsed["kubernetes"],
+        explicit=frozenset(explicit),
+    )
+
+
+def load_run_file(path: str | Path) -> RunFile:
+    """Read and validate a run TOML file; raise ``PlanError`` naming the file and the keys."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanError([f"{path}: cannot read the run file: {exc.strerror or exc}"]) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError([f"{path}: not valid TOML: {exc}"]) from exc
+    return parse_run_dict(data, source=str(path))
