@@ -1,0 +1,168 @@
+"""Adapter versions: the shared volume, and sharded HTTP publication to live replicas.
+
+The trainer publishes a new LoRA version two ways (DESIGN.md, "Trainer"):
+
+    from serving.adapters import publish_to_volume, push_adapter
+    publish_to_volume(adapter_dir, run_dir / "adapters", "v000012")   # for replicas that join later
+    push_adapter(replica_url, "v000012", adapter_dir, num_shards=4)    # to a live replica, in parallel
+
+``push_adapter`` splits the adapter's tensors into shards, sends each as a safetensors body with
+``PUT /lora_shards/{lora_name}/{shard_index}?num_shards=N`` (in parallel threads), then
+``POST /commit_lora_adapter {"lora_name", "num_shards", "adapter_config"}``: the replica checks every
+shard arrived, writes the adapter under its staging folder and loads it under that name, exactly as
+``POST /load_lora_adapter`` would. ``Router.publish_adapter`` does this for every replica.
+
+Version names sort by their last integer (``v000012`` after ``v000009``); zero-pad them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from serving.protocol import BadRequest
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def version_sort_key(name: str) -> tuple[int, str]:
+    numbers = re.findall(r"\d+", name)
+    return (int(numbers[-1]) if numbers else -1, name)
+
+
+def newest_version(names) -> str | None:
+    names = list(names)
+    return max(names, key=version_sort_key) if names else None
+
+
+def newest_adapter(volume: str | Path) -> tuple[str, str] | None:
+    """(version, path) of the newest complete adapter under ``volume`` (``<volume>/<version>/``)."""
+    root = Path(volume)
+    if not root.is_dir():
+        return None
+    complete = [p.name for p in root.iterdir() if (p / ADAPTER_CONFIG).is_file() and (p / ADAPTER_WEIGHTS).is_file()]
+    version = newest_version(complete)
+    return (version, str(root / version)) if version else None
+
+
+def publish_to_volume(adapter_dir: str | Path, volume: str | Path, version: str) -> Path:
+    """Copy an adapter to ``<volume>/<version>/`` atomically (a half-copied version is never seen)."""
+    src = Path(adapter_dir)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{src} has no {name}: not a peft adapter saved with safetensors")
+    root = Path(volume)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / version
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copy2(src / name, tmp / name)
+    if final.exists():
+        shutil.rmtree(tmp)
+        raise FileExistsError(f"adapter version {version} already exists in {root}")
+    os.rename(tmp, final)
+    return final
+
+
+# --- sharded upload --------------------------------------------------------------------------------
+
+
+def shard_adapter(adapter_dir: str | Path, num_shards: int) -> tuple[dict[str, Any], list[bytes]]:
+    """The adapter config and ``num_shards`` safetensors blobs holding its tensors, balanced by size."""
+    from safetensors.torch import load_file, save
+
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    src = Path(adapter_dir)
+    config = json.loads((src / ADAPTER_CONFIG).read_text())
+    tensors = load_file(str(src / ADAPTER_WEIGHTS))
+    groups: list[dict[str, Any]] = [{} for _ in range(num_shards)]
+    sizes = [0] * num_shards
+    for name in sorted(tensors, key=lambda n: -tensors[n].numel()):
+        i = sizes.index(min(sizes))
+        groups[i][name] = tensors[name].contiguous()
+        sizes[i] += tensors[name].numel()
+    return config, [save(g) for g in groups]
+
+
+def push_adapter(url: str, lora_name: str, adapter_dir: str | Path, *, num_shards: int = 4, pool=None) -> dict[str, Any]:
+    """Send an adapter to one replica (or the capture sidecar) in parallel shards, then commit."""
+    from serving.client import HttpPool
+
+    pool = pool or HttpPool()
+    config, blobs = shard_adapter(adapter_dir, num_shards)
+    base = url.rstrip("/")
+
+    def put(i: int) -> None:
+        status, data, _ = pool.request(
+            "PUT", f"{base}/lora_shards/{lora_name}/{i}?num_shards={len(blobs)}", blobs[i],
+            headers={"Content-Type": "application/octet-stream"})
+        if status >= 300:
+            raise RuntimeError(f"{base}: shard {i} of {lora_name}: HTTP {status}: {data.decode(errors='replace')}")
+
+    with ThreadPoolExecutor(max_workers=len(blobs)) as ex:
+        list(ex.map(put, range(len(blobs))))
+    return pool.json("POST", f"{base}/commit_lora_adapter",
+                     {"lora_name": lora_name, "num_shards": len(blobs), "adapter_config": config})
+
+
+class ShardAssembler:
+    """The receiving side of ``push_adapter``, kept by each replica's HTTP layer."""
+
+    def __init__(self, staging_dir: str | Path | None = None):
+        self.staging_dir = Path(staging_dir) if staging_dir else Path(tempfile.mkdtemp(prefix="posttrain-adapters-"))
+        self._parts: dict[str, dict[int, bytes]] = {}
+        self._expected: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def put(self, lora_name: str, index: int, num_shards: int, body: bytes) -> None:
+        if num_shards < 1 or not 0 <= index < num_shards:
+            raise BadRequest(f"shard_index {index} is outside 0..num_shards-1 (num_shards={num_shards})")
+        if not body:
+            raise BadRequest("shard body is empty: send the shard's tensors as safetensors bytes")
+        with self._lock:
+            expected = self._expected.setdefault(lora_name, num_shards)
+            if expected != num_shards:
+                raise BadRequest(f"num_shards {num_shards} differs from {expected} given by earlier shards of {lora_name!r}")
+            self._parts.setdefault(lora_name, {})[index] = body
+
+    def commit(self, lora_name: str, num_shards: Any, adapter_config: Any) -> Path:
+        from safetensors.torch import load, save_file
+
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+            raise BadRequest(f"num_shards must be a positive integer, got {num_shards!r}")
+        if not isinstance(adapter_config, dict) or "peft_type" not in adapter_config:
+            raise BadRequest("adapter_config must be the adapter's adapter_config.json object (with peft_type)")
+        with self._lock:
+            parts = self._parts.get(lora_name, {})
+            missing = [i for i in range(num_shards) if i not in parts]
+            if missing or self._expected.get(lora_name) != num_shards:
+                raise BadRequest(f"lora_name {lora_name!r}: shards {missing} of {num_shards} have not arrived")
+            parts = self._parts.pop(lora_name)
+            self._expected.pop(lora_name)
+        tensors: dict[str, Any] = {}
+        for i in range(num_shards):
+            try:
+                shard = load(parts[i])
+            except Exception as exc:
+                raise BadRequest(f"shard {i} of {lora_name!r} is not valid safetensors: {exc}") from exc
+            overlap = set(shard) & set(tensors)
+            if overlap:
+                raise BadRequest(f"shard {i} of {lora_name!r} repeats tensors {sorted(overlap)[:3]}")
+            tensors.update(shard)
+        final = self.staging_dir / lora_name
+        tmp = Path(tempfile.mkdtemp(prefix=f".{lora_name}.", dir=self.staging_dir))
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        return final

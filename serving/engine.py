@@ -1,0 +1,560 @@
+"""The local engine: a transformers + peft model served with SGLang's native HTTP API on CPU.
+
+Run it locally (it listens on 127.0.0.1 unless told otherwise):
+
+    python -m serving.engine --model PATH --host 127.0.0.1 --port 30000 \
+        [--max-total-tokens 65536] [--max-running-requests 64] [--lora NAME=DIR ...]
+
+or in-process, e.g. from the trainer or a test:
+
+    engine = LocalEngine("path/to/model"); server = serve(engine, port=0); server.url
+
+What it does, like an SGLang replica: one scheduler thread batches every running request into one
+forward pass per decode step (continuous batching: requests join and leave between steps); prompts
+are prefilled one by one, reusing the longest cached prefix; a block prefix cache keeps the KV of
+finished and running sequences within a token budget (``max_total_tokens``), evicting least
+recently used blocks, and when the running requests themselves outgrow the budget the newest one is
+retracted (its KV freed, requeued, and recomputed from its prefix later). Several LoRA adapters
+are loaded at once; each request names one with ``lora_path`` and a batch mixes them.
+
+Logprobs are those of the distribution sampled from (logits divided by the temperature, before
+top-k/top-p), which is SGLang's default; at temperature 1 they are the model's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from serving.prefix_cache import Block, PrefixCache
+from serving.protocol import BASE_WEIGHT_VERSION, BadRequest, GenerateRequest, finish_reason
+
+
+@dataclass(eq=False)
+class _Req:
+    request: GenerateRequest
+    seq: list[int]  # prompt + output so far
+    prompt_len: int
+    order: int
+    output_logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    locked: list[Block] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose KV is computed (seq[:kv_len])
+    generator: Any = None
+    finish: dict[str, Any] | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    arrived_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+
+    @property
+    def adapter(self) -> str | None:
+        return self.request.lora_path
+
+    @property
+    def output_len(self) -> int:
+        return len(self.seq) - self.prompt_len
+
+    def private_tokens(self, block_size: int) -> int:
+        return self.kv_len - len(self.locked) * block_size
+
+
+class LocalEngine:
+    """A CPU engine over a transformers causal LM (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_total_tokens: int = 65536,
+        max_running_requests: int = 64,
+        block_size: int = 16,
+        admission_reserve_tokens: int = 32,
+        torch_threads: int | None = None,
+        weight_version: str = BASE_WEIGHT_VERSION,
+    ):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self._torch = torch
+        self.model_path = str(model_path)
+        self.config = AutoConfig.from_pretrained(model_path)
+        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.base.eval()
+        self.model = self.base  # becomes a PeftModel once an adapter is loaded
+        self.tokenizer = None
+        try:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except Exception:  # a model without a tokenizer still serves token ids
+            self.tokenizer = None
+        self.vocab_size = int(self.config.vocab_size)
+        eos = self.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.max_total_tokens = max_total_tokens
+        self.max_running_requests = max_running_requests
+        self.admission_reserve_tokens = admission_reserve_tokens
+        self.weight_version = weight_version
+        self.cache = PrefixCache(block_size)
+        self._adapters: dict[str, str] = {}
+        self._lock = threading.Lock()  # guards the queues, the cache and the adapters
+        self._model_lock = threading.Lock()  # held by the scheduler while it runs the model
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._order = itertools.count()
+        # The batched KV of the running requests: per layer (K, V) of [B, kv_heads, L, head_dim],
+        # left padded; row i holds its tokens in columns pad[i]:L.
+        self._kv: list[tuple[Any, Any]] | None = None
+        self._pad: list[int] = []
+        self._mask = None
+        self._batch: list[_Req] = []
+        self.num_retracted_reqs = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.num_requests_total = 0
+        self._gen_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- the Engine protocol --------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        for tok in request.input_ids:
+            if tok >= self.vocab_size:
+                raise BadRequest(f"input_ids holds token id {tok}, outside the vocabulary (size {self.vocab_size})")
+        if len(request.input_ids) + 1 > self.max_total_tokens:
+            raise BadRequest(f"input_ids has {len(request.input_ids)} tokens; the KV budget is {self.max_total_tokens}")
+        if len(request.input_ids) >= self.max_context:
+            raise BadRequest(f"input_ids has {len(request.input_ids)} tokens; the model's context is {self.max_context}")
+        with self._lock:
+            if request.lora_path is not None and request.lora_path not in self._adapters:
+                raise BadRequest(f"lora_path {request.lora_path!r} is not loaded (loaded: {sorted(self._adapters)})")
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            req = _Req(request, list(request.input_ids), len(request.input_ids), next(self._order))
+            if request.sampling_params.seed is not None:
+                req.generator = self._torch.Generator().manual_seed(request.sampling_params.seed)
+            self._waiting.append(req)
+            self.num_requests_total += 1
+            self._wake.notify()
+        req.done.wait()
+        if req.error is not None:
+            raise RuntimeError(req.error)
+        now = time.perf_counter()
+        output_ids = req.seq[req.prompt_len:]
+        meta: dict[str, Any] = {
+            "id": request.rid,
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finish,
+            "weight_version": request.lora_path or self.weight_version,
+            "lora_path": request.lora_path,
+            "e2e_latency": now - req.arrived_s,
+        }
+        if request.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs, output_ids)]
+        text = self.tokenizer.decode(output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        adapter_dir = Path(path)
+        if not (adapter_dir / "adapter_config.json").is_file():
+            raise BadRequest(f"lora_path {path!r} is not a peft adapter directory (no adapter_config.json)")
+        with self._model_lock, self._lock:
+            if name in self._adapters:
+                raise BadRequest(f"lora_name {name!r} is already loaded; unload it first or pick a new name")
+            if self.model is self.base:
+                self.model = PeftModel.from_pretrained(self.base, str(adapter_dir), adapter_name=name)
+                self.model.eval()
+            else:
+                self.model.load_adapter(str(adapter_dir), adapter_name=name)
+            self._adapters[name] = str(adapter_dir)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        with self._model_lock, self._lock:
+            if name not in self._adapters:
+                raise BadRequest(f"lora_name {name!r} is not loaded (loaded: {sorted(self._adapters)})")
+            busy = sum(1 for r in itertools.chain(self._running, self._waiting) if r.adapter == name)
+            if busy:
+                raise BadRequest(f"lora_name {name!r} is in use by {busy} requests; retry when they finish")
+            self.cache.drop_adapter(name)
+            if len(self._adapters) == 1:
+                self.base = self.model.unload()  # the base model with the LoRA layers taken out
+                self.base.eval()
+                self.model = self.base
+            else:
+                self.model.delete_adapter(name)
+            del self._adapters[name]
+
+    def adapters(self) -> list[str]:
+        with self._lock:
+            return sorted(self._adapters)
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            "engine": "posttrain-local",
+            "model_path": self.model_path,
+            "max_total_num_tokens": self.max_total_tokens,
+            "max_running_requests": self.max_running_requests,
+            "page_size": self.cache.block_size,
+            "enable_lora": True,
+            "loaded_adapters": self.adapters(),
+            "weight_version": self.weight_version,
+            "vocab_size": self.vocab_size,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            used = self._used_tokens()
+            stats = self.cache.stats
+            now = time.perf_counter()
+            window = [n for t, n in self._gen_window if now - t < 5.0]
+            return {
+                "num_running_reqs": len(self._running),
+                "num_queue_reqs": len(self._waiting),
+                "num_used_tokens": used,
+                "token_usage": used / self.max_total_tokens,
+                "cache_hit_rate": stats.hit_tokens / stats.lookups_tokens if stats.lookups_tokens else 0.0,
+                "num_retracted_reqs": self.num_retracted_reqs,
+                "gen_throughput": sum(window) / 5.0,
+                "max_total_num_tokens": self.max_total_tokens,
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total,
+                "cached_tokens_total": self.cached_tokens_total,
+                "num_requests_total": self.num_requests_total,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for req in list(self._waiting) + self._running:
+                req.error = "engine shut down"
+                req.done.set()
+            self._waiting.clear()
+            self._wake.notify_all()
+        self._thread.join(timeout=5)
+
+    # --- token accounting (caller holds the lock) ---------------------------------------------
+
+    def _used_tokens(self) -> int:
+        """Tokens the KV pool holds for running requests and locked cache blocks: SGLang's
+        ``token_usage`` numerator (evictable cached blocks do not count)."""
+        bs = self.cache.block_size
+        return self.cache.locked_tokens + sum(r.private_tokens(bs) for r in self._running)
+
+    def _make_room(self, need_tokens: int) -> bool:
+        free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
+        if free < need_tokens:
+            self.cache.evict(need_tokens - free)
+            free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
+        return free >= need_tokens
+
+    # --- the scheduler ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch = self._torch
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not self._waiting and not self._running and not self._closed:
+                        self._wake.wait()
+                    if self._closed:
+                        return
+                    admitted = self._admit()
+                try:
+                    with self._model_lock:
+                        for req in admitted:
+                            self._prefill(req)
+                        if self._batch:
+                            self._decode_step()
+                except Exception as exc:  # a bug must fail the requests, not hang them
+                    with self._lock:
+                        for req in admitted + self._running:
+                            if not req.done.is_set():
+                                req.error = f"engine error: {exc!r}"
+                                req.done.set()
+                        for req in self._running:
+                            self.cache.unlock(req.locked)
+                        self._running.clear()
+                        self._kv, self._pad, self._mask, self._batch = None, [], None, []
+
+    def _admit(self) -> list[_Req]:
+        admitted: list[_Req] = []
+        while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
+            req = self._waiting[0]
+            # The last token is always recomputed, so the prefix hit is at most len - 1 tokens.
+            chain = self.cache.match(req.adapter, req.seq, max_tokens=len(req.seq) - 1)
+            hit = len(chain) * self.cache.block_size
+            remaining = req.request.sampling_params.max_new_tokens - req.output_len
+            need = len(req.seq) - hit + min(remaining, self.admission_reserve_tokens)
+            self.cache.lock(chain)  # keep the hit alive while making room
+            room = self._make_room(need)
+            if not room:
+                self.cache.unlock(chain)
+                if not self._running and not admitted and self.cache.evictable_tokens == 0:
+                    self._waiting.popleft()
+                    req.finish = finish_reason("abort", f"request needs {need} tokens; the budget is {self.max_total_tokens}")
+                    req.error = f"prompt of {len(req.seq)} tokens does not fit the KV budget of {self.max_total_tokens} tokens"
+                    req.done.set()
+                    continue
+                break
+            self._waiting.popleft()
+            req.locked = chain
+            if req.output_len == 0:
+                req.cached_tokens = hit
+                self.cache.record_lookup(len(req.seq), hit)
+                self.prompt_tokens_total += len(req.seq)
+                self.cached_tokens_total += hit
+            admitted.append(req)
+            self._running.append(req)
+            req.kv_len = len(req.seq)  # reserved now; the prefill computes seq[hit:]
+        return admitted
+
+    def _forward(self, input_ids, positions, mask, kv, adapters: list[str | None]):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+        kwargs: dict[str, Any] = {}
+        if self.model is not self.base:
+            kwargs["adapter_names"] = [a if a is not None else "__base__" for a in adapters]
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, **kwargs)
+        new_kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+        return out.logits[:, -1, :], new_kv
+
+    def _prefill(self, req: _Req) -> None:
+        torch = self._torch
+        with self._lock:
+            hit = len(req.locked) * self.cache.block_size
+            prefix = [b.payload for b in req.locked]
+        if prefix:
+            kv = [
+                (torch.cat([p[layer][0] for p in prefix], dim=2), torch.cat([p[layer][1] for p in prefix], dim=2))
+                for layer in range(len(prefix[0]))
+            ]
+        else:
+            kv = None
+        n = len(req.seq)
+        input_ids = torch.tensor([req.seq[hit:]])
+        positions = torch.arange(hit, n).unsqueeze(0)
+        mask = torch.ones(1, n, dtype=torch.long)
+        logits, kv = self._forward(input_ids, positions, mask, kv, [req.adapter])
+        req.kv_len = n
+        with self._lock:
+            # Cache the prompt's full blocks now so that concurrent requests sharing it hit.
+            bs = self.cache.block_size
+            full = n // bs
+            if full > len(req.locked):
+                # The request's private tokens become locked blocks: usage does not change.
+                payloads: list[Any] = [None] * full
+                for i in range(len(req.locked), full):
+                    payloads[i] = [(k[:, :, i * bs:(i + 1) * bs].clone(), v[:, :, i * bs:(i + 1) * bs].clone()) for k, v in kv]
+                chain = self.cache.insert(req.adapter, req.seq[:full * bs], payloads, have=req.locked)
+                self.cache.lock(chain[len(req.locked):])
+                req.locked = chain
+        token = self._sample(logits, [req])[0]
+        req.first_token_s = time.perf_counter()
+        self._append(req, token)
+        if req.finish is not None:
+            self._finish_rows([req], in_batch=False)
+            return
+        self._merge_into_batch(req, kv)
+
+    def _merge_into_batch(self, req: _Req, kv) -> None:
+        torch = self._torch
+        F = torch.nn.functional
+        n = kv[0][0].shape[2]
+        if self._kv is None:
+            self._kv, self._pad = kv, [0]
+            self._mask = torch.ones(1, n, dtype=torch.long)
+            self._batch = [req]
+            return
+        length = self._kv[0][0].shape[2]
+        if n > length:
+            grow = n - length
+            self._kv = [(F.pad(k, (0, 0, grow, 0)), F.pad(v, (0, 0, grow, 0))) for k, v in self._kv]
+            self._mask = F.pad(self._mask, (grow, 0))
+            self._pad = [p + grow for p in self._pad]
+            length = n
+        lead = length - n
+        kv = [(F.pad(k, (0, 0, lead, 0)), F.pad(v, (0, 0, lead, 0))) for k, v in kv]
+        self._kv = [(torch.cat([bk, k]), torch.cat([bv, v])) for (bk, bv), (k, v) in zip(self._kv, kv)]
+        row_mask = torch.zeros(1, length, dtype=torch.long)
+        row_mask[0, lead:] = 1
+        self._mask = torch.cat([self._mask, row_mask])
+        self._pad.append(lead)
+        self._batch.append(req)
+
+    def _decode_step(self) -> None:
+        torch = self._torch
+        batch = self._batch
+        with self._lock:
+            # Every row grows by one token this step; retract the newest rows if that overflows.
+            retract: list[_Req] = []
+            while not self._make_room(len(batch) - len(retract)) and len(batch) - len(retract) > 1:
+                victim = max((r for r in batch if r not in retract), key=lambda r: r.order)
+                retract.append(victim)
+                self.cache.unlock(victim.locked)
+                victim.locked = []
+                victim.kv_len = 0
+                self._running.remove(victim)
+                self._waiting.appendleft(victim)
+                self.num_retracted_reqs += 1
+        if retract:
+            self._remove_rows(retract)
+            batch = self._batch
+            if not batch:
+                return
+        length = self._kv[0][0].shape[2]
+        input_ids = torch.tensor([[r.seq[-1]] for r in batch])
+        positions = torch.tensor([[length - p] for p in self._pad])
+        self._mask = torch.cat([self._mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
+        logits, self._kv = self._forward(input_ids, positions, self._mask, self._kv, [r.adapter for r in batch])
+        tokens = self._sample(logits, batch)
+        finished = []
+        for req, token in zip(batch, tokens):
+            req.kv_len += 1
+            self._append(req, token)
+            if req.finish is not None:
+                finished.append(req)
+        with self._lock:
+            self._gen_window.append((time.perf_counter(), len(batch)))
+        if finished:
+            self._finish_rows(finished, in_batch=True)
+
+    def _append(self, req: _Req, token: int) -> None:
+        req.seq.append(token)
+        self.generation_tokens_total += 1
+        sp = req.request.sampling_params
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            req.finish = finish_reason("stop", token)
+        elif req.output_len >= sp.max_new_tokens or len(req.seq) >= self.max_context:
+            req.finish = finish_reason("length", req.output_len)
+
+    def _sample(self, logits, reqs: list[_Req]) -> list[int]:
+        torch = self._torch
+        temps = torch.tensor([r.request.sampling_params.temperature or 1.0 for r in reqs]).unsqueeze(1)
+        logprobs = torch.log_softmax(logits.float() / temps, dim=-1)
+        tokens = [0] * len(reqs)
+        plain = [i for i, r in enumerate(reqs) if r.request.sampling_params.temperature > 0 and r.request.sampling_params.is_plain]
+        if plain:
+            drawn = torch.multinomial(logprobs[plain].exp(), 1).squeeze(1).tolist()
+            for i, t in zip(plain, drawn):
+                tokens[i] = t
+        for i, r in enumerate(reqs):
+            sp = r.request.sampling_params
+            if sp.temperature == 0:
+                tokens[i] = int(torch.argmax(logprobs[i]))
+            elif not sp.is_plain:
+                row = logprobs[i].clone()
+                if sp.top_k > 0:
+                    kth = torch.topk(row, min(sp.top_k, row.numel())).values[-1]
+                    row[row < kth] = float("-inf")
+                if sp.top_p < 1.0:
+                    sorted_lp, order = torch.sort(row, descending=True)
+                    cum = torch.cumsum(sorted_lp.exp(), dim=0)
+                    drop = cum - sorted_lp.exp() > sp.top_p
+                    row[order[drop]] = float("-inf")
+                tokens[i] = int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=r.generator))
+        chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+        for r, lp in zip(reqs, chosen):
+            r.output_logprobs.append(lp)
+        return tokens
+
+    def _remove_rows(self, rows: list[_Req]) -> None:
+        torch = self._torch
+        keep = [i for i, r in enumerate(self._batch) if r not in rows]
+        if not keep:
+            self._kv, self._pad, self._mask, self._batch = None, [], None, []
+            return
+        index = torch.tensor(keep)
+        pads = [self._pad[i] for i in keep]
+        trim = min(pads)
+        self._kv = [(k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:]) for k, v in self._kv]
+        self._mask = self._mask.index_select(0, index)[:, trim:]
+        self._pad = [p - trim for p in pads]
+        self._batch = [self._batch[i] for i in keep]
+
+    def _finish_rows(self, rows: list[_Req], *, in_batch: bool) -> None:
+        bs = self.cache.block_size
+        kv_rows = {}
+        if in_batch:
+            for i, r in enumerate(self._batch):
+                if r in rows:
+                    kv_rows[id(r)] = (i, self._pad[i])
+        with self._lock:
+            for req in rows:
+                full = req.kv_len // bs
+                if in_batch and full > len(req.locked):
+                    row, pad = kv_rows[id(req)]
+                    payloads: list[Any] = [None] * full
+                    for b in range(len(req.locked), full):
+                        lo, hi = pad + b * bs, pad + (b + 1) * bs
+                        payloads[b] = [(k[row:row + 1, :, lo:hi].clone(), v[row:row + 1, :, lo:hi].clone()) for k, v in self._kv]
+                    # The row's private tokens become cached blocks: usage does not grow.
+                    req_chain = self.cache.insert(req.adapter, req.seq[:full * bs], payloads, have=req.locked)
+                else:
+                    req_chain = req.locked
+                del req_chain
+                self.cache.unlock(req.locked)
+                req.locked = []
+                self._running.remove(req)
+                req.done.set()
+        if in_batch:
+            self._remove_rows(rows)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    from serving.http import serve
+
+    parser = argparse.ArgumentParser(prog="python -m serving.engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a transformers model directory (save_pretrained)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--max-total-tokens", type=int, default=65536, help="KV token budget (SGLang's max_total_num_tokens)")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16, help="prefix cache block (page) size in tokens")
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", help="load an adapter at start")
+    parser.add_argument("--adapters-dir", default=None,
+                        help="shared volume of published adapters (<dir>/<version>/); the newest is loaded before serving")
+    args = parser.parse_args(argv)
+    engine = LocalEngine(args.model, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+                         block_size=args.block_size, torch_threads=args.torch_threads)
+    for spec in args.lora:
+        name, _, path = spec.partition("=")
+        engine.load_lora_adapter(name, path)
+    if args.adapters_dir:
+        from serving.adapters import newest_adapter
+
+        newest = newest_adapter(args.adapters_dir)
+        if newest is not None and newest[0] not in engine.adapters():
+            engine.load_lora_adapter(*newest)
+    server = serve(engine, host=args.host, port=args.port)
+    print(f"engine serving {args.model} on {server.url}", flush=True)
+    try:
+        server.serve_until_stopped()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_main())
