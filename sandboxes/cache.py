@@ -1,0 +1,160 @@
+"""The node-local cache of unpacked layers, shared by every sandbox on the node.
+
+``<root>/layers/<diff_id hex>/`` holds one unpacked layer (read-only to sandboxes: they see it as a
+lower layer under their own writable layer). A sandbox holds a shared ``flock`` on each of its
+layers' lock files while it runs, so eviction never removes a layer in use, across processes.
+The cache keeps its size under ``budget_bytes`` by evicting the least recently used layers that
+no sandbox holds; a layer's last use is the modification time of its ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandboxes.images import Image, ImageError, ImageStore, Layer, unpack_layer
+
+
+def _hex(diff_id: str) -> str:
+    return diff_id.split(":", 1)[1]
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames + dirnames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+@dataclass
+class Lease:
+    """The unpacked layers of one image, held against eviction until :meth:`release`."""
+
+    image: Image
+    layer_dirs: list[Path]  # base first
+    hits: int
+    misses: int
+    _fds: list[int]
+
+    @property
+    def hit(self) -> bool:
+        return self.misses == 0
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+class LayerCache:
+    def __init__(self, root: Path | str, budget_bytes: int = 20 * 1024**3):
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.root = Path(root)
+        self.budget_bytes = budget_bytes
+        for sub in ("layers", "locks", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def layer_dir(self, diff_id: str) -> Path:
+        return self.root / "layers" / _hex(diff_id)
+
+    def _lock(self, diff_id: str) -> int:
+        fd = os.open(self.root / "locks" / (_hex(diff_id) + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    def has(self, layer: Layer) -> bool:
+        return (self.layer_dir(layer.diff_id) / "meta.json").exists()
+
+    def acquire(self, image: Image, store: ImageStore) -> Lease:
+        """Unpack what is missing, mark every layer used, and hold them until the lease is released."""
+        fds, dirs, hits, misses = [], [], 0, 0
+        try:
+            for layer in image.layers:
+                fds.append(self._lock(layer.diff_id))
+                d = self.layer_dir(layer.diff_id)
+                meta = d / "meta.json"
+                if meta.exists():
+                    hits += 1
+                    os.utime(meta)
+                else:
+                    misses += 1
+                    self._unpack(layer, store)
+                dirs.append(d / "root")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        lease = Lease(image=image, layer_dirs=dirs, hits=hits, misses=misses, _fds=fds)
+        if misses:
+            self.evict()
+        return lease
+
+    def _unpack(self, layer: Layer, store: ImageStore) -> None:
+        blob = store.blob_path(layer)
+        if not blob.exists():
+            raise ImageError(f"layer {layer.digest} is not in the store {store.root}")
+        tmp = self.root / "tmp" / f"{_hex(layer.diff_id)[:16]}-{uuid.uuid4().hex[:8]}"
+        try:
+            unpack_layer(blob, layer.compression, tmp / "root")
+            size = _tree_bytes(tmp / "root")
+            (tmp / "meta.json").write_text(json.dumps({"diff_id": layer.diff_id, "digest": layer.digest,
+                                                       "size_bytes": size, "unpacked_at": time.time()}))
+            try:
+                os.rename(tmp, self.layer_dir(layer.diff_id))
+            except OSError:
+                if not self.has(layer):  # not a lost race with another process: a real failure
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def contents(self) -> list[dict]:
+        """Every cached layer with its size and last use, most recent first."""
+        out = []
+        for d in (self.root / "layers").iterdir():
+            meta = d / "meta.json"
+            try:
+                info = json.loads(meta.read_text())
+                info["last_used"] = meta.stat().st_mtime
+            except (OSError, ValueError):
+                continue
+            out.append(info)
+        return sorted(out, key=lambda i: -i["last_used"])
+
+    def usage_bytes(self) -> int:
+        return sum(i["size_bytes"] for i in self.contents())
+
+    def evict(self, budget_bytes: int | None = None) -> list[str]:
+        """Remove least recently used layers no sandbox holds until the cache fits; returns their diff_ids."""
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        entries = self.contents()
+        used = sum(i["size_bytes"] for i in entries)
+        evicted = []
+        for info in reversed(entries):  # least recently used first
+            if used <= budget:
+                break
+            fd = os.open(self.root / "locks" / (_hex(info["diff_id"]) + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a sandbox is using it
+                victim = self.root / "tmp" / f"evict-{uuid.uuid4().hex[:8]}"
+                os.rename(self.layer_dir(info["diff_id"]), victim)
+                shutil.rmtree(victim, ignore_errors=True)
+                used -= info["size_bytes"]
+                evicted.append(info["diff_id"])
+            finally:
+                os.close(fd)
+        return evicted

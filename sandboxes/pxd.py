@@ -1,0 +1,777 @@
+"""pxd: the command daemon that runs inside every sandbox and answers the harness.
+
+Run it locally (no sandbox, for debugging) on a folder, talking HTTP/1.1 over stdin/stdout::
+
+    python3 sandboxes/pxd.py --workspace /tmp/ws --stdio
+    # then type:  GET /health HTTP/1.1<CR><LF>Content-Length: 0<CR><LF><CR><LF>
+
+or on a unix socket (several clients at once, one thread per connection)::
+
+    python3 sandboxes/pxd.py --workspace /tmp/ws --socket /tmp/pxd.sock
+
+The runtimes in ``sandboxes/runtimes.py`` start it as the first process of a sandbox with
+``--stdio``: gVisor's sockets are not reachable from the host, a pipe is, and a pipe also ties the
+daemon's life to the harness (stdin closes, pxd exits, the sandbox ends).
+
+The protocol is HTTP/1.1 with JSON bodies and ``Content-Length`` framing, one request at a time per
+connection (keep-alive). Routes (all bodies JSON objects; errors are ``4xx`` with ``{"error": ...}``):
+
+- ``GET /health``: pid, uptime, workspace, protocol version.
+- ``POST /exec``: run ``argv`` (list) or ``shell`` (string, ``/bin/sh -c``) with ``cwd`` (inside the
+  workspace), ``env``, ``stdin``, ``timeout_s``, ``head_bytes``/``tail_bytes`` (output caps per
+  stream), ``merge_stderr``. Answers ``exit_code`` (128+N when killed by signal N), ``stdout``,
+  ``stderr``, ``truncated``, ``timed_out``, ``stdout_bytes``/``stderr_bytes`` (totals produced),
+  ``duration_s``. The command's whole process group is killed when it ends or times out.
+- ``POST /session/open``, ``/session/exec``, ``/session/close``: a persistent ``bash`` whose working
+  folder and exported variables carry over between commands.
+- ``POST /file/read``, ``/file/write``: paths relative to the workspace (absolute paths only when
+  inside it); ``..`` components and symlinks are refused, size limits apply.
+- ``POST /git/status``, ``/git/diff``, ``/git/commit``.
+
+This file uses only the standard library: it runs under whatever ``python3`` the sandbox has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import errno
+import json
+import os
+import selectors
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 24 * 3600.0
+DEFAULT_CAP_BYTES = 32 * 1024
+MAX_CAP_BYTES = 16 * 1024 * 1024
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+           409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error"}
+
+
+class RequestError(Exception):
+    """A request pxd refuses; the message names the field and what was expected."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP/1.1 framing over any byte stream (a pipe pair or a socket)
+
+
+def read_message(rfile):
+    """Read one HTTP/1.1 message: returns (start_line, headers, body) or None at end of stream."""
+    line = rfile.readline(65536)
+    while line in (b"\r\n", b"\n"):
+        line = rfile.readline(65536)
+    if not line:
+        return None
+    headers = {}
+    while True:
+        h = rfile.readline(65536)
+        if not h:
+            raise RequestError("connection closed inside the headers")
+        if h in (b"\r\n", b"\n"):
+            break
+        name, sep, value = h.decode("latin-1").partition(":")
+        if not sep:
+            raise RequestError(f"malformed header line {h[:80]!r}")
+        headers[name.strip().lower()] = value.strip()
+    try:
+        length = int(headers.get("content-length", "0"))
+    except ValueError:
+        raise RequestError(f"Content-Length is not an integer: {headers.get('content-length')!r}")
+    if length < 0 or length > MAX_REQUEST_BYTES:
+        raise RequestError(f"Content-Length {length} outside 0..{MAX_REQUEST_BYTES}", 413)
+    body = rfile.read(length) if length else b""
+    if len(body) != length:
+        raise RequestError("connection closed inside the body")
+    return line.decode("latin-1").rstrip("\r\n"), headers, body
+
+
+def write_response(wfile, status: int, obj) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    wfile.write(head + body)
+    wfile.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# request fields
+
+
+def _field(body: dict, name: str, kind, default=None, required: bool = False):
+    if name not in body or body[name] is None:
+        if required:
+            raise RequestError(f"field {name!r} is required")
+        return default
+    value = body[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise RequestError(f"field {name!r} must be {want}, got {type(value).__name__}")
+    return value
+
+
+def _bounded(body: dict, name: str, default, low, high, kind=int):
+    value = _field(body, name, kind, default)
+    if not (low <= value <= high):
+        raise RequestError(f"field {name!r} must be between {low} and {high}, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# output capture with a head and a tail
+
+
+class Capture:
+    """Keeps the first ``head`` and the last ``tail`` bytes of a stream and counts the rest."""
+
+    def __init__(self, head: int, tail: int):
+        self.head_cap, self.tail_cap = head, tail
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data and self.tail_cap:
+            self.tail += data
+            if len(self.tail) > 2 * self.tail_cap + 65536:
+                del self.tail[: len(self.tail) - self.tail_cap]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.head) + min(len(self.tail), self.tail_cap)
+
+    def text(self) -> str:
+        tail = bytes(self.tail[-self.tail_cap:]) if self.tail_cap else b""
+        if self.truncated:
+            omitted = self.total - len(self.head) - len(tail)
+            joined = bytes(self.head) + f"\n[... {omitted} bytes omitted ...]\n".encode() + tail
+        else:
+            joined = bytes(self.head) + tail
+        return joined.decode("utf-8", errors="replace")
+
+
+def _exit_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the daemon
+
+
+class Daemon:
+    def __init__(self, workspace: str, *, max_file_bytes: int = 8 * 1024 * 1024, shell: str = "/bin/bash"):
+        self.workspace = os.path.realpath(workspace)
+        if not os.path.isdir(self.workspace):
+            raise SystemExit(f"pxd: workspace {workspace!r} is not a folder")
+        self.max_file_bytes = max_file_bytes
+        self.shell = shell if os.path.exists(shell) else "/bin/sh"
+        self.started = time.monotonic()
+        self.sessions: dict[str, Session] = {}
+        self.lock = threading.Lock()
+        self.base_env = dict(os.environ)
+        self.base_env.setdefault("HOME", self.workspace)
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def handle(self, start_line: str, body_bytes: bytes):
+        try:
+            method, target, _version = start_line.split(" ", 2)
+        except ValueError:
+            return 400, {"error": f"malformed request line {start_line[:80]!r}"}
+        route = ROUTES.get(target.split("?", 1)[0])
+        if route is None:
+            return 404, {"error": f"no route {target!r}; routes: {', '.join(sorted(ROUTES))}"}
+        want_method, fn = route
+        if method != want_method:
+            return 405, {"error": f"{target} takes {want_method}, not {method}"}
+        try:
+            body = json.loads(body_bytes) if body_bytes else {}
+        except ValueError as exc:
+            return 400, {"error": f"body is not JSON: {exc}"}
+        if not isinstance(body, dict):
+            return 400, {"error": "body must be a JSON object"}
+        try:
+            return 200, fn(self, body)
+        except RequestError as exc:
+            return exc.status, {"error": str(exc)}
+        except Exception as exc:  # a daemon bug must not end the sandbox; report it
+            return 500, {"error": f"{type(exc).__name__}: {exc}"}
+
+    # -- paths ------------------------------------------------------------------------------------
+
+    def _relparts(self, path: str, field: str = "path") -> list:
+        if not isinstance(path, str) or not path:
+            raise RequestError(f"field {field!r} must be a non-empty string")
+        if "\x00" in path:
+            raise RequestError(f"field {field!r} contains a NUL byte")
+        if os.path.isabs(path):
+            norm = os.path.normpath(path)
+            if norm != self.workspace and not norm.startswith(self.workspace + os.sep):
+                raise RequestError(f"{field} {path!r} is outside the workspace {self.workspace}")
+            path = os.path.relpath(norm, self.workspace)
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise RequestError(f"{field} {path!r} has a '..' component; paths stay inside the workspace")
+        return parts
+
+    def _open_dir(self, parts: list, field: str, create: bool = False) -> int:
+        """Open the folder ``parts`` below the workspace without following any symlink."""
+        fd = os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for i, comp in enumerate(parts):
+                try:
+                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise RequestError(f"{field}: folder {'/'.join(parts[: i + 1])!r} does not exist", 404)
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        kind = "a symlink" if _is_symlink(fd, comp) else "not a folder"
+                        raise RequestError(f"{field}: {'/'.join(parts[: i + 1])!r} is {kind}; pxd does not follow symlinks")
+                    raise
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def resolve_dir(self, path, field: str = "cwd") -> str:
+        if path is None:
+            return self.workspace
+        parts = self._relparts(path, field)
+        os.close(self._open_dir(parts, field))
+        return os.path.join(self.workspace, *parts)
+
+    # -- exec -----------------------------------------------------------------------------------
+
+    def _command(self, body: dict) -> tuple:
+        argv = _field(body, "argv", list)
+        shell = _field(body, "shell", str)
+        if (argv is None) == (shell is None):
+            raise RequestError("give exactly one of 'argv' (list of strings) or 'shell' (string)")
+        if argv is not None:
+            if not argv or not all(isinstance(a, str) for a in argv):
+                raise RequestError("field 'argv' must be a non-empty list of strings")
+            return argv
+        return ["/bin/sh", "-c", shell]
+
+    def _env(self, body: dict) -> dict:
+        env = dict(self.base_env)
+        extra = _field(body, "env", dict, {})
+        for key, value in extra.items():
+            if not isinstance(value, str) or not key or "=" in key:
+                raise RequestError(f"env entry {key!r} must map a name without '=' to a string")
+            env[key] = value
+        return env
+
+    def exec(self, body: dict) -> dict:
+        argv = self._command(body)
+        cwd = self.resolve_dir(_field(body, "cwd", str), "cwd")
+        env = self._env(body)
+        timeout_s = _bounded(body, "timeout_s", DEFAULT_TIMEOUT_S, 0.001, MAX_TIMEOUT_S, float)
+        head = _bounded(body, "head_bytes", DEFAULT_CAP_BYTES, 0, MAX_CAP_BYTES)
+        tail = _bounded(body, "tail_bytes", DEFAULT_CAP_BYTES, 0, MAX_CAP_BYTES)
+        stdin = _field(body, "stdin", str)
+        merge = _field(body, "merge_stderr", bool, False)
+        return run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def session_open(self, body: dict) -> dict:
+        cwd = self.resolve_dir(_field(body, "cwd", str), "cwd")
+        session = Session(self.shell, cwd, self._env(body))
+        with self.lock:
+            self.sessions[session.id] = session
+        return {"session_id": session.id}
+
+    def _session(self, body: dict) -> "Session":
+        sid = _field(body, "session_id", str, required=True)
+        with self.lock:
+            session = self.sessions.get(sid)
+        if session is None:
+            raise RequestError(f"no session {sid!r} (closed, timed out, or never opened)", 404)
+        return session
+
+    def session_exec(self, body: dict) -> dict:
+        session = self._session(body)
+        command = _field(body, "command", str, required=True)
+        timeout_s = _bounded(body, "timeout_s", DEFAULT_TIMEOUT_S, 0.001, MAX_TIMEOUT_S, float)
+        head = _bounded(body, "head_bytes", DEFAULT_CAP_BYTES, 0, MAX_CAP_BYTES)
+        tail = _bounded(body, "tail_bytes", DEFAULT_CAP_BYTES, 0, MAX_CAP_BYTES)
+        result = session.run(command, timeout_s, head, tail)
+        if not session.alive:
+            with self.lock:
+                self.sessions.pop(session.id, None)
+        return result
+
+    def session_close(self, body: dict) -> dict:
+        session = self._session(body)
+        with self.lock:
+            self.sessions.pop(session.id, None)
+        session.close()
+        return {"closed": True}
+
+    # -- files ----------------------------------------------------------------------------------
+
+    def file_read(self, body: dict) -> dict:
+        parts = self._relparts(_field(body, "path", str, required=True))
+        if not parts:
+            raise RequestError("path names the workspace folder itself, not a file")
+        max_bytes = _bounded(body, "max_bytes", self.max_file_bytes, 0, self.max_file_bytes)
+        dfd = self._open_dir(parts[:-1], "path")
+        try:
+            try:
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            except FileNotFoundError:
+                raise RequestError(f"path {'/'.join(parts)!r} does not exist", 404)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise RequestError(f"path {'/'.join(parts)!r} is a symlink; pxd does not follow symlinks")
+                raise
+        finally:
+            os.close(dfd)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise RequestError(f"path {'/'.join(parts)!r} is not a regular file")
+            data = f.read(max_bytes + 1)
+        truncated = len(data) > max_bytes
+        data = data[:max_bytes]
+        out = {"path": "/".join(parts), "size": st.st_size, "truncated": truncated}
+        try:
+            out["content"] = data.decode("utf-8")
+            out["encoding"] = "utf-8"
+        except UnicodeDecodeError:
+            out["content"] = base64.b64encode(data).decode()
+            out["encoding"] = "base64"
+        return out
+
+    def file_write(self, body: dict) -> dict:
+        parts = self._relparts(_field(body, "path", str, required=True))
+        if not parts:
+            raise RequestError("path names the workspace folder itself, not a file")
+        encoding = _field(body, "encoding", str, "utf-8")
+        content = _field(body, "content", str, required=True)
+        if encoding == "utf-8":
+            data = content.encode()
+        elif encoding == "base64":
+            try:
+                data = base64.b64decode(content, validate=True)
+            except ValueError as exc:
+                raise RequestError(f"content is not valid base64: {exc}")
+        else:
+            raise RequestError(f"field 'encoding' must be 'utf-8' or 'base64', got {encoding!r}")
+        if len(data) > self.max_file_bytes:
+            raise RequestError(f"content is {len(data)} bytes, over the limit of {self.max_file_bytes}", 413)
+        mode = _bounded(body, "mode", 0o644, 0, 0o7777)
+        dfd = self._open_dir(parts[:-1], "path", create=_field(body, "make_dirs", bool, True))
+        try:
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    raise RequestError(f"path {'/'.join(parts)!r} is a symlink; pxd does not follow symlinks")
+                if not stat.S_ISREG(st.st_mode):
+                    raise RequestError(f"path {'/'.join(parts)!r} exists and is not a regular file")
+            except FileNotFoundError:
+                pass
+            tmp = f".pxd-{uuid.uuid4().hex[:12]}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dfd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    os.fchmod(f.fileno(), mode)
+            except BaseException:
+                os.unlink(tmp, dir_fd=dfd)
+                raise
+            os.rename(tmp, parts[-1], src_dir_fd=dfd, dst_dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        return {"path": "/".join(parts), "size": len(data)}
+
+    # -- git ------------------------------------------------------------------------------------
+
+    def _git(self, args: list, cwd: str, head: int = MAX_CAP_BYTES, timeout_s: float = 120.0) -> dict:
+        env = dict(self.base_env)
+        env.update(GIT_ENV)
+        argv = ["git", "-c", "safe.directory=*", "-c", "core.pager=cat", *args]
+        return run_command(argv, cwd, env, timeout_s, head, 0, None, False)
+
+    def _repo(self, body: dict) -> str:
+        return self.resolve_dir(_field(body, "cwd", str), "cwd")
+
+    def git_status(self, body: dict) -> dict:
+        r = self._git(["status", "--porcelain=v1", "-z", "--untracked-files=all"], self._repo(body))
+        if r["exit_code"] != 0:
+            raise RequestError(f"git status failed: {r['stderr'].strip()}", 409)
+        files = []
+        for entry in r["stdout"].split("\x00"):
+            if len(entry) >= 4:
+                files.append({"index": entry[0], "worktree": entry[1], "path": entry[3:]})
+        return {"clean": not files, "files": files}
+
+    def git_diff(self, body: dict) -> dict:
+        cap = _bounded(body, "max_bytes", DEFAULT_CAP_BYTES * 8, 0, MAX_CAP_BYTES)
+        args = ["diff", "--no-color", "--no-ext-diff"]
+        if _field(body, "staged", bool, False):
+            args.append("--cached")
+        base = _field(body, "base", str)
+        if base is not None:
+            if base.startswith("-"):
+                raise RequestError(f"field 'base' must name a revision, got {base!r}")
+            args.append(base)
+        r = self._git(args, self._repo(body), head=cap)
+        if r["exit_code"] != 0:
+            raise RequestError(f"git diff failed: {r['stderr'].strip()}", 409)
+        return {"diff": r["stdout"], "truncated": r["truncated"]}
+
+    def git_commit(self, body: dict) -> dict:
+        message = _field(body, "message", str, required=True)
+        if not message.strip():
+            raise RequestError("field 'message' must not be empty")
+        cwd = self._repo(body)
+        if _field(body, "add_all", bool, True):
+            r = self._git(["add", "-A"], cwd)
+            if r["exit_code"] != 0:
+                raise RequestError(f"git add failed: {r['stderr'].strip()}", 409)
+        staged = self._git(["diff", "--cached", "--quiet"], cwd)
+        if staged["exit_code"] == 0:
+            head = self._git(["rev-parse", "HEAD"], cwd)
+            return {"committed": False, "commit": head["stdout"].strip() or None, "reason": "nothing to commit"}
+        r = self._git(["commit", "-q", "--no-verify", "-m", message], cwd)
+        if r["exit_code"] != 0:
+            raise RequestError(f"git commit failed: {(r['stderr'] or r['stdout']).strip()}", 409)
+        head = self._git(["rev-parse", "HEAD"], cwd)
+        return {"committed": True, "commit": head["stdout"].strip()}
+
+    def health(self, body: dict) -> dict:
+        return {"ok": True, "pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started, 3),
+                "workspace": self.workspace, "protocol": PROTOCOL_VERSION, "sessions": len(self.sessions)}
+
+    def close(self) -> None:
+        with self.lock:
+            sessions, self.sessions = list(self.sessions.values()), {}
+        for s in sessions:
+            s.close()
+
+
+def _is_symlink(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "posttrain", "GIT_AUTHOR_EMAIL": "posttrain@localhost",
+    "GIT_COMMITTER_NAME": "posttrain", "GIT_COMMITTER_EMAIL": "posttrain@localhost",
+    "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
+}
+
+
+def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge) -> dict:
+    """Run one command in its own process group; capture head and tail; kill the group at the end."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv, cwd=cwd, env=env, start_new_session=True,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+        )
+    except FileNotFoundError:
+        raise RequestError(f"command not found: {argv[0]!r}")
+    except PermissionError:
+        raise RequestError(f"command not executable: {argv[0]!r}")
+    except OSError as exc:
+        raise RequestError(f"cannot start {argv[0]!r}: {exc.strerror}")
+    out, err = Capture(head, tail), Capture(head, tail)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    if not merge:
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+    if stdin is not None:
+        threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True).start()
+    deadline = started + timeout_s
+    timed_out = False
+    exited_at = None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if exited_at is None and proc.poll() is not None:
+                # the command is done: anything it left behind goes with it
+                exited_at = now
+                _kill_group(proc.pid)
+            if exited_at is not None and now - exited_at > 0.5:
+                break  # a writer escaped the process group; stop waiting for its EOF
+            if exited_at is None and now >= deadline:
+                timed_out = True
+                _kill_group(proc.pid)
+                exited_at = now
+            wait = 0.05 if exited_at is None else 0.01
+            if exited_at is None:
+                wait = min(wait, max(0.0, deadline - now))
+            for key, _ in sel.select(wait):
+                data = os.read(key.fd, 65536)
+                if data:
+                    key.data.add(data)
+                else:
+                    sel.unregister(key.fileobj)
+        if not timed_out and exited_at is None:
+            # both pipes closed; the command may still be running
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        sel.close()
+        _kill_group(proc.pid)
+        returncode = proc.wait()
+        for f in (proc.stdout, proc.stderr, proc.stdin):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+    return {
+        "exit_code": _exit_code(returncode), "timed_out": timed_out,
+        "stdout": out.text(), "stderr": "" if merge else err.text(),
+        "truncated": out.truncated or err.truncated,
+        "stdout_bytes": out.total, "stderr_bytes": err.total,
+        "duration_s": round(time.monotonic() - started, 6),
+    }
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:
+        pass
+
+
+class Session:
+    """A persistent shell: ``cd`` and ``export`` carry over from one command to the next."""
+
+    def __init__(self, shell: str, cwd: str, env: dict):
+        self.id = uuid.uuid4().hex[:16]
+        self.proc = subprocess.Popen(
+            [shell] + (["--noprofile", "--norc"] if shell.endswith("bash") else []),
+            cwd=cwd, env=env, start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        self.alive = True
+        self.lock = threading.Lock()
+
+    def run(self, command: str, timeout_s: float, head: int, tail: int) -> dict:
+        with self.lock:
+            if not self.alive or self.proc.poll() is not None:
+                self.alive = False
+                raise RequestError(f"session {self.id} has ended", 409)
+            marker = f"__pxd_done_{uuid.uuid4().hex}__"
+            quoted = "'" + command.replace("'", "'\"'\"'") + "'"
+            script = (f"eval {quoted} </dev/null\n__pxd_rc=$?\n"
+                      f"printf '%s %d\\n' {marker} $__pxd_rc\nprintf '%s\\n' {marker} >&2\n")
+            started = time.monotonic()
+            try:
+                self.proc.stdin.write(script.encode())
+                self.proc.stdin.flush()
+            except OSError:
+                self.alive = False
+                raise RequestError(f"session {self.id} has ended", 409)
+            streams = {self.proc.stdout.fileno(): _MarkedStream(marker, head, tail),
+                       self.proc.stderr.fileno(): _MarkedStream(marker, head, tail)}
+            deadline = started + timeout_s
+            timed_out = False
+            while not all(s.done for s in streams.values()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                ready = selectors_select([fd for fd, s in streams.items() if not s.done], remaining)
+                for fd in ready:
+                    data = os.read(fd, 65536)
+                    if not data:
+                        streams[fd].done = True
+                        self.alive = False
+                    else:
+                        streams[fd].add(data)
+            out, err = streams[self.proc.stdout.fileno()], streams[self.proc.stderr.fileno()]
+            if timed_out or not self.alive:
+                self.close()
+                exit_code = 137 if timed_out else _exit_code(self.proc.wait())
+            else:
+                exit_code = out.exit_code
+            return {"exit_code": exit_code, "timed_out": timed_out, "stdout": out.capture.text(),
+                    "stderr": err.capture.text(), "truncated": out.capture.truncated or err.capture.truncated,
+                    "stdout_bytes": out.capture.total, "stderr_bytes": err.capture.total,
+                    "duration_s": round(time.monotonic() - started, 6), "session_alive": self.alive}
+
+    def close(self) -> None:
+        self.alive = False
+        _kill_group(self.proc.pid)
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+def selectors_select(fds: list, timeout: float) -> list:
+    sel = selectors.DefaultSelector()
+    try:
+        for fd in fds:
+            sel.register(fd, selectors.EVENT_READ)
+        return [key.fd for key, _ in sel.select(timeout)]
+    finally:
+        sel.close()
+
+
+class _MarkedStream:
+    """Output of one session command: everything up to the end marker the shell prints after it."""
+
+    def __init__(self, marker: str, head: int, tail: int):
+        self.marker = marker.encode()
+        self.capture = Capture(head, tail)
+        self.pending = bytearray()  # bytes that might be the start of the marker
+        self.done = False
+        self.exit_code = None
+
+    def add(self, data: bytes) -> None:
+        self.pending += data
+        idx = self.pending.find(self.marker)
+        if idx >= 0:
+            self.capture.add(bytes(self.pending[:idx]))
+            rest = bytes(self.pending[idx + len(self.marker):]).split(b"\n", 1)[0].strip()
+            if rest.isdigit():
+                self.exit_code = int(rest)
+            elif b"\n" not in self.pending[idx:]:
+                return  # the exit code is still on its way
+            self.done = True
+            self.pending.clear()
+            return
+        keep = len(self.marker) + 8
+        if len(self.pending) > keep:
+            self.capture.add(bytes(self.pending[:-keep]))
+            del self.pending[:-keep]
+
+
+ROUTES = {
+    "/health": ("GET", Daemon.health),
+    "/exec": ("POST", Daemon.exec),
+    "/session/open": ("POST", Daemon.session_open),
+    "/session/exec": ("POST", Daemon.session_exec),
+    "/session/close": ("POST", Daemon.session_close),
+    "/file/read": ("POST", Daemon.file_read),
+    "/file/write": ("POST", Daemon.file_write),
+    "/git/status": ("POST", Daemon.git_status),
+    "/git/diff": ("POST", Daemon.git_diff),
+    "/git/commit": ("POST", Daemon.git_commit),
+}
+
+
+def serve_stream(daemon: Daemon, rfile, wfile) -> None:
+    """Answer requests on one connection until it closes."""
+    while True:
+        try:
+            message = read_message(rfile)
+        except RequestError as exc:
+            write_response(wfile, exc.status, {"error": str(exc)})
+            return
+        if message is None:
+            return
+        start_line, _headers, body = message
+        status, obj = daemon.handle(start_line, body)
+        write_response(wfile, status, obj)
+
+
+def serve_socket(daemon: Daemon, path: str) -> None:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path):
+        os.unlink(path)
+    server.bind(path)
+    server.listen(64)
+
+    def one(conn):
+        with conn, conn.makefile("rb") as r, conn.makefile("wb") as w:
+            try:
+                serve_stream(daemon, r, w)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=one, args=(conn,), daemon=True).start()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pxd", description="the sandbox command daemon")
+    parser.add_argument("--workspace", required=True, help="folder that file and git requests are confined to")
+    parser.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
+    parser.add_argument("--socket", help="serve a unix socket at this path (and stdin as a lifeline)")
+    parser.add_argument("--max-file-bytes", type=int, default=8 * 1024 * 1024)
+    args = parser.parse_args(argv)
+    if args.stdio == bool(args.socket):
+        parser.error("give exactly one of --stdio or --socket")
+    daemon = Daemon(args.workspace, max_file_bytes=args.max_file_bytes)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        if args.stdio:
+            rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
+            # commands must never write into the protocol stream: move stdout away from fd 1
+            proto_out = os.fdopen(os.dup(1), "wb")
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.close(devnull)
+            write_ready(proto_out)
+            serve_stream(daemon, rfile, proto_out)
+        else:
+            threading.Thread(target=serve_socket, args=(daemon, args.socket), daemon=True).start()
+            write_ready(sys.stdout.buffer)
+            while sys.stdin.buffer.read(65536):  # the lifeline: exit when the parent goes away
+                pass
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
+    finally:
+        daemon.close()
+    return 0
+
+
+def write_ready(wfile) -> None:
+    """The first line on stdout tells the host the daemon is up (and for a socket, listening)."""
+    wfile.write(b"PXD-READY %d\n" % PROTOCOL_VERSION)
+    wfile.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

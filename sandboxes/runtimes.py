@@ -1,0 +1,547 @@
+"""Local sandbox runtimes: bubblewrap, gVisor (``runsc``), and an unisolated debug mode.
+
+Every runtime starts the same way:
+
+1. the image's layers are taken from the node-local :class:`~sandboxes.cache.LayerCache`
+   (unpacked from the store on a miss);
+2. the sandbox's root is an overlay of those read-only layers under a per-sandbox writable layer,
+   which lives on a tmpfs of ``Limits.disk_mib`` (the disk limit) in ``<cache>/run/<id>/``;
+3. the host toolchain is bound read-only into it: ``/usr`` (git, coreutils, ``python3``) and the
+   project's Python (``sys.base_prefix`` and the virtual environment, so ``python -m pytest`` works);
+4. ``pxd`` starts as the sandbox's first process, speaking HTTP over its stdin/stdout pipes;
+5. CPU, memory and process-count limits are a cgroup per sandbox; the wall-time limit is a timer
+   that ends the sandbox.
+
+bubblewrap: ``bwrap --unshare-all`` (no network but a private loopback, own PID/IPC/UTS/user
+namespaces), the sandbox user is uid 1000 with no capabilities, the root is read-only except
+``/workspace``, ``/tmp`` and ``$HOME``.
+
+gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none run``: the sandbox's system
+calls go to gVisor's user-space kernel, not the host's. The image root is read-only with
+``/workspace`` bound writable. The ptrace platform is the one that works on these machines
+(``--platform=kvm`` hangs), and pxd's output is read through a pipe (gVisor can lose output written
+to a regular file). Known limit of runsc 20221219 with newer coreutils: ``ls PATH`` fails with
+"Invalid argument" (its statx call is refused); ``ls`` without a path, ``find`` and Python work.
+
+unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
+it runs only with ``allow_unisolated=True``; nothing ever falls back to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from sandboxes.cache import LayerCache, Lease
+from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
+from sandboxes.images import WORKDIR, Image, ImageError, ImageStore, build_image
+
+RUNTIMES = ("bwrap", "gvisor", "unisolated")
+PXD_SOURCE = Path(__file__).with_name("pxd.py")
+PXD_IN_SANDBOX = "/opt/pxd/pxd.py"
+SANDBOX_HOME = "/home/sandbox"
+READY_TIMEOUT_S = 30.0
+
+
+class SandboxError(RuntimeError):
+    """A sandbox could not start or died; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox. Defaults live here and nowhere else."""
+
+    cpus: float = 1.0
+    memory_mib: int = 1024
+    pids: int = 256
+    disk_mib: int = 1024  # the writable layer (workspace changes); /tmp and $HOME count as memory
+    tmp_mib: int = 256
+    wall_s: float = 3600.0
+
+    def __post_init__(self):
+        for name, low in (("cpus", 0.01), ("memory_mib", 16), ("pids", 8), ("disk_mib", 1), ("tmp_mib", 1),
+                          ("wall_s", 0.1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"Limits.{name} must be a number >= {low}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# mounts
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+MNT_DETACH = 2
+
+
+def _mount(source: str, target: Path, fstype: str, options: str) -> None:
+    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), 0, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxError(f"mount {fstype} on {target} failed: {os.strerror(err)} (options {options})")
+
+
+def _umount(target: Path) -> None:
+    if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):
+            raise SandboxError(f"umount {target} failed: {os.strerror(err)}")
+
+
+class Rootfs:
+    """The per-sandbox root: an overlay of the image's cached layers under a size-limited tmpfs.
+
+    Without root rights (no mounts) the layers are copied instead and the disk limit is not enforced."""
+
+    def __init__(self, run_dir: Path, lease: Lease, disk_mib: int):
+        self.run_dir = run_dir
+        self.merged = run_dir / "root"
+        self.mounted: list[Path] = []
+        rw = run_dir / "rw"
+        self.merged.mkdir(parents=True)
+        rw.mkdir()
+        if os.geteuid() == 0:
+            _mount("tmpfs", rw, "tmpfs", f"size={disk_mib}m,mode=0755")
+            self.mounted.append(rw)
+            (rw / "upper").mkdir()
+            (rw / "work").mkdir()
+            lower = ":".join(str(d) for d in reversed(lease.layer_dirs))  # overlayfs lists the top layer first
+            _mount("overlay", self.merged, "overlay", f"lowerdir={lower},upperdir={rw}/upper,workdir={rw}/work")
+            self.mounted.append(self.merged)
+        else:
+            warnings.warn("not root: the sandbox root is a copy of its layers and the disk limit is not enforced")
+            for d in lease.layer_dirs:
+                shutil.copytree(d, self.merged, symlinks=True, dirs_exist_ok=True)
+
+    @property
+    def workspace(self) -> Path:
+        return self.merged / WORKDIR.lstrip("/")
+
+    def remove(self) -> None:
+        for m in reversed(self.mounted):
+            _umount(m)
+        self.mounted = []
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# cgroups
+
+
+class Cgroup:
+    """One cgroup per sandbox for CPU, memory and process count (cgroup v2, or the v1 controllers)."""
+
+    def __init__(self, name: str, limits: Limits):
+        self.paths: list[Path] = []
+        base = Path("/sys/fs/cgroup")
+        period = 100_000
+        quota = max(1000, int(limits.cpus * period))
+        memory = limits.memory_mib * 1024 * 1024
+        try:
+            if (base / "cgroup.controllers").exists():
+                parent = base / "posttrain"
+                parent.mkdir(exist_ok=True)
+                (base / "cgroup.subtree_control").write_text("+cpu +memory +pids")
+                (parent / "cgroup.subtree_control").write_text("+cpu +memory +pids")
+                p = parent / name
+                p.mkdir()
+                self.paths.append(p)
+                (p / "memory.max").write_text(str(memory))
+                (p / "memory.swap.max").write_text("0") if (p / "memory.swap.max").exists() else None
+                (p / "pids.max").write_text(str(limits.pids))
+                (p / "cpu.max").write_text(f"{quota} {period}")
+            else:
+                for ctl, settings in (
+                    ("memory", {"memory.limit_in_bytes": memory}),
+                    ("pids", {"pids.max": limits.pids}),
+                    ("cpu", {"cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}),
+                ):
+                    p = base / ctl / "posttrain" / name
+                    p.mkdir(parents=True)
+                    self.paths.append(p)
+                    for key, value in settings.items():
+                        (p / key).write_text(str(value))
+        except OSError as exc:
+            self.remove()
+            raise SandboxError(f"cannot create the sandbox's cgroup under {base} ({exc}); CPU, memory and "
+                               "process limits need root or a delegated cgroup") from None
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(p / "cgroup.procs") for p in self.paths]
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` preceded by a shell that moves itself into the cgroup, then becomes ``argv``."""
+        files = " ".join(shlex.quote(f) for f in self.procs_files)
+        return ["/bin/sh", "-c", f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"', "sh", *argv]
+
+    def pids(self) -> list[int]:
+        out = set()
+        for f in self.procs_files:
+            try:
+                out.update(int(x) for x in Path(f).read_text().split())
+            except OSError:
+                pass
+        return sorted(out)
+
+    def peak_memory_bytes(self) -> int | None:
+        for p in self.paths:
+            for name in ("memory.peak", "memory.max_usage_in_bytes"):
+                try:
+                    return int((p / name).read_text())
+                except OSError:
+                    continue
+        return None
+
+    def remove(self) -> None:
+        for _ in range(100):
+            pids = self.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+        for p in self.paths:
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        self.paths = []
+
+
+# ---------------------------------------------------------------------------------------------
+# the toolchain seen inside
+
+
+def host_toolchain() -> list[str]:
+    """Host folders bound read-only into every sandbox: ``/usr`` and this Python (base and venv)."""
+    paths = ["/usr"]
+    for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
+        if not prefix.startswith("/usr/"):
+            paths.append(prefix)
+    return sorted(paths)
+
+
+def sandbox_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    path = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
+    path += [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]
+    env = {"PATH": ":".join(path), "HOME": SANDBOX_HOME, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+           "PYTHONDONTWRITEBYTECODE": "1", "GIT_CONFIG_NOSYSTEM": "0", "TERM": "dumb"}
+    env.update(extra or {})
+    return env
+
+
+def pxd_argv(python: str) -> list[str]:
+    return [python, "-I", "-S", PXD_IN_SANDBOX, "--workspace", WORKDIR, "--stdio"]
+
+
+# ---------------------------------------------------------------------------------------------
+# runtimes
+
+
+class Runtime(Protocol):
+    """How a prepared root becomes a running sandbox with pxd on its stdin/stdout."""
+
+    name: str
+
+    def command(self, sb: "Sandbox") -> list[str]: ...
+
+    def stop(self, sb: "Sandbox") -> None: ...
+
+
+class BwrapRuntime:
+    name = "bwrap"
+
+    def command(self, sb: "Sandbox") -> list[str]:
+        if shutil.which("bwrap") is None:
+            raise SandboxError("bwrap is not installed (Debian package 'bubblewrap'; scripts/setup.sh installs it)")
+        root = sb.rootfs.merged
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000",
+                "--hostname", "sandbox", "--new-session", "--cap-drop", "ALL",
+                "--bind", str(root), "/", "--bind", str(sb.rootfs.workspace), WORKDIR]
+        for path in host_toolchain():
+            argv += ["--ro-bind", path, path]
+        argv += ["--ro-bind", str(PXD_SOURCE), PXD_IN_SANDBOX,
+                 "--proc", "/proc", "--dev", "/dev",
+                 "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
+                 "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", SANDBOX_HOME,
+                 "--remount-ro", "/", "--clearenv"]
+        for key, value in sb.env.items():
+            argv += ["--setenv", key, value]
+        argv += ["--chdir", WORKDIR, "--", *pxd_argv(os.path.realpath(sys.executable))]
+        return argv
+
+    def stop(self, sb: "Sandbox") -> None:
+        pass  # the cgroup kill ends every process of the sandbox
+
+
+class GvisorRuntime:
+    name = "gvisor"
+    platform = "ptrace"
+
+    def command(self, sb: "Sandbox") -> list[str]:
+        if shutil.which("runsc") is None:
+            raise SandboxError("runsc is not installed (Debian package 'runsc'; scripts/setup.sh installs it)")
+        bundle = sb.run_dir / "bundle"
+        bundle.mkdir()
+        (bundle / "config.json").write_text(json.dumps(self.oci_config(sb), indent=1))
+        return ["runsc", "--root", str(self.state_dir(sb)), f"--platform={self.platform}", "--network=none",
+                "run", "--bundle", str(bundle), sb.id]
+
+    @staticmethod
+    def state_dir(sb: "Sandbox") -> Path:
+        return sb.run_dir / "runsc-state"
+
+    def oci_config(self, sb: "Sandbox") -> dict:
+        def ro(path, dest=None):
+            return {"destination": dest or path, "type": "bind", "source": path, "options": ["rbind", "ro"]}
+
+        limits = sb.limits
+        tmp_opts = ["nosuid", "nodev", f"size={limits.tmp_mib}m"]
+        mounts = [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": tmp_opts},
+            {"destination": SANDBOX_HOME, "type": "tmpfs", "source": "tmpfs", "options": tmp_opts},
+            *[ro(p) for p in host_toolchain()],
+            ro(str(PXD_SOURCE), PXD_IN_SANDBOX),
+            {"destination": WORKDIR, "type": "bind", "source": str(sb.rootfs.workspace), "options": ["rbind", "rw"]},
+        ]
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False, "user": {"uid": 0, "gid": 0},
+                "args": pxd_argv(os.path.realpath(sys.executable)),
+                "env": [f"{k}={v}" for k, v in sb.env.items()], "cwd": WORKDIR,
+                "noNewPrivileges": True,
+                "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+            },
+            "root": {"path": str(sb.rootfs.merged), "readonly": True},
+            "hostname": "sandbox",
+            "mounts": mounts,
+            "linux": {
+                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "cgroupsPath": f"/posttrain/{sb.id}",
+                "resources": {
+                    "memory": {"limit": limits.memory_mib * 1024 * 1024},
+                    "cpu": {"quota": max(1000, int(limits.cpus * 100_000)), "period": 100_000},
+                    # gVisor's own threads and, on ptrace, its stub processes count as host pids
+                    "pids": {"limit": limits.pids + 128},
+                },
+            },
+        }
+
+    def stop(self, sb: "Sandbox") -> None:
+        state = str(self.state_dir(sb))
+        subprocess.run(["runsc", "--root", state, "kill", sb.id, "KILL"], capture_output=True, timeout=30)
+        subprocess.run(["runsc", "--root", state, "delete", "-force", sb.id], capture_output=True, timeout=30)
+
+
+class UnisolatedRuntime:
+    name = "unisolated"
+
+    def command(self, sb: "Sandbox") -> list[str]:
+        return [sys.executable, "-I", "-S", str(PXD_SOURCE), "--workspace", str(sb.rootfs.workspace), "--stdio"]
+
+    def stop(self, sb: "Sandbox") -> None:
+        pass
+
+
+RUNTIME_CLASSES = {"bwrap": BwrapRuntime, "gvisor": GvisorRuntime, "unisolated": UnisolatedRuntime}
+
+
+# ---------------------------------------------------------------------------------------------
+# the sandbox
+
+
+def default_root() -> Path:
+    """``$POSTTRAIN_SANDBOX_DIR``, else ``$POSTTRAIN_HOME/sandboxes``, else ``./posttrain-data/sandboxes``."""
+    if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
+        return Path(os.environ["POSTTRAIN_SANDBOX_DIR"])
+    return Path(os.environ.get("POSTTRAIN_HOME", "posttrain-data")) / "sandboxes"
+
+
+def default_store() -> ImageStore:
+    return ImageStore(default_root() / "images")
+
+
+def default_cache() -> LayerCache:
+    return LayerCache(default_root() / "cache")
+
+
+class Sandbox:
+    """A running sandbox. Talk to it through :attr:`pxd` (the full client) or the shortcuts below;
+    :meth:`close` (or leaving the ``with`` block) removes it and everything it wrote."""
+
+    def __init__(self, image: Image, runtime: str, limits: Limits, store: ImageStore, cache: LayerCache,
+                 env: dict[str, str] | None = None):
+        self.id = f"pt-{uuid.uuid4().hex[:12]}"
+        self.image = image
+        self.limits = limits
+        self.runtime = RUNTIME_CLASSES[runtime]()
+        self.env = sandbox_env(env)
+        self.run_dir = cache.root / "run" / self.id
+        self.proc: subprocess.Popen | None = None
+        self.cgroup: Cgroup | None = None
+        self.rootfs: Rootfs | None = None
+        self.closed = False
+        self.expired = False
+        self._lock = threading.Lock()
+        started = time.perf_counter()
+        self.lease = cache.acquire(image, store)
+        self.cache_hit = self.lease.hit
+        try:
+            self.rootfs = Rootfs(self.run_dir, self.lease, limits.disk_mib)
+            argv = self.runtime.command(self)
+            if runtime != "gvisor":  # runsc makes its own cgroup from the OCI spec
+                self.cgroup = Cgroup(self.id, limits)
+                argv = self.cgroup.wrap(argv)
+            host_env = None
+            if runtime == "unisolated":  # the sandbox's variables, with a home folder of its own
+                home = self.run_dir / "home"
+                home.mkdir()
+                host_env = {**self.env, "HOME": str(home), "TMPDIR": str(home)}
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True, close_fds=True, env=host_env)
+            self.pxd = PxdClient.over_fds(self.proc.stdout.fileno(), self.proc.stdin.fileno(), name=f"pxd[{self.id}]")
+            try:
+                self.pxd.wait_ready(READY_TIMEOUT_S)
+            except PxdConnectionError as exc:
+                raise SandboxError(f"{runtime} sandbox for image {image.name} did not start: {exc}; "
+                                   f"stderr: {self._stderr_tail()}") from None
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.perf_counter() - started
+        self._timer = threading.Timer(limits.wall_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _stderr_tail(self) -> str:
+        if self.proc is None:
+            return ""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            return self.proc.stderr.read()[-2000:].decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.close()
+
+    # -- the evals-facing shortcuts ---------------------------------------------------------------
+
+    def exec(self, command: str | list[str], *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
+             cwd: str | None = None, env: dict[str, str] | None = None) -> ExecResult:
+        """Run a shell string (``/bin/sh -c``) or an argv list in the workspace; stdout and stderr are
+        merged into ``stdout`` (and ``output``), capped to the first and last ``output_cap_bytes / 2``."""
+        head = output_cap_bytes // 2
+        kwargs = dict(cwd=cwd, env=env, timeout_s=timeout_s, head_bytes=head, tail_bytes=output_cap_bytes - head,
+                      merge_stderr=True)
+        if isinstance(command, str):
+            return self.pxd.exec(shell=command, **kwargs)
+        return self.pxd.exec(list(command), **kwargs)
+
+    def read_file(self, path: str) -> bytes:
+        return self.pxd.read_file(path)
+
+    def write_file(self, path: str, data: bytes | str) -> None:
+        self.pxd.write_file(path, data)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        timer = getattr(self, "_timer", None)
+        if timer is not None:
+            timer.cancel()
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()  # pxd sees EOF and exits
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=0.5 if self.runtime.name != "gvisor" else 3)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            self.runtime.stop(self)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+            for f in (self.proc.stdout, self.proc.stderr):
+                f.close()
+        if self.rootfs is not None:
+            self.rootfs.remove()
+        else:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.lease.release()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "running"
+        return f"<Sandbox {self.id} {self.runtime.name} image={self.image.name} {state}>"
+
+
+def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: Limits | None = None,
+          store: ImageStore | None = None, cache: LayerCache | None = None, env: dict[str, str] | None = None,
+          allow_unisolated: bool = False) -> Sandbox:
+    """Start a sandbox from an :class:`Image`, an image name in ``store``, or a repository folder.
+
+    A folder is built into an image on the fly (content addressed: the same files reuse the cached
+    layer). ``runtime="unisolated"`` needs ``allow_unisolated=True``; nothing falls back to it."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if runtime == "unisolated" and not allow_unisolated:
+        raise SandboxError("runtime 'unisolated' isolates nothing; pass allow_unisolated=True to use it for debugging")
+    limits = limits or Limits()
+    store = store or default_store()
+    cache = cache or default_cache()
+    if isinstance(source, Image):
+        image = source
+    elif isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.isdir(source)):
+        path = Path(source).resolve()
+        if not path.is_dir():
+            raise ImageError(f"{path}: not a folder")
+        import hashlib
+        image = build_image("dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16], path, store)
+    elif isinstance(source, str):
+        image = store.load_image(source)
+    else:
+        raise TypeError(f"start() takes an Image, an image name or a folder, not {type(source).__name__}")
+    return Sandbox(image, runtime, limits, store, cache, env)
