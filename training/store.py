@@ -172,6 +172,15 @@ class RolloutStore:
         ]
         return Group(group_id=group_id, task_id=task_id, adapter_version=version, rollouts=rollouts)
 
+    def complete_group_ids(self) -> set[str]:
+        """Ids of every group whose rollouts are all stored, whatever their status."""
+        with self._conn() as conn:
+            rows = conn.execute(
+                "SELECT g.group_id FROM groups g JOIN rollouts r ON r.group_id = g.group_id "
+                "GROUP BY g.seq HAVING COUNT(r.rollout_id) = g.group_size"
+            ).fetchall()
+        return {r[0] for r in rows}
+
     def ready_groups(self) -> int:
         with self._conn() as conn:
             return len(self._complete_group_rows(conn))

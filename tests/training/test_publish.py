@@ -1,36 +1,40 @@
-"""Weight publication over real HTTP on loopback: sharded streams, hashes, volume copy."""
+"""Weight publication over real HTTP on loopback: every live replica (the local engine behind the
+serving HTTP layer) loads the new version from parallel shards, and the volume gets a copy."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-import pytest
-import requests
+from safetensors.torch import load_file
 
 from training.backends.torch_peft import TorchPeftBackend
-from training.publish import AdapterPublisher, AdapterReceiver, newest_version
+from training.publish import AdapterPublisher, newest_version
 
 
-def test_publish_reaches_every_receiver_and_the_volume(tmp_path: Path, tiny_model_dir: Path):
+def test_publish_reaches_every_replica_and_the_volume(tmp_path: Path, tiny_model_dir: Path):
+    from serving.client import EngineClient
+    from serving.engine import LocalEngine
+    from serving.http import serve
+
     backend = TorchPeftBackend(tiny_model_dir, lora_rank=4)
-    backend.save_adapter(tmp_path / "out")
-    receivers = [AdapterReceiver(tmp_path / f"replica{i}") for i in range(2)]
+    servers = [serve(LocalEngine(tiny_model_dir, torch_threads=1)) for _ in range(2)]
     try:
-        publisher = AdapterPublisher(tmp_path / "volume", [r.url for r in receivers], streams=3)
-        result = publisher.publish(7, tmp_path / "out")
-        assert result.version == "step_000007" and result.replicas == 2
-        want = hashlib.sha256((tmp_path / "out" / "adapter_model.safetensors").read_bytes()).hexdigest()
-        for i, r in enumerate(receivers):
-            got = (tmp_path / f"replica{i}" / "step_000007" / "adapter_model.safetensors").read_bytes()
-            assert hashlib.sha256(got).hexdigest() == want
-            assert r.loaded == ["step_000007"]
-        assert newest_version(tmp_path / "volume")[0] == "step_000007"
-        # a corrupted shard is refused, and the receiver names the shard
-        resp = requests.put(f"{receivers[0].url}/adapters/step_000008/shards/0", data=b"xx", headers={"X-Sha256": "0"})
-        assert resp.status_code == 400 and "shard 0" in resp.text
-        with pytest.raises(ValueError, match="do not match"):
-            receivers[0].commit("step_000009", {"size": 3, "sha256": "x", "adapter_config": {}})
+        publisher = AdapterPublisher(tmp_path / "volume", [s.url for s in servers], streams=3, keep_versions=2)
+        for step in (1, 2, 3):
+            backend.save_adapter(tmp_path / f"out{step}")
+            result = publisher.publish(step, tmp_path / f"out{step}")
+            assert result.version == f"step_{step:06d}" and result.replicas == 2
+        for s in servers:
+            assert sorted(EngineClient(s.url).server_info()["loaded_adapters"]) == ["step_000002", "step_000003"]
+        version, path = newest_version(tmp_path / "volume")
+        assert version == "step_000003"
+        sent = load_file(str(tmp_path / "out3" / "adapter_model.safetensors"))
+        stored = load_file(str(Path(path) / "adapter_model.safetensors"))
+        assert sent.keys() == stored.keys() and all((sent[k] == stored[k]).all() for k in sent)
+        out = EngineClient(servers[0].url).generate([1, 2, 3], {"max_new_tokens": 3}, return_logprob=True,
+                                                    lora_path="step_000003")
+        assert len(out["output_ids"]) == 3
     finally:
-        for r in receivers:
-            r.close()
+        for s in servers:
+            s.shutdown()

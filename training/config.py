@@ -1,0 +1,84 @@
+"""The trainer's settings: one frozen dataclass, parsed once from a mapping (the resolved run plan's
+``trainer`` table, or JSON), with errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_name: str = "demo"
+    base_model: str = ""  # a Hugging Face model folder
+    backend: str = "torch_peft"
+    steps: int = 44
+    groups_per_step: int = 6  # whole groups the trainer takes per step
+    group_size: int = 8  # samples per task per group
+    max_policy_lag: int = 1  # a group sampled by adapter version v is used at steps <= v + 1 + lag
+    producer_workers: int = 1  # threads running groups; 0 = synchronous (deterministic, for tests)
+    checkpoint_every: int = 11
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    learning_rate: float = 2e-3
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    scale_advantages_by_std: bool = False
+    temperature: float = 1.0
+    max_new_tokens: int = 48
+    max_turns: int = 2
+    seed: int = 0
+    torch_threads: int = 1
+    publish_streams: int = 4
+    tasks: str = ""  # the bundled suite folder (or any task source evals can load)
+    curriculum: str = ""  # curriculum.json from the difficulty_curriculum asset
+    environment: str = "harness"  # the group runner: harness (evals agent harness) or a registered name
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "trainer config") -> "TrainConfig":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"{source}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(fields))}")
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            want = type(getattr(cls(), key))
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ValueError(f"{source}: key {key!r} must be {want.__name__}, got {value!r}")
+            values[key] = value
+        config = cls(**values)
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "trainer config") -> None:
+        for key in ("steps", "groups_per_step", "group_size", "checkpoint_every", "lora_rank", "max_new_tokens", "max_turns"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{source}: key {key!r} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_policy_lag", "producer_workers"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{source}: key {key!r} must be >= 0, got {getattr(self, key)}")
+        if self.group_size < 2:
+            raise ValueError(f"{source}: key 'group_size' must be >= 2 (advantages are relative within a group)")
+        if not self.base_model:
+            raise ValueError(f"{source}: key 'base_model' is required (a Hugging Face model folder)")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"trainer config {path} is missing")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"trainer config {path}: not valid JSON: {exc}") from exc
+        if isinstance(data, dict) and "trainer" in data and isinstance(data["trainer"], dict):
+            data = data["trainer"]
+        return cls.from_mapping(data, str(path))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,295 @@
+"""The pieces of an RL run that ``training.__main__`` strings together.
+
+- :class:`GroupRunner`: what produces one group of rollouts (the evals agent harness against the
+  engine fleet, in :mod:`training.episodes`), as a protocol.
+- :class:`Producer`: threads that keep ``groups_per_step * (max_policy_lag + 1)`` groups in flight or
+  ready, always sampling with the newest published adapter, writing each rollout to the store as soon
+  as it finishes. With ``producer_workers = 0`` the trainer produces each step's groups itself,
+  synchronously and deterministically (group ids and seeds depend only on the step).
+- :class:`RunState`: the trainer side: backend, curriculum, store, metrics; opened fresh or resumed
+  from the newest complete checkpoint; takes batches within the policy lag, steps, checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+
+from training.backends import StepResult, TrainBatch, TrainerBackend, load_backend
+from training.checkpoint import complete_steps, checkpoint_path, read_metadata, rng_state, set_rng_state, write_checkpoint
+from training.config import TrainConfig
+from training.curriculum import Curriculum
+from training.grpo import group_advantages
+from training.metrics import MetricsWriter, bin_rows
+from training.publish import AdapterPublisher, version_name
+from training.rollout import Rollout
+from training.store import Group, RolloutStore
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """The policy a group is sampled with: ``version`` is the step (0: base model, ``name`` None)."""
+
+    version: int
+    name: str | None
+    path: Path | None
+
+
+class GroupRunner(Protocol):
+    def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterable[Rollout]:
+        """Run ``size`` episodes of ``task_id`` with ``adapter``; yield each rollout as it finishes."""
+        ...
+
+
+def group_seed(seed: int, group_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{group_id}".encode()).digest()[:4], "little")
+
+
+class Producer:
+    """Keeps groups in flight on worker threads; see the module docstring."""
+
+    def __init__(self, state: "RunState", runner: GroupRunner) -> None:
+        self.state = state
+        self.runner = runner
+        self.cfg = state.cfg
+        self._stop = threading.Event()
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._seq = state.store.counts()["groups"]
+        self.errors: list[BaseException] = []
+
+    def produce(self, task_id: str, group_id: str, adapter: AdapterRef) -> None:
+        store = self.state.store
+        store.add_group(group_id, task_id, adapter.version, self.cfg.group_size)
+        seed = group_seed(self.cfg.seed, group_id)
+        for rollout in self.runner.run_group(task_id, adapter, group_id, self.cfg.group_size, seed):
+            store.put(rollout)
+
+    def produce_step(self, step: int) -> None:
+        """Synchronous mode: this step's groups, named by step, skipping any already stored."""
+        tasks = self.state.next_tasks(self.cfg.groups_per_step)
+        adapter = self.state.current_adapter()
+        done = self.state.store.complete_group_ids()
+        for i, task in enumerate(tasks):
+            group_id = f"s{step:06d}-g{i:02d}"
+            if group_id not in done:
+                self.produce(task, group_id, adapter)
+
+    def start(self) -> None:
+        for i in range(self.cfg.producer_workers):
+            t = threading.Thread(target=self._work, name=f"producer-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _work(self) -> None:
+        target = self.cfg.groups_per_step * (self.cfg.max_policy_lag + 1)
+        while not self._stop.is_set():
+            with self._cond:
+                if self._inflight + self.state.store.ready_groups() >= target:
+                    self._cond.wait(timeout=0.05)
+                    continue
+                self._inflight += 1
+                self._seq += 1
+                group_id = f"n{self._seq:07d}"
+            try:
+                task = self.state.next_tasks(1)[0]
+                self.produce(task, group_id, self.state.current_adapter())
+            except BaseException as exc:  # surfaced to the trainer, which stops the run
+                self.errors.append(exc)
+                self._stop.set()
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=600)
+
+
+@dataclass
+class TakenBatch:
+    groups: list[Group]
+    discarded: list[Group]
+    wait_s: float
+
+
+class RunState:
+    """The trainer's state, opened from ``run_dir`` (fresh, or resumed from its newest checkpoint)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, curriculum: Curriculum, receivers: list[str] = ()) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.backend: TrainerBackend = load_backend(
+            cfg.backend, model_path=cfg.base_model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+            learning_rate=cfg.learning_rate, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, seed=cfg.seed,
+        )
+        self.store = RolloutStore(self.run_dir / "store" / "rollouts.sqlite")
+        self.publisher = AdapterPublisher(self.run_dir / "adapters", receivers, streams=cfg.publish_streams)
+        self._lock = threading.Lock()
+        self.curriculum = curriculum
+        self.step = 0
+        self.resumed_from: int | None = None
+        done = complete_steps(self.run_dir)
+        if done and done[-1] > 0:
+            self._resume(done[-1])
+        elif not done:
+            self._write_base_checkpoint()
+        self.metrics = MetricsWriter(self.run_dir / "metrics", resume_step=self.step)
+        (self.run_dir / "trainer-config.json").write_text(json.dumps(cfg.to_json(), indent=1))
+        self._adapter = AdapterRef(0, None, None) if self.step == 0 else self._adapter_on_volume(self.step)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def _resume(self, step: int) -> None:
+        ckpt = checkpoint_path(self.run_dir, step)
+        read_metadata(ckpt)
+        self.backend.load_state(ckpt)
+        self.curriculum = Curriculum.load(ckpt / "curriculum.json")
+        set_rng_state(torch.load(ckpt / "rng.pt", weights_only=False))
+        self.step = step
+        self.resumed_from = step
+        self.store.rewind_to(step)
+
+    def _adapter_on_volume(self, step: int) -> AdapterRef:
+        path = self.run_dir / "adapters" / version_name(step)
+        if not path.is_dir():  # published copy missing (killed between checkpoint and publish)
+            self.publisher.publish(step, checkpoint_path(self.run_dir, step) / "adapter")
+        return AdapterRef(step, version_name(step), path)
+
+    def _write_base_checkpoint(self) -> None:
+        def fill(tmp: Path) -> None:
+            self.curriculum.save(tmp / "curriculum.json")
+
+        write_checkpoint(self.run_dir, 0, fill, self._metadata(0, base_only=True))
+
+    def _metadata(self, step: int, base_only: bool = False, **extra: Any) -> dict[str, Any]:
+        return {
+            "run_name": self.cfg.run_name, "base_model": str(Path(self.cfg.base_model).resolve()),
+            "adapter": None if base_only else "adapter", "adapter_version": version_name(step) if step else None,
+            **extra,
+        }
+
+    # -- the producer's view ------------------------------------------------------------------------
+
+    def current_adapter(self) -> AdapterRef:
+        with self._lock:
+            return self._adapter
+
+    def next_tasks(self, n: int) -> list[str]:
+        with self._lock:
+            return self.curriculum.next_tasks(n)
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def take(self, step: int, produce: Callable[[], None] | None = None, should_stop: Callable[[], None] = lambda: None) -> TakenBatch:
+        """Whole groups for ``step``, waiting until enough are complete; stale ones are discarded.
+
+        The trainer at ``step`` updates adapter version ``step - 1``; a group sampled at version ``v``
+        has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
+        """
+        if produce is not None:
+            produce()
+        min_version = max(0, step - 1 - self.cfg.max_policy_lag)
+        groups: list[Group] = []
+        discarded: list[Group] = []
+        started = time.perf_counter()
+        while True:
+            take = self.store.take_groups(self.cfg.groups_per_step - len(groups), step=step, min_version=min_version)
+            groups += take.groups
+            discarded += take.discarded_groups
+            if len(groups) >= self.cfg.groups_per_step:
+                return TakenBatch(groups, discarded, time.perf_counter() - started)
+            should_stop()
+            time.sleep(0.02)
+
+    def build_batch(self, groups: list[Group]) -> tuple[TrainBatch | None, int]:
+        """The batch of the groups with reward variance, and how many groups were dropped."""
+        rewards = torch.tensor([[r.reward for r in g.rollouts] for g in groups])
+        adv = group_advantages(rewards, scale_by_std=self.cfg.scale_advantages_by_std)
+        ids, masks, lps, advs = [], [], [], []
+        for g, keep, row in zip(groups, adv.kept.tolist(), adv.advantages.tolist()):
+            if not keep:
+                continue
+            for r, a in zip(g.rollouts, row):
+                ids.append(r.input_ids)
+                masks.append(r.loss_mask)
+                lps.append(r.serving_logprobs)
+                advs.append(a)
+        batch = TrainBatch(ids, masks, lps, advs) if ids else None
+        return batch, adv.dropped_groups
+
+    def train(self, step: int, taken: TakenBatch) -> dict[str, Any]:
+        started = time.perf_counter()
+        batch, dropped = self.build_batch(taken.groups)
+        result = self.backend.train_step(batch) if batch is not None else None
+        train_s = time.perf_counter() - started
+        with self._lock:
+            for g in taken.groups:
+                self.curriculum.record(g.task_id, [r.reward for r in g.rollouts])
+            self.curriculum.advance(step)
+        self.step = step
+        row = self._step_row(step, taken, batch, dropped, result, train_s)
+        self.metrics.record(row, bin_rows(step, taken.groups, taken.discarded, step - 1))
+        return row
+
+    def _step_row(self, step: int, taken: TakenBatch, batch: TrainBatch | None, dropped: int,
+                  result: StepResult | None, train_s: float) -> dict[str, Any]:
+        rollouts = [r for g in taken.groups for r in g.rollouts]
+        ages = [step - 1 - r.adapter_version for r in rollouts]
+        used_tokens = batch.generated_tokens if batch is not None else 0
+        consumed_tokens = sum(g.generated_tokens for g in taken.groups)
+        discarded_tokens = sum(g.generated_tokens for g in taken.discarded)
+        solved = [1.0 if r.reward >= 1.0 else 0.0 for r in rollouts]
+        return {
+            "step": step, "time_s": time.time(),
+            "loss": result.loss if result else 0.0, "pg_loss": result.pg_loss if result else 0.0,
+            "kl": result.kl if result else 0.0, "grad_norm": result.grad_norm if result else 0.0,
+            "mean_is_weight": result.mean_is_weight if result else 1.0,
+            "clipped_is_fraction": result.clipped_is_fraction if result else 0.0,
+            "reward_mean": sum(r.reward for r in rollouts) / max(len(rollouts), 1),
+            "solve_rate": sum(solved) / max(len(solved), 1),
+            "groups": len(taken.groups), "zero_variance_groups": dropped,
+            "samples": len(rollouts), "useful_tokens": used_tokens, "consumed_tokens": consumed_tokens,
+            "discarded_groups": len(taken.discarded), "discarded_samples": sum(len(g.rollouts) for g in taken.discarded),
+            "discarded_tokens": discarded_tokens,
+            "discarded_token_fraction": discarded_tokens / max(discarded_tokens + consumed_tokens, 1),
+            "policy_age_mean": sum(ages) / max(len(ages), 1), "policy_age_max": max(ages, default=0),
+            "wait_s": taken.wait_s, "train_s": train_s,
+            "useful_tokens_per_s": used_tokens / max(taken.wait_s + train_s, 1e-9),
+        }
+
+    def checkpoint(self, step: int, extra: dict[str, Any]) -> Path:
+        def fill(tmp: Path) -> None:
+            self.backend.save_state(tmp)
+            torch.save(rng_state(), tmp / "rng.pt")
+            with self._lock:
+                self.curriculum.save(tmp / "curriculum.json")
+            self.store.snapshot(tmp / "store.sqlite")
+
+        return write_checkpoint(self.run_dir, step, fill, self._metadata(step, **extra))
+
+    def publish(self, step: int) -> Any:
+        tmp = self.run_dir / "adapters" / f".out-{version_name(step)}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self.backend.save_adapter(tmp)
+        result = self.publisher.publish(step, tmp)
+        shutil.rmtree(tmp)
+        with self._lock:
+            self._adapter = AdapterRef(step, result.version, self.run_dir / "adapters" / result.version)
+        return result
