@@ -1,1 +1,57 @@
-"""posttrain serving."""
+"""posttrain serving: engines, capture in the replica, adapter versions, the router, the fleet.
+
+Everything speaks SGLang's native HTTP API, so in production the replica *is* SGLang and locally it
+is ``serving.engine.LocalEngine`` (transformers + peft on CPU). Nothing here imports Dagster or
+another posttrain package.
+
+A tiny model for tests and CPU runs (no downloads)::
+
+    from serving.tiny import build_tiny_model, build_tiny_lora_adapter
+    model_dir = build_tiny_model(tmp / "model")                  # Qwen2, hidden 64, 2 layers, BPE tokenizer
+    adapter_dir = build_tiny_lora_adapter(model_dir, tmp / "v000001")
+
+A local engine, in-process or as a process (``python -m serving.engine --model DIR --port N``)::
+
+    from serving.engine import LocalEngine
+    from serving.http import serve
+    server = serve(LocalEngine(model_dir, max_total_tokens=65536, max_running_requests=64), port=0)
+    server.url                                 # http://127.0.0.1:PORT; server.shutdown() to stop
+
+Calling it (a replica, the capture sidecar or the router; all take the same calls)::
+
+    from serving.client import EngineClient
+    client = EngineClient(server.url)
+    client.load_lora_adapter("v000001", adapter_dir)
+    out = client.generate(input_ids, {"max_new_tokens": 48, "temperature": 1.0, "stop_token_ids": [2]},
+                          return_logprob=True, lora_path="v000001", rid="rollout-42")
+    out["output_ids"]                                   # sampled token ids
+    out["meta_info"]["output_token_logprobs"]           # [[logprob, token_id, None], ...]
+    out["meta_info"]["weight_version"]                  # the adapter version that served it
+    out["meta_info"]["cached_tokens"], out["meta_info"]["finish_reason"]
+    client.session("rollout-42")   # captured calls: input_ids, output_ids, output_logprobs, lora_path, ...
+
+HTTP endpoints of a replica (``serving.http``): ``POST /generate``, ``POST /load_lora_adapter``,
+``POST /unload_lora_adapter``, ``PUT /lora_shards/{name}/{i}?num_shards=N`` +
+``POST /commit_lora_adapter`` (sharded adapter upload), ``GET /health``, ``/server_info``,
+``/metrics`` (``sglang:`` names), ``GET|DELETE /sessions/{rid}``. Bad input: HTTP 400 naming the field.
+
+Publishing a new adapter version (the trainer)::
+
+    from serving.adapters import publish_to_volume, push_adapter
+    publish_to_volume(adapter_dir, run_dir / "adapters", "v000002")  # late joiners load the newest
+    push_adapter(replica_url, "v000002", adapter_dir, num_shards=4)   # parallel shards over HTTP
+    EngineClient(router_url).pool.json("POST", f"{router_url}/publish_adapter",
+        {"lora_name": "v000002", "lora_path": str(run_dir / "adapters" / "v000002")})
+
+The router and the fleet (``lora_path="latest"``: the newest version ready in every pool, pinned
+for the session's life)::
+
+    from serving.router import Router, serve_router
+    from serving.fleet import LocalFleet
+    router = Router("kv_headroom", adapters_volume=run_dir / "adapters")
+    fleet = LocalFleet(model_dir, router, mode="thread"); fleet.scale_up(2)
+    router_server = serve_router(router, port=0)   # POST /generate, /end_session, /workers, /publish_adapter
+
+SGLang on Kubernetes: ``serving.sglang.sglang_server_args(plan)`` and ``sglang_launch_spec(plan, ...)``
+(a Deployment with the SGLang container and the capture sidecar ``python -m serving.capture``).
+"""
