@@ -1,0 +1,104 @@
+"""Evaluate one checkpoint: several attempts per task, one row per attempt.
+
+:func:`evaluate` is the core of the ``deepswe_eval`` asset, usable without Dagster::
+
+    rows = evaluate(tasks, model, tokenizer, sandbox_factory, checkpoint="demo-step_000004",
+                    adapter_version="step_000004", attempts=8)
+
+Each row holds the task, the attempt index, the grading status (``graded`` / ``apply_failed`` /
+``infra_error``), the DeepSWE score fields, and how the episode went. An attempt that hits an
+infrastructure failure is retried up to ``infra_retries`` times; if it still fails it is recorded
+with ``status="infra_error"`` and empty scores, and metrics leave it out (never scored as 0).
+:func:`write_rows` stores rows as Parquet (temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+from evals.grading import INFRA_ERROR, Scores
+from evals.harness import ModelClient, Tokenizer, Trajectory, run_episode
+from evals.sandbox import SandboxFactory
+from evals.tasks import Task
+
+SCORE_FIELDS = tuple(Scores.__dataclass_fields__)
+ROW_COLUMNS = ("checkpoint", "adapter_version", "task_id", "source", "difficulty", "split", "attempt", "status",
+               *SCORE_FIELDS, "committed", "stop_reason", "turns", "output_tokens", "agent_s", "grade_s",
+               "infra_retries", "detail", "session_id")
+
+
+def attempt_row(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> dict[str, Any]:
+    """The Parquet row of one graded (or infra-failed) attempt."""
+    grade = traj.grade
+    if traj.stop_reason == INFRA_ERROR or grade is None:
+        status, scores, detail = INFRA_ERROR, None, traj.error or "not graded"
+    else:
+        status, scores, detail = grade.status, grade.scores, grade.detail
+    row: dict[str, Any] = {
+        "checkpoint": checkpoint, "adapter_version": traj.adapter_version, "task_id": task.id,
+        "source": task.source, "difficulty": task.difficulty, "split": task.split, "attempt": attempt,
+        "status": status, "committed": traj.committed, "stop_reason": traj.stop_reason,
+        "turns": len(traj.calls), "output_tokens": sum(len(c.output_ids) for c in traj.calls),
+        "agent_s": traj.agent_s, "grade_s": traj.grade_s, "infra_retries": infra_retries,
+        "detail": detail[:500], "session_id": traj.session_id,
+    }
+    for name in SCORE_FIELDS:
+        row[name] = getattr(scores, name) if scores is not None else None
+    return row
+
+
+def evaluate(
+    tasks: Sequence[Task],
+    model: ModelClient,
+    tokenizer: Tokenizer,
+    sandbox_factory: SandboxFactory,
+    *,
+    checkpoint: str,
+    adapter_version: str | None = None,
+    attempts: int = 8,
+    action_format: str = "compact",
+    max_turns: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    workers: int = 2,
+    infra_retries: int = 2,
+    **episode_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Run ``attempts`` episodes of every task and return one row per attempt, in task order."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+    def one(job: tuple[int, int]) -> dict[str, Any]:
+        ti, attempt = job
+        task = tasks[ti]
+        for retry in range(infra_retries + 1):
+            traj = run_episode(
+                task, model, tokenizer, sandbox_factory, adapter_version=adapter_version,
+                session_id=f"{checkpoint}/{task.id}/{attempt}/{retry}", action_format=action_format,
+                max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
+                seed=seed * 1_000_003 + ti * 1009 + attempt * 17 + retry, **episode_kwargs,
+            )
+            if not traj.infra_error:
+                break
+        return attempt_row(task, attempt, traj, checkpoint, retry)
+
+    jobs = [(ti, a) for ti in range(len(tasks)) for a in range(attempts)]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write attempt rows to Parquet atomically; an empty list writes the schema with no rows."""
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(list(rows), columns=list(ROW_COLUMNS))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    frame.to_parquet(tmp, index=False)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,239 @@
+"""The evaluation report: per-checkpoint scores with intervals, the paired comparison with the base
+model, every score with each flawed-task list dropped, Markdown tables and matplotlib plots.
+
+Input is the per-attempt rows of :mod:`evals.evaluate` for any number of checkpoints (a DataFrame).
+Rows with ``status == "infra_error"`` are left out of every score (they were never graded). Per task,
+pass@k uses the unbiased estimator over that task's graded attempts; target scores are averaged over
+a task's attempts first, so every task weighs the same. Intervals bootstrap over tasks
+(:mod:`evals.metrics`). The base model of checkpoint ``<run>-step_NNNNNN`` is ``<run>-step_000000``
+(the platform's partition convention); the paired comparison uses the tasks both were graded on.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from evals.flawed import FlawedList
+from evals.grading import INFRA_ERROR
+from evals.metrics import Estimate, bootstrap, paired_difference, pass_at_k
+
+_KEY = re.compile(r"^(?P<run>.+)-step_(?P<step>\d{6})$")
+
+
+def base_checkpoint(key: str) -> str | None:
+    """``<run>-step_000000`` for a checkpoint key ``<run>-step_NNNNNN``; None for other keys."""
+    match = _KEY.match(key)
+    return f"{match['run']}-step_000000" if match else None
+
+
+def checkpoint_step(key: str) -> int | None:
+    match = _KEY.match(key)
+    return int(match["step"]) if match else None
+
+
+def per_task(rows: pd.DataFrame, k: int) -> pd.DataFrame:
+    """One row per task: graded attempts ``n``, passes ``c``, pass@1, pass@k and mean target scores."""
+    graded = rows[rows["status"] != INFRA_ERROR]
+    out = []
+    for task_id, group in graded.groupby("task_id", sort=True):
+        n = len(group)
+        c = int((group["reward"] >= 1.0).sum())
+        out.append({
+            "task_id": task_id, "n": n, "c": c,
+            "pass@1": pass_at_k(n, c, 1),
+            f"pass@{k}": pass_at_k(n, c, k) if n >= k else math.nan,
+            "target_score": float(group["target_score"].mean()),
+            "strict_target_score": float(group["strict_target_score"].mean()),
+            "partial": float(group["partial"].mean()),
+        })
+    return pd.DataFrame(out, columns=["task_id", "n", "c", "pass@1", f"pass@{k}", "target_score",
+                                      "strict_target_score", "partial"])
+
+
+@dataclass
+class CheckpointScores:
+    checkpoint: str
+    subset: str  # "all" or "without <list>"
+    n_tasks: int
+    attempts: int
+    infra_errors: int
+    estimates: dict[str, Estimate] = field(default_factory=dict)
+    vs_base: dict[str, Estimate] = field(default_factory=dict)
+
+
+METRICS = ("pass@1", "target_score", "strict_target_score")
+
+
+def score_checkpoint(rows: pd.DataFrame, *, k: int = 8, resamples: int = 2000, seed: int = 0,
+                     base_rows: pd.DataFrame | None = None, subset: str = "all") -> CheckpointScores:
+    """Scores of one checkpoint's rows (and, given ``base_rows``, the paired differences to the base)."""
+    checkpoint = str(rows["checkpoint"].iloc[0]) if len(rows) else ""
+    table = per_task(rows, k)
+    result = CheckpointScores(checkpoint, subset, len(table), int((rows["status"] != INFRA_ERROR).sum()),
+                              int((rows["status"] == INFRA_ERROR).sum()))
+    if table.empty:
+        return result
+    for metric in (*METRICS, f"pass@{k}"):
+        values = table[metric].dropna()
+        if len(values):
+            result.estimates[metric] = bootstrap(values.to_numpy(), resamples=resamples, seed=seed)
+    if base_rows is not None and len(base_rows):
+        base_table = per_task(base_rows, k).set_index("task_id")
+        new_table = table.set_index("task_id")
+        for metric in METRICS:
+            try:
+                result.vs_base[metric] = paired_difference(new_table[metric].to_dict(), base_table[metric].to_dict(),
+                                                           resamples=resamples, seed=seed)
+            except ValueError:
+                pass
+    return result
+
+
+def build_report(rows: pd.DataFrame, flawed_lists: Sequence[FlawedList] = (), *, k: int = 8,
+                 resamples: int = 2000, seed: int = 0) -> list[CheckpointScores]:
+    """Scores of every checkpoint in ``rows`` on all tasks and without each flawed list's tasks."""
+    if rows.empty:
+        return []
+    out = []
+    checkpoints = sorted(rows["checkpoint"].unique(), key=lambda c: (checkpoint_step(c) or 0, c))
+    subsets: list[tuple[str, frozenset[str]]] = [("all", frozenset())]
+    subsets += [(f"without {fl.name}", fl.ids) for fl in flawed_lists]
+    for name, dropped in subsets:
+        kept = rows[~rows["task_id"].isin(dropped)]
+        for ckpt in checkpoints:
+            mine = kept[kept["checkpoint"] == ckpt]
+            base = base_checkpoint(ckpt)
+            base_rows = kept[kept["checkpoint"] == base] if base and base != ckpt else None
+            out.append(score_checkpoint(mine, k=k, resamples=resamples, seed=seed, base_rows=base_rows, subset=name))
+    return out
+
+
+def markdown_tables(report: Sequence[CheckpointScores], k: int = 8) -> str:
+    """The report as Markdown: one table per subset, estimates as ``value [low, high]``."""
+    lines: list[str] = []
+    subsets = list(dict.fromkeys(r.subset for r in report))
+    for subset in subsets:
+        lines += [f"### {subset} tasks" if subset == "all" else f"### {subset}", ""]
+        header = ["checkpoint", "tasks", "attempts", "infra errors", "pass@1", f"pass@{k}", "target score",
+                  "strict target score", "Δ pass@1 vs base", "Δ target vs base"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        for r in (r for r in report if r.subset == subset):
+            def cell(d: dict[str, Estimate], key: str) -> str:
+                return d[key].fmt() if key in d else "–"
+            lines.append("| " + " | ".join([
+                r.checkpoint, str(r.n_tasks), str(r.attempts), str(r.infra_errors), cell(r.estimates, "pass@1"),
+                cell(r.estimates, f"pass@{k}"), cell(r.estimates, "target_score"),
+                cell(r.estimates, "strict_target_score"), cell(r.vs_base, "pass@1"), cell(r.vs_base, "target_score"),
+            ]) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report_rows(report: Sequence[CheckpointScores]) -> pd.DataFrame:
+    """The report flattened to one row per (subset, checkpoint) for Parquet/CSV."""
+    out: list[dict[str, Any]] = []
+    for r in report:
+        row: dict[str, Any] = {"subset": r.subset, "checkpoint": r.checkpoint, "tasks": r.n_tasks,
+                               "attempts": r.attempts, "infra_errors": r.infra_errors}
+        for key, est in r.estimates.items():
+            row[key], row[f"{key}_low"], row[f"{key}_high"] = est.value, est.low, est.high
+        for key, est in r.vs_base.items():
+            row[f"delta_{key}"], row[f"delta_{key}_low"], row[f"delta_{key}_high"] = est.value, est.low, est.high
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def plot_pass_at_1(report: Sequence[CheckpointScores], path: str | Path) -> Path:
+    """pass@1 per checkpoint with its interval, one line per run (subset ``all``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in report if r.subset == "all" and "pass@1" in r.estimates]
+    runs: dict[str, list[CheckpointScores]] = {}
+    for r in rows:
+        runs.setdefault(_KEY.match(r.checkpoint)["run"] if _KEY.match(r.checkpoint) else r.checkpoint, []).append(r)
+    for run, items in sorted(runs.items()):
+        xs = [checkpoint_step(r.checkpoint) or 0 for r in items]
+        est = [r.estimates["pass@1"] for r in items]
+        ys = np.array([e.value for e in est])
+        err = np.array([[e.value - e.low for e in est], [e.high - e.value for e in est]])
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=run)
+    ax.set_xlabel("step")
+    ax.set_ylabel("pass@1 (95% bootstrap CI)")
+    ax.set_ylim(0, 1)
+    ax.set_title("pass@1 per checkpoint")
+    if runs:
+        ax.legend()
+    return _save(fig, path)
+
+
+def plot_pass_at_k(rows: pd.DataFrame, path: str | Path, k_max: int = 8) -> Path:
+    """pass@k for k = 1..k_max, one curve per checkpoint, over all graded tasks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    graded = rows[rows["status"] != INFRA_ERROR]
+    for ckpt in sorted(graded["checkpoint"].unique(), key=lambda c: (checkpoint_step(c) or 0, c)):
+        counts = graded[graded["checkpoint"] == ckpt].groupby("task_id")["reward"].agg(["count", "sum"])
+        ks = list(range(1, k_max + 1))
+        ys = []
+        for k in ks:
+            vals = [pass_at_k(int(n), int(c), k) for n, c in zip(counts["count"], counts["sum"]) if n >= k]
+            ys.append(float(np.mean(vals)) if vals else np.nan)
+        ax.plot(ks, ys, marker=".", label=ckpt)
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k")
+    ax.set_ylim(0, 1)
+    ax.set_title("pass@k curves")
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def plot_target_scores(report: Sequence[CheckpointScores], path: str | Path) -> Path:
+    """Mean target score and strict target score per checkpoint, with intervals (subset ``all``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report if r.subset == "all" and "target_score" in r.estimates]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
+    x = np.arange(len(rows))
+    for offset, metric in ((-0.2, "target_score"), (0.2, "strict_target_score")):
+        est = [r.estimates[metric] for r in rows]
+        ys = np.array([e.value for e in est])
+        err = np.array([[e.value - e.low for e in est], [e.high - e.value for e in est]]) if est else None
+        ax.bar(x + offset, ys, width=0.4, yerr=err, capsize=3, label=metric.replace("_", " "))
+    ax.set_xticks(x, [r.checkpoint for r in rows], rotation=30, ha="right", fontsize="small")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("mean over tasks (95% CI)")
+    ax.set_title("target scores per checkpoint")
+    ax.legend()
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,33 @@
+"""Shared fixtures: a small bundled suite built for real (generated, written, validated by running
+its tests), and the path of the DeepSWE v1.1 copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+DEEPSWE = Path("/work/shared/datasets/deepswe-1.1")
+
+
+@pytest.fixture(scope="session")
+def small_suite(tmp_path_factory) -> Path:
+    from evals.bundled import build_suite
+
+    out = tmp_path_factory.mktemp("suite") / "bundled"
+    build_suite(out, per_level=2, workers=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_tasks(small_suite):
+    from evals.tasks import load_bundled
+
+    return list(load_bundled(small_suite).tasks)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from serving.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()

@@ -1,0 +1,205 @@
+"""The grader on crafted reports (both formats), and on committed work in real working copies."""
+
+import contextlib
+import json
+
+import pytest
+
+from dagster_project.cli import main
+from evals.grading import (
+    APPLY_FAILED, GRADED, INFRA_ERROR, ReportError, Status, committed_patch, grade_patch, grade_reports,
+    merge_statuses, parse_ctrf, parse_junit, score,
+)
+from evals.sandbox import InfraError
+
+JUNIT_BASE = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="4">
+  <testcase classname="tests.test_a" name="test_old_1" time="0.01"/>
+  <testcase classname="tests.test_a" name="test_old_2" time="0.01"/>
+  <testcase classname="tests.test_a" name="test_flaky" time="0.01"/>
+  <testcase classname="tests.test_a" name="test_p[1-2]" time="0.01"/>
+</testsuite></testsuites>"""
+
+JUNIT_NEW = """<?xml version="1.0" encoding="utf-8"?>
+<testsuite name="pytest" tests="5">
+  <testcase classname="tests.test_a" name="test_old_1"/>
+  <testcase classname="tests.test_a" name="test_flaky"><failure message="boom">trace</failure></testcase>
+  <testcase classname="tests.test_b" name="test_new_1"/>
+  <testcase classname="tests.test_b" name="test_new_2"><skipped message="later"/></testcase>
+  <testcase classname="tests.test_b" name="test_new_3"><error message="setup"/></testcase>
+</testsuite>"""
+
+
+def _config(tmp_path, f2p, p2p, fmt="junit", node_id=None):
+    grade = {"format": fmt, "reports": []}
+    if node_id:
+        grade["node_id"] = node_id
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"base_commit": "abc", "f2p_node_ids": f2p, "p2p_node_ids": p2p, "grade": grade}))
+    return path
+
+
+def test_junit_statuses_and_worst_across_reports(tmp_path):
+    (tmp_path / "base.xml").write_text(JUNIT_BASE)
+    (tmp_path / "new.xml").write_text(JUNIT_NEW)
+    base, new = parse_junit(tmp_path / "base.xml"), parse_junit(tmp_path / "new.xml")
+    assert base["tests.test_a.test_p[1-2]"] is Status.PASSED
+    assert new["tests.test_b.test_new_2"] is Status.SKIPPED
+    assert new["tests.test_b.test_new_3"] is Status.FAILED
+    merged = merge_statuses([base, new])
+    assert merged["tests.test_a.test_flaky"] is Status.FAILED  # passed in one, failed in the other
+    assert merged["tests.test_a.test_old_2"] is Status.PASSED
+
+
+def test_grade_junit_pins_every_field(tmp_path, capsys):
+    (tmp_path / "base.xml").write_text(JUNIT_BASE)
+    (tmp_path / "new.xml").write_text(JUNIT_NEW)
+    config = _config(
+        tmp_path,
+        f2p=["tests.test_b.test_new_1", "tests.test_b.test_new_2", "tests.test_b.test_new_3", "tests.test_b.test_gone"],
+        p2p=["tests.test_a.test_old_1", "tests.test_a.test_old_2", "tests.test_a.test_flaky", "tests.test_a.test_p[1-2]"],
+    )
+    code = main(["grade", "--config", str(config), "--report", str(tmp_path / "base.xml"),
+                 "--report", str(tmp_path / "new.xml"), "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    # targets: new_1 passed; new_2 skipped, new_3 errored, test_gone missing -> 1 of 4
+    # existing: old_1, old_2, p[1-2] passed; flaky failed in new.xml -> 3 of 4
+    assert out == {
+        "reward": 0.0, "f2p": 0.25, "p2p": 0.75, "partial": 4 / 8, "target_score": 0.25,
+        "strict_target_score": 0.0, "f2p_total": 4, "f2p_passed": 1, "p2p_total": 4, "p2p_passed": 3,
+    }
+
+
+def test_grade_ctrf_suite_name_and_reward_one(tmp_path):
+    report = {"results": {"tool": {"name": "gotest"}, "tests": [
+        {"name": "TestNew", "suite": "example.com/m/pkg", "status": "passed", "duration": 1},
+        {"name": "TestOld", "suite": "example.com/m/pkg", "status": "passed", "duration": 1},
+        {"name": "TestOld", "suite": "example.com/m/other", "status": "pending", "duration": 0},
+    ]}}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    statuses = parse_ctrf(tmp_path / "r.json", "suite.name")
+    assert statuses == {"example.com/m/pkg.TestNew": Status.PASSED, "example.com/m/pkg.TestOld": Status.PASSED,
+                        "example.com/m/other.TestOld": Status.SKIPPED}
+    config = _config(tmp_path, ["example.com/m/pkg.TestNew"], ["example.com/m/pkg.TestOld"], "ctrf", "suite.name")
+    s = grade_reports(config, [tmp_path / "r.json"])
+    assert (s.reward, s.f2p, s.p2p, s.partial, s.strict_target_score) == (1.0, 1.0, 1.0, 1.0, 1.0)
+    # the pending one is an existing test too: skipped counts as failed
+    config = _config(tmp_path, ["example.com/m/pkg.TestNew"],
+                     ["example.com/m/pkg.TestOld", "example.com/m/other.TestOld"], "ctrf", "suite.name")
+    s = grade_reports(config, [tmp_path / "r.json"])
+    assert (s.reward, s.f2p, s.p2p, s.strict_target_score, s.target_score) == (0.0, 1.0, 0.5, 0.0, 1.0)
+
+
+def test_ctrf_name_ids_and_worst_status_in_two_reports(tmp_path):
+    first = {"results": {"tests": [{"name": "a > works", "status": "passed"}, {"name": "b", "status": "failed"}]}}
+    second = {"results": {"tests": [{"name": "a > works", "status": "skipped"}, {"name": "b", "status": "passed"}]}}
+    (tmp_path / "1.json").write_text(json.dumps(first))
+    (tmp_path / "2.json").write_text(json.dumps(second))
+    config = _config(tmp_path, ["a > works"], ["b"], "ctrf")
+    s = grade_reports(config, [tmp_path / "1.json", tmp_path / "2.json"])
+    assert (s.f2p_passed, s.p2p_passed, s.reward, s.partial) == (0, 0, 0.0, 0.0)
+
+
+def test_score_edge_cases():
+    none = score([], [], {})
+    assert (none.reward, none.f2p, none.p2p, none.partial) == (0.0, 0.0, 1.0, 0.0)
+    no_existing = score(["t"], [], {"t": Status.PASSED})
+    assert (no_existing.reward, no_existing.p2p, no_existing.partial) == (1.0, 1.0, 1.0)
+    dup = score(["t", "t"], ["e"], {"t": Status.PASSED, "e": Status.PASSED})
+    assert dup.f2p_total == 1  # a test id listed twice is one test
+
+
+def test_bad_reports_name_the_file(tmp_path, capsys):
+    (tmp_path / "bad.xml").write_text("<testsuite><testcase")
+    with pytest.raises(ReportError, match="bad.xml: not a readable JUnit XML report"):
+        parse_junit(tmp_path / "bad.xml")
+    (tmp_path / "bad.json").write_text(json.dumps({"results": {}}))
+    with pytest.raises(ReportError, match=r"bad.json: missing key 'results.tests'"):
+        parse_ctrf(tmp_path / "bad.json")
+    (tmp_path / "odd.json").write_text(json.dumps({"results": {"tests": [{"name": "x", "status": "weird"}]}}))
+    with pytest.raises(ReportError, match=r"odd.json: results.tests\[0\] has unknown status 'weird'"):
+        parse_ctrf(tmp_path / "odd.json")
+    config = _config(tmp_path, ["x"], [])
+    assert main(["grade", "--config", str(config), "--report", str(tmp_path / "missing.xml"), "--json"]) == 2
+    assert "missing.xml" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- committed work, real working copies
+
+
+def _workdir(task, factory):
+    return factory(task)
+
+
+def test_only_committed_work_is_graded(small_tasks):
+    from evals.bundled import apply_edits, default_sandbox_factory
+
+    factory = default_sandbox_factory()
+    task = small_tasks[0]
+    module = task.metadata["module_file"]
+    edits = [(line, text) for _, line, text in task.metadata["reference_edits"]]
+    with factory(task) as box:
+        box.write_file(module, apply_edits(box.read_file(module).decode(), edits).encode())
+        uncommitted = committed_patch(box, task.base_commit)  # the fix is in the work tree only
+        assert box.exec("git add -A && git commit -qm fix").exit_code == 0
+        committed = committed_patch(box, task.base_commit)
+    assert uncommitted == ""
+    not_done = grade_patch(task, uncommitted, factory)
+    assert not_done.status == GRADED and not_done.scores.reward == 0.0
+    assert not_done.scores.f2p_passed == 0 and not_done.scores.p2p == 1.0
+    done = grade_patch(task, committed, factory)
+    assert done.status == GRADED and done.scores.reward == 1.0 and done.scores.partial == 1.0
+
+
+def test_editing_the_tests_does_not_pass(small_tasks):
+    from evals.bundled import default_sandbox_factory
+
+    factory = default_sandbox_factory()
+    task = small_tasks[0]
+    with factory(task) as box:
+        box.write_file(task.metadata["test_file"], b"def test_nothing():\n    pass\n")
+        box.exec("git add -A && git commit -qm cheat")
+        patch = committed_patch(box, task.base_commit)
+    result = grade_patch(task, patch, factory)
+    assert result.status == GRADED and result.scores.reward == 0.0
+
+
+def test_patch_that_does_not_apply_scores_zero(small_tasks):
+    from evals.bundled import default_sandbox_factory
+
+    task = small_tasks[0]
+    bogus = "diff --git a/nothere.py b/nothere.py\n--- a/nothere.py\n+++ b/nothere.py\n@@ -1 +1 @@\n-a\n+b\n"
+    result = grade_patch(task, bogus, default_sandbox_factory())
+    assert result.status == APPLY_FAILED
+    s = result.scores
+    assert (s.reward, s.f2p, s.p2p, s.partial, s.f2p_passed, s.p2p_passed) == (0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+def test_infra_failure_is_retried_then_recorded_not_scored(small_tasks):
+    from evals.bundled import default_sandbox_factory
+
+    task = small_tasks[0]
+    real = default_sandbox_factory()
+    opened = []
+
+    @contextlib.contextmanager
+    def dies_twice(t):
+        # stands in for a sandbox runtime whose sandbox dies; the third one is real
+        opened.append(t.id)
+        if len(opened) <= 2:
+            raise InfraError("sandbox died")
+        with real(t) as box:
+            yield box
+
+    result = grade_patch(task, "", dies_twice, infra_retries=2)
+    assert result.status == GRADED and result.infra_retries == 2 and result.scores.reward == 0.0
+    opened.clear()
+
+    @contextlib.contextmanager
+    def always_dies(t):
+        raise InfraError("sandbox died")
+        yield
+
+    result = grade_patch(task, "", always_dies, infra_retries=1)
+    assert result.status == INFRA_ERROR and result.scores is None and "sandbox died" in result.detail

@@ -1,0 +1,58 @@
+import math
+
+import numpy as np
+import pytest
+
+from evals.metrics import bootstrap, paired_difference, pass_at_k
+
+
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (8, 0, 1, 0.0),
+        (8, 2, 1, 0.25),                 # c/n
+        (8, 2, 4, 1 - 15 / 70),          # 1 - C(6,4)/C(8,4)
+        (10, 3, 5, 1 - 21 / 252),        # 1 - C(7,5)/C(10,5)
+        (8, 8, 8, 1.0),
+        (8, 1, 8, 1.0),                  # fewer failures than k: every draw holds the pass
+        (200, 1, 100, 0.5),              # 1 - C(199,100)/C(200,100) = 100/200
+        (5, 2, 3, 1 - 1 / 10),           # 1 - C(3,3)/C(5,3)
+    ],
+)
+def test_pass_at_k_pinned(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_stable_for_large_n():
+    # the binomials would overflow floats; the product form stays exact enough
+    value = pass_at_k(5000, 2500, 2)
+    assert value == pytest.approx(1 - (2500 * 2499) / (5000 * 4999), rel=1e-12)
+    assert 0.0 <= pass_at_k(10_000, 1, 1) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("args", [(0, 0, 1), (8, 9, 1), (8, 2, 0), (8, 2, 9), (8, -1, 1)])
+def test_pass_at_k_rejects_bad_counts(args):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(*args)
+
+
+def test_bootstrap_is_seeded_and_brackets_the_mean():
+    values = [0, 1, 1, 0, 1, 1, 1, 0, 1, 1]
+    a = bootstrap(values, seed=3, resamples=500)
+    b = bootstrap(values, seed=3, resamples=500)
+    assert a == b
+    assert a.value == pytest.approx(0.7)
+    assert a.low < 0.7 < a.high
+    assert 0.0 <= a.low and a.high <= 1.0
+    constant = bootstrap([0.5] * 6)
+    assert (constant.low, constant.value, constant.high) == (0.5, 0.5, 0.5)
+
+
+def test_paired_difference_uses_common_tasks_only():
+    new = {"a": 1.0, "b": 1.0, "c": 0.0, "only-new": 1.0}
+    base = {"a": 0.0, "b": 1.0, "c": 0.0, "only-base": 0.0}
+    est = paired_difference(new, base, resamples=300)
+    assert est.value == pytest.approx(1 / 3)
+    assert est.n_tasks == 3
+    with pytest.raises(ValueError, match="share no task"):
+        paired_difference({"x": 1.0}, {"y": 1.0})

@@ -1,0 +1,111 @@
+import json
+import statistics
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dagster_project.cli import main
+from evals.tasks import TaskLoadError, load_harbor, load_swebench, load_tasks, summarize
+
+from .conftest import DEEPSWE
+
+needs_deepswe = pytest.mark.skipif(not DEEPSWE.is_dir(), reason="the shared DeepSWE copy is not on this machine")
+
+
+@needs_deepswe
+def test_deepswe_loads_111_complete_and_reports_2_incomplete():
+    task_set = load_harbor(DEEPSWE)
+    assert len(task_set.tasks) == 111
+    assert sorted(t.id for t in task_set.incomplete) == ["expr-try-catch-errors", "meriyah-explicit-resource-declarations"]
+    assert all("tests/config.json" in t.reason for t in task_set.incomplete)
+    # medians recomputed straight from the raw files
+    configs = [json.loads(p.read_text()) for p in sorted(DEEPSWE.glob("tasks/*/tests/config.json"))]
+    summary = summarize(task_set)
+    assert summary["median_target_tests"] == statistics.median(len(c["f2p_node_ids"]) for c in configs) == 43
+    assert summary["median_existing_tests"] == statistics.median(len(c["p2p_node_ids"]) for c in configs) == 162
+    assert summary["by_language"] == {"go": 33, "javascript": 5, "python": 34, "rust": 5, "typescript": 34}
+    task = task_set.by_id()["adaptix-name-mapping-aliases"]
+    assert task.report_format == "junit" and task.image and task.base_commit
+    go = task_set.by_id()["abs-module-cache-flags"]
+    assert go.report_format == "ctrf" and go.ctrf_node_id == "suite.name"
+
+
+@needs_deepswe
+def test_tasks_inspect_json_keys(capsys):
+    assert main(["tasks", "inspect", str(DEEPSWE), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["tasks", "incomplete", "by_language", "median_target_tests", "median_existing_tests", "ids"]
+    assert out["tasks"] == 111 == len(out["ids"])
+    assert len(out["incomplete"]) == 2
+
+
+def _harbor_task(root, name, config=None, language="python"):
+    d = root / "tasks" / name
+    (d / "tests").mkdir(parents=True)
+    (d / "task.toml").write_text(
+        f'[metadata]\ntask_id = "{name}"\nlanguage = "{language}"\n[environment]\ndocker_image = "img:{name}"\n'
+    )
+    (d / "instruction.md").write_text(f"do {name}")
+    if config is not None:
+        (d / "tests" / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return d
+
+
+def test_harbor_incomplete_and_malformed(tmp_path):
+    good = {"base_commit": "abc", "f2p_node_ids": ["t1", "t2"], "p2p_node_ids": ["t3"],
+            "grade": {"format": "junit", "reports": ["/logs/a.xml"]}}
+    _harbor_task(tmp_path, "good", good)
+    _harbor_task(tmp_path, "partial", None, language="go")
+    task_set = load_harbor(tmp_path)
+    assert [t.id for t in task_set.tasks] == ["good"]
+    assert task_set.incomplete[0].id == "partial" and task_set.incomplete[0].language == "go"
+    assert task_set.tasks[0].target_tests == ("t1", "t2")
+
+    bad = _harbor_task(tmp_path, "broken", {"f2p_node_ids": ["x"], "grade": {"format": "junit"}})
+    with pytest.raises(TaskLoadError, match=r"broken/tests/config.json: missing key 'p2p_node_ids'"):
+        load_harbor(tmp_path)
+    (bad / "tests" / "config.json").write_text("{not json")
+    with pytest.raises(TaskLoadError, match="broken/tests/config.json: not valid JSON"):
+        load_harbor(tmp_path)
+
+
+def _swe_rows():
+    return [
+        {"instance_id": "owner__repo-1", "repo": "owner/repo", "base_commit": "c0ffee", "problem_statement": "fix it",
+         "FAIL_TO_PASS": json.dumps(["tests/test_a.py::test_x"]),
+         "PASS_TO_PASS": json.dumps(["tests/test_a.py::test_y", "tests/test_b.py::test_z"])},
+        {"instance_id": "owner__repo-2", "repo": "owner/repo", "base_commit": "beef", "problem_statement": "again",
+         "FAIL_TO_PASS": json.dumps(["t1", "t2", "t3"]), "PASS_TO_PASS": "[]"},
+    ]
+
+
+def test_swebench_jsonl_and_parquet(tmp_path):
+    jsonl = tmp_path / "swe.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in _swe_rows()) + "\n")
+    parquet = tmp_path / "swe.parquet"
+    pq.write_table(pa.Table.from_pylist(_swe_rows()), parquet)
+    for path in (jsonl, parquet):
+        task_set = load_tasks(path)
+        assert [t.id for t in task_set.tasks] == ["owner__repo-1", "owner__repo-2"]
+        first = task_set.tasks[0]
+        assert first.target_tests == ("tests/test_a.py::test_x",)
+        assert first.existing_tests == ("tests/test_a.py::test_y", "tests/test_b.py::test_z")
+        assert first.image == "swebench/sweb.eval.x86_64.owner_1776_repo-1:latest"
+        assert summarize(task_set)["median_target_tests"] == 2.0
+
+
+def test_swebench_errors_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    row = _swe_rows()[0] | {"FAIL_TO_PASS": "[not json"}
+    path.write_text(json.dumps(_swe_rows()[1]) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(TaskLoadError, match=r"bad.jsonl: line 2: key 'FAIL_TO_PASS' is not a JSON list string"):
+        load_swebench(path)
+    path.write_text(json.dumps({"instance_id": "x", "base_commit": "y"}) + "\n")
+    with pytest.raises(TaskLoadError, match=r"line 1: missing key 'problem_statement'"):
+        load_swebench(path)
+
+
+def test_inspect_bad_path_exits_2(capsys, tmp_path):
+    assert main(["tasks", "inspect", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
