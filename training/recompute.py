@@ -147,6 +147,24 @@ def _torch_cuda_backward(grad_out, q, k, v, out, lse, state, scale):
     )
 
 
+def _expanding_kv(kernels: AttentionKernels) -> AttentionKernels:
+    """The same kernels fed k/v repeated to every query head, for builds without grouped-query support."""
+
+    def expand(t, heads):
+        return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    def forward(q, k, v, scale):
+        return kernels.forward(q, expand(k, q.shape[1]), expand(v, q.shape[1]), scale)
+
+    def backward(grad_out, q, k, v, out, lse, state, scale):
+        h, hk = q.shape[1], k.shape[1]
+        dq, dk, dv = kernels.backward(grad_out, q, expand(k, h), expand(v, h), out, lse, state, scale)
+        b, _, s, d = dk.shape
+        return dq, dk.view(b, hk, h // hk, s, d).sum(2), dv.view(b, hk, h // hk, s, d).sum(2)
+
+    return AttentionKernels(kernels.name + "+expanded-kv", forward, backward)
+
+
 def _flash_attn_kernels() -> AttentionKernels | None:
     """flash-attn 2.x's private entry points, which take and return the log-sum-exp.
 
@@ -180,11 +198,14 @@ def _flash_attn_kernels() -> AttentionKernels | None:
     return AttentionKernels("flash-attn", forward, backward)
 
 
-def attention_kernels(device: torch.device | str, prefer: str = "auto") -> AttentionKernels:
+def attention_kernels(device: torch.device | str, prefer: str = "auto", expand_kv: bool = False) -> AttentionKernels:
     """The attention kernels for ``device``: flash-attn if installed (CUDA), else PyTorch's flash.
 
-    ``prefer`` is "auto", "flash-attn" or "torch".
+    ``prefer`` is "auto", "flash-attn" or "torch". All of them take grouped-query k/v as they are;
+    ``expand_kv`` repeats k/v to every query head instead (a fallback, and a cross-check).
     """
+    if expand_kv:
+        return _expanding_kv(attention_kernels(device, prefer))
     device = torch.device(device)
     if device.type == "cuda":
         if prefer in ("auto", "flash-attn"):
@@ -199,6 +220,12 @@ def attention_kernels(device: torch.device | str, prefer: str = "auto") -> Atten
             raise RuntimeError("flash-attn runs on CUDA devices only")
         return AttentionKernels("torch-flash-cpu", _torch_cpu_forward, _torch_cpu_backward)
     raise RuntimeError(f"no attention kernels for device type {device.type!r}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Flash kernels need unit stride in head_dim only; ``.contiguous()`` on a (batch, heads, seq,
+    head_dim) view of a (batch, seq, heads·head_dim) gradient would copy it for nothing."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -217,7 +244,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernels.backward(grad_out.contiguous(), q, k, v, out, lse, ctx.state, ctx.scale)
+        dq, dk, dv = ctx.kernels.backward(_last_dim_contiguous(grad_out), q, k, v, out, lse, ctx.state, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -346,7 +373,7 @@ class _KeepAttentionOutput(torch.autograd.Function):
 
             q, k, v = layer.attention_inputs(x_in, cos, sin)
             dq, dk, dv = layer.kernels.backward(
-                grad_attn.contiguous(), q.detach(), k.detach(), v.detach(), attn, lse, ctx.state, layer.softmax_scale
+                _last_dim_contiguous(grad_attn), q.detach(), k.detach(), v.detach(), attn, lse, ctx.state, layer.softmax_scale
             )
             del grad_attn
             pre_inputs = ([x_in] if want_x else []) + trainable

@@ -149,3 +149,17 @@ def test_unknown_mode_and_shape_are_named():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         DecoderShape(hidden_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
                      intermediate_size=8, vocab_size=8)
+
+
+def test_expanded_kv_kernels_agree_with_grouped_query_kernels():
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 10, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 10, 8, dtype=torch.float64), torch.randn(2, 2, 10, 8, dtype=torch.float64)
+    grad = torch.randn_like(q)
+    results = []
+    for expand in (False, True):
+        kernels = attention_kernels("cpu", expand_kv=expand)
+        out, lse, state = kernels.forward(q, k, v, 0.3)
+        results.append((out, lse, *kernels.backward(grad, q, k, v, out, lse, state, 0.3)))
+    for a, b in zip(*results):
+        assert a.shape == b.shape and _rel(a, b) < 1e-12
