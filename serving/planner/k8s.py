@@ -299,9 +299,9 @@ def validate_manifests(manifests: list[dict[str, Any]], kubernetes_version: str 
         try:
             kubernetes_validate.validate(manifest, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            caught = exc.caught
-            where = "/".join(str(p) for p in getattr(caught, "absolute_path", [])) or "(root)"
-            problems.append(f"{what}: {where}: {getattr(caught, 'message', str(caught)).splitlines()[0]}")
+            # It is a jsonschema ValidationError: the path into the manifest and a one-line message.
+            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+            problems.append(f"{what}: {where}: {exc.message.splitlines()[0]}")
         except (kubernetes_validate.SchemaNotFoundError, kubernetes_validate.InvalidSchemaError) as exc:
             problems.append(f"{what}: {getattr(exc, 'message', exc)}")
     return problems
