@@ -1,0 +1,72 @@
+"""The bundled suite: deterministic generation, real validation, demonstrations that round-trip."""
+
+import json
+import subprocess
+
+import pytest
+
+from evals import bundled
+from evals.actions import ActionParseError, demonstration, parse_compact, reference_actions, render_compact_prompt
+from evals.tasks import load_tasks, summarize
+
+
+def test_generation_is_deterministic_and_split():
+    a, b = bundled.generate(), bundled.generate()
+    assert [g.files for g in a] == [g.files for g in b]
+    assert len(a) == 180 and len({g.id for g in a}) == 180
+    assert {g.difficulty for g in a} == {1, 2, 3}
+    held_out = [g for g in a if g.split == "eval"]
+    assert len(held_out) == 45 and all(g.split == "train" for g in a if g not in held_out)
+    assert all(len(g.reference_edits) == (2 if g.difficulty == 3 else 1) for g in a)
+
+
+def test_built_suite_is_real(small_suite, small_tasks):
+    assert len(small_tasks) == 6
+    summary = summarize(load_tasks(small_suite))
+    assert summary["tasks"] == 6 and summary["incomplete"] == [] and summary["by_language"] == {"python": 6}
+    for task in small_tasks:
+        repo = task.repo_path
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        assert head == task.base_commit
+        assert task.metadata["failing_output"].count("->") >= len(task.target_tests)
+    # the same generator gives the same commits
+    again = json.loads((small_suite / "tasks" / small_tasks[0].id / "task.json").read_text())
+    assert again["base_commit"] == small_tasks[0].base_commit
+
+
+def test_rebuild_gives_identical_commits(small_tasks, tmp_path):
+    from evals.bundled import _task_json, _write_repo, generate
+
+    gen = generate(per_level=2)[0]
+    assert _write_repo(gen, tmp_path / "repo") == small_tasks[0].base_commit
+
+
+def test_invalid_task_fails_the_build_with_its_id(tmp_path, monkeypatch):
+    # a kind whose "bug" changes nothing: its target test passes at base, so the task is invalid
+    harmless = bundled.Kind("noop", ("def {f}(x):", "    return x"), 1, "    return x", lambda k: [(1,), (2,)])
+    monkeypatch.setattr(bundled, "KINDS", (harmless,) * 4)
+    with pytest.raises(bundled.SuiteBuildError, match=r"task bundled-l1-000-\w+: target tests pass at the base commit"):
+        bundled.build_suite(tmp_path / "out", per_level=1, workers=1)
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.building-*"))  # nothing half-written is left
+
+
+def test_demonstration_round_trips(small_tasks):
+    for task in small_tasks:
+        prompt, action_text = demonstration(task)
+        assert prompt == render_compact_prompt(task) and prompt.endswith("\n>")
+        assert task.metadata["module_file"] + ":" in prompt and "fail: " in prompt
+        assert parse_compact(action_text) == reference_actions(task)
+        assert action_text.endswith("commit\n") and len(action_text) < 160
+
+
+def test_compact_parser():
+    actions = parse_compact("replace a.py:3     return x * 2\n\ntest\ncommit\nreplace a.py:1 ignored")
+    assert [a.tool for a in actions] == ["replace_line", "test", "commit"]
+    assert actions[0].args == {"path": "a.py", "line": 3, "text": "    return x * 2"}
+    assert parse_compact("replace a.py:2")[0].args["text"] == ""
+    with pytest.raises(ActionParseError, match="line 2: 'rm -rf /' is not an action") as info:
+        parse_compact("replace a.py:1 x\nrm -rf /")
+    assert len(info.value.actions) == 1
+    with pytest.raises(ActionParseError, match="no action"):
+        parse_compact("\n\n")

@@ -1,0 +1,108 @@
+"""Episodes end to end: a real tiny engine (serving's LocalEngine on a random tiny model), and a
+scripted policy that answers with the reference solution (it stands in for a trained model, which
+this test cannot train; everything else in the episode is real)."""
+
+import json
+
+import pytest
+
+from evals.actions import JSON_TOOLS, demonstration, parse_json_tools
+from evals.bundled import default_sandbox_factory
+from evals.evaluate import evaluate, write_rows
+from evals.harness import EngineClient, run_episode
+
+
+class ScriptedPolicy:
+    """Answers every call with fixed text, in SGLang's response shape (logprobs 0.0: it is certain)."""
+
+    def __init__(self, tokenizer, answers):
+        self.tokenizer, self.answers, self.bodies = tokenizer, list(answers), []
+
+    def generate(self, body):
+        self.bodies.append(body)
+        text = self.answers[min(len(self.bodies) - 1, len(self.answers) - 1)]
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"text": text, "output_ids": ids,
+                "meta_info": {"weight_version": body.get("lora_path") or "base",
+                              "output_token_logprobs": [[0.0, t, None] for t in ids]}}
+
+
+def test_reference_answer_earns_reward_one(small_tasks, tokenizer):
+    task = small_tasks[-1]  # level 3: two edits
+    _, action_text = demonstration(task)
+    policy = ScriptedPolicy(tokenizer, [action_text])
+    traj = run_episode(task, policy, tokenizer, default_sandbox_factory(), adapter_version="step_000004",
+                       session_id="s-1", max_turns=3)
+    assert traj.stop_reason == "commit" and traj.committed
+    assert traj.reward == 1.0 and traj.grade.scores.f2p_passed == len(task.target_tests)
+    assert [s.action["tool"] for s in traj.steps] == ["replace_line", "replace_line", "commit"]
+    body = policy.bodies[0]
+    assert body["lora_path"] == "step_000004" and body["rid"] == "s-1" and body["return_logprob"] is True
+    assert traj.calls[0].input_ids == body["input_ids"]
+    assert f"+{task.metadata['reference_edits'][0][2]}" in traj.patch
+    json.loads(traj.to_json())
+
+
+def test_uncommitted_fix_earns_nothing_and_turns_chain_tokens(small_tasks, tokenizer):
+    task = small_tasks[0]
+    _, action_text = demonstration(task)
+    edits_only = action_text.replace("commit\n", "")
+    policy = ScriptedPolicy(tokenizer, [edits_only, "test\n"])
+    traj = run_episode(task, policy, tokenizer, default_sandbox_factory(), max_turns=2)
+    assert traj.stop_reason == "max_turns" and not traj.committed
+    assert traj.reward == 0.0 and traj.patch == ""
+    assert traj.steps[-1].observation == "all tests pass"  # the fix worked, but was never committed
+    first, second = traj.calls
+    assert second.input_ids[: len(first.input_ids) + len(first.output_ids)] == first.input_ids + first.output_ids
+
+
+def test_bad_actions_become_observations(small_tasks, tokenizer):
+    task = small_tasks[0]
+    module = task.metadata["module_file"]
+    policy = ScriptedPolicy(tokenizer, [f"replace {module}:999 x\nhello\n", "commit\n"])
+    traj = run_episode(task, policy, tokenizer, default_sandbox_factory(), max_turns=3)
+    observations = [s.observation for s in traj.steps]
+    assert observations[0].startswith("error: line 999 is outside the file")
+    assert "is not an action" in observations[1]
+    assert traj.stop_reason == "commit" and traj.reward == 0.0
+
+
+def test_json_tool_calls():
+    text = ('I will fix it. <tool_call>{"tool": "replace_line", "args": {"path": "a.py", "line": 2, "text": "  y"}}'
+            '</tool_call> then {"name": "commit", "arguments": "{\\"message\\": \\"fix\\"}"}')
+    actions = parse_json_tools(text)
+    assert [(a.tool, a.args) for a in actions] == [("replace_line", {"path": "a.py", "line": 2, "text": "  y"}),
+                                                  ("commit", {"message": "fix"})]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from serving.engine import LocalEngine
+    from serving.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    engine = LocalEngine(path, torch_threads=1)
+    yield engine
+    engine.close()
+
+
+def test_real_tiny_engine_episode_and_evaluate(small_tasks, tiny_engine, tmp_path):
+    tokenizer = tiny_engine.tokenizer
+    client = EngineClient(tiny_engine)
+    task = small_tasks[0]
+    traj = run_episode(task, client, tokenizer, default_sandbox_factory(), max_turns=2, max_new_tokens=16,
+                       seed=1, action_format=JSON_TOOLS)
+    assert 1 <= len(traj.calls) <= 2
+    for call in traj.calls:
+        assert len(call.output_logprobs) == len(call.output_ids) > 0
+        assert all(lp <= 0.0 for lp in call.output_logprobs)
+    assert traj.grade is not None and traj.reward in (0.0, 1.0)
+
+    rows = evaluate(small_tasks[:2], client, tokenizer, default_sandbox_factory(), checkpoint="t-step_000000",
+                    attempts=2, max_turns=1, max_new_tokens=8, workers=1)
+    assert [(r["task_id"], r["attempt"]) for r in rows] == [(t.id, a) for t in small_tasks[:2] for a in range(2)]
+    assert all(r["status"] in ("graded", "apply_failed") and r["reward"] in (0.0, 1.0) for r in rows)
+    import pandas as pd
+
+    frame = pd.read_parquet(write_rows(rows, tmp_path / "rows.parquet"))
+    assert len(frame) == 4 and frame["f2p_total"].tolist() == [len(small_tasks[0].target_tests)] * 2 + [len(small_tasks[1].target_tests)] * 2
