@@ -136,7 +136,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                 "spec": _pod_spec(plan, [{
                     "name": "trainer",
                     "image": image,
-                    "command": ["python", "-m", WORKLOAD_MODULES["trainer"], f"{PLAN_MOUNT}/{PLAN_FILE}",
+                    "command": ["python", "-m", WORKLOAD_MODULES["trainer"], "--config", f"{PLAN_MOUNT}/{PLAN_FILE}",
                                 "--run-dir", run_dir_in_pod(plan)],
                     "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url}],
                     "volumeMounts": _MOUNTS,

@@ -88,6 +88,13 @@ class Plan:
     def tip_codes(self) -> list[str]:
         return [t.code for t in self.tips]
 
+    def local_engine_args(self) -> list[str]:
+        """``python -m serving.engine`` arguments that this plan sizes (CPU runs)."""
+        return [
+            "--max-running-requests", str(self.resolved["sglang_max_running_requests"]),
+            "--max-total-tokens", str(self.resolved["sglang_max_total_tokens"]),
+        ]
+
     def sglang_server_args(self, model_path: str | None = None) -> list[str]:
         """``python -m sglang.launch_server`` arguments of one engine of this plan."""
         r, inf = self.resolved, self.run_file.inference
@@ -110,10 +117,32 @@ class Plan:
         args += [
             "--enable-lora",
             "--max-loras-per-batch", str(r["sglang_max_loras_per_batch"]),
-            "--max-lora-rank", str(self.run_file.trainer.lora_rank),
+        ]  # fmt: skip
+        if self.run_file.trainer.lora_rank is not None:
+            args += ["--max-lora-rank", str(self.run_file.trainer.lora_rank)]
+        args += [
             "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
         ]  # fmt: skip
         return args
+
+    def trainer_config(self) -> dict[str, Any]:
+        """The ``trainer`` table: the keys of ``python -m training --config``, set or derived here.
+
+        Keys the run file leaves out are left out, so the trainer's own defaults apply.
+        """
+        rf = self.run_file
+        table = {k: v for k, v in _section_json(rf.trainer).items() if v is not None and k != "gpus"}
+        table["run_name"] = self.run_name
+        if rf.model.path:
+            table["base_model"] = rf.model.path
+        table["group_size"] = rf.async_.group_size
+        table["groups_per_step"] = rf.async_.collection_size // rf.async_.group_size
+        table["max_policy_lag"] = rf.async_.max_policy_lag
+        if rf.curriculum.tasks:
+            table["tasks"] = rf.curriculum.tasks
+        if rf.curriculum.curriculum_file:
+            table["curriculum"] = rf.curriculum.curriculum_file
+        return table
 
     def to_json(self) -> dict[str, Any]:
         rf = self.run_file
@@ -132,9 +161,11 @@ class Plan:
                 "resolved": dict(self.resolved),
                 "sources": dict(self.knob_sources),
                 "sglang_server_args": self.sglang_server_args() if rf.inference.gpu != "cpu" else None,
+                "local_engine_args": self.local_engine_args() if rf.inference.gpu == "cpu" else None,
                 "sglang_image": rf.inference.sglang_image,
             },
-            "trainer": _section_json(rf.trainer),
+            "trainer": self.trainer_config(),
+            "trainer_pod": {"gpus": rf.trainer.gpus},
             "async": {**_section_json(rf.async_), "async_max_concurrent_samples": self.producer_budget_samples},
             "sandbox": {**_section_json(rf.sandbox),
                         "max_sandboxes": rf.sandbox.max_sandboxes or self.producer_budget_samples},
@@ -262,9 +293,8 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
     if inf.gpu == "cpu":
         tips.append(Advice(
             "inference_local_engine",
-            "gpu = \"cpu\": the local engine serves this run; it takes the admission "
-            "(sglang_max_running_requests) and the token budget (sglang_max_total_tokens) from this plan, "
-            "and ignores the CUDA-only knobs",
+            "gpu = \"cpu\": the local engine (python -m serving.engine) serves this run; of the knobs it "
+            "takes the admission and the token budget: inference.local_engine_args",
         ))  # fmt: skip
 
     name = rf.run.name or (Path(src).stem if src != "<dict>" else "run")

@@ -69,7 +69,8 @@ def write_resolved_plan(plan: Plan, run_dir: str | os.PathLike[str], *, replace:
 
 
 def trainer_command(plan_path: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", TRAINER_MODULE, str(plan_path), "--run-dir", str(run_dir)]
+    """``python -m training --config PLAN --run-dir RUN_DIR``: the trainer reads the plan's trainer table."""
+    return [sys.executable, "-m", TRAINER_MODULE, "--config", str(plan_path), "--run-dir", str(run_dir)]
 
 
 def trainer_is_built() -> bool:

@@ -93,17 +93,30 @@ class InferenceSection:
 
 @dataclass(frozen=True)
 class TrainerSection:
-    """``[trainer]``: the GRPO learner on a LoRA adapter."""
+    """``[trainer]``: the GRPO learner on a LoRA adapter.
 
-    backend: str = field(default="torch", metadata=_key(choices=("torch", "megatron")))
-    steps: int = field(default=44, metadata=_key(POSITIVE))
-    learning_rate: float = field(default=1e-5, metadata=_key(POSITIVE))
-    lora_rank: int = field(default=16, metadata=_key(POSITIVE))
-    lora_alpha: float = field(default=32.0, metadata=_key(POSITIVE))
-    kl_coef: float = field(default=0.0, metadata=_key(NON_NEGATIVE))
-    checkpoint_every_steps: int = field(default=4, metadata=_key(POSITIVE))
-    seed: int = 0
-    gpus: int = field(default=0, metadata=_key(NON_NEGATIVE, doc="GPUs of the trainer pod; 0 on CPU"))
+    The keys are those of the trainer's config (``python -m training --config``); a key left out
+    takes the trainer's own default, which lives with the trainer. ``gpus`` sizes the trainer pod.
+    """
+
+    backend: str | None = field(default=None, metadata=_key(choices=("torch_peft", "megatron")))
+    steps: int | None = field(default=None, metadata=_key(POSITIVE))
+    learning_rate: float | None = field(default=None, metadata=_key(POSITIVE))
+    lora_rank: int | None = field(default=None, metadata=_key(POSITIVE))
+    lora_alpha: int | None = field(default=None, metadata=_key(POSITIVE))
+    kl_coef: float | None = field(default=None, metadata=_key(NON_NEGATIVE))
+    tis_cap: float | None = field(default=None, metadata=_key(POSITIVE, doc="truncated importance-sampling cap"))
+    scale_advantages_by_std: bool | None = None
+    temperature: float | None = field(default=None, metadata=_key(POSITIVE))
+    max_new_tokens: int | None = field(default=None, metadata=_key(POSITIVE, doc="per model turn"))
+    max_turns: int | None = field(default=None, metadata=_key(POSITIVE, doc="per episode"))
+    checkpoint_every: int | None = field(default=None, metadata=_key(POSITIVE, doc="steps between checkpoints"))
+    seed: int | None = None
+    torch_threads: int | None = field(default=None, metadata=_key(POSITIVE))
+    publish_streams: int | None = field(default=None, metadata=_key(POSITIVE, doc="parallel HTTP streams"))
+    producer_workers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
+    environment: str | None = field(default=None, metadata=_key(doc="harness, or module:function"))
+    gpus: int = field(default=0, metadata=_key(NON_NEGATIVE, doc="GPUs of the trainer pod on Kubernetes"))
 
 
 @dataclass(frozen=True)
@@ -111,7 +124,7 @@ class AsyncSection:
     """``[async]``: how much work is in flight and how stale it may be when trained on."""
 
     group_size: int = field(default=8, metadata=_key(POSITIVE, doc="samples per prompt (GRPO group)"))
-    collection_size: int = field(default=64, metadata=_key(POSITIVE, doc="samples per trainer step"))
+    collection_size: int = field(default=48, metadata=_key(POSITIVE, doc="samples per trainer step (whole groups)"))
     async_max_concurrent_samples: int | None = field(default=None, metadata=_key(POSITIVE))
     max_policy_lag: int = field(default=1, metadata=_key(NON_NEGATIVE, doc="adapter versions a sample may lag"))
 
@@ -130,12 +143,13 @@ class SandboxSection:
 
 @dataclass(frozen=True)
 class CurriculumSection:
-    """``[curriculum]``: task order from the base model's pass rates."""
+    """``[curriculum]``: the tasks and their order from the base model's pass rates."""
 
-    dataset: str = field(default="bundled", metadata=_key(doc="task dataset name or path"))
-    attempts_per_task: int = field(default=8, metadata=_key(POSITIVE))
-    tiers: int = field(default=3, metadata=_key(POSITIVE))
-    retry_unsolved_after_steps: int = field(default=8, metadata=_key(POSITIVE))
+    tasks: str | None = field(default=None, metadata=_key(doc="task source folder or file (default: the bundled suite)"))
+    curriculum_file: str | None = field(default=None, metadata=_key(doc="curriculum.json of difficulty_curriculum"))
+    attempts_per_task: int | None = field(default=None, metadata=_key(POSITIVE, doc="k base-model attempts per task"))
+    retry_after_steps: int | None = field(default=None, metadata=_key(POSITIVE))
+    open_hard_after_steps: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,9 @@ def test_dense_worked_example_generic_defaults() -> None:
     assert m["fits"] is False and m["lower_bound"] is True
     assert "inference_memory_overcommitted" in plan.warning_codes()
     c = plan.async_capacity
-    # Producer budget = max(collection 64, 2 x 2 engines x 64) = 256 samples (32 groups of 8).
+    # Producer budget = max(collection 48, 2 x 2 engines x 64) = 256 samples (32 groups of 8).
     assert (c["engines"], c["engine_slots"], c["http_permits"], c["producer_budget_samples"]) == (2, 128, 256, 256)
-    # The trainer consumes 64 per step x (lag 1 + 1) = 128 within the policy lag: 256 is too many.
+    # The trainer consumes 48 per step x (lag 1 + 1) = 96 within the policy lag: 256 is too many.
     assert "async_budget_exceeds_policy_lag" in plan.warning_codes()
 
 

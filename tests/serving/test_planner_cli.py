@@ -176,4 +176,16 @@ def test_local_run_starts_the_trainer_entry_point(tmp_path: Path, hybrid_file: P
     monkeypatch.setattr(runner.subprocess, "call", lambda cmd: seen.append(cmd) or 0)
     run_dir = tmp_path / "run"
     assert main(["run", str(hybrid_file), "--run-dir", str(run_dir)]) == 0
-    assert seen[0][1:] == ["-m", "training", str(run_dir / "resolved-plan.json"), "--run-dir", str(run_dir)]
+    assert seen[0][1:] == ["-m", "training", "--config", str(run_dir / "resolved-plan.json"), "--run-dir", str(run_dir)]
+
+
+def test_the_trainer_reads_the_plans_trainer_table(tmp_path: Path) -> None:
+    """The resolved plan is what `python -m training --config` is given: its trainer table must load."""
+    from training.config import TrainConfig
+
+    for example in sorted(EXAMPLES.glob("*.toml")):
+        plan = resolve(example)
+        config = TrainConfig.load(write_resolved_plan(plan, tmp_path / plan.run_name))
+        assert config.run_name == plan.run_name
+        assert config.groups_per_step * config.group_size == plan.run_file.async_.collection_size
+        assert config.max_policy_lag == plan.run_file.async_.max_policy_lag
