@@ -166,10 +166,13 @@ class RunState:
         self.store.rewind_to(step)
 
     def _adapter_on_volume(self, step: int) -> AdapterRef:
-        path = self.run_dir / "adapters" / version_name(step)
-        if not path.is_dir():  # published copy missing (killed between checkpoint and publish)
-            self.publisher.publish(step, checkpoint_path(self.run_dir, step) / "adapter")
-        return AdapterRef(step, version_name(step), path)
+        """Resume: versions published after the checkpoint belong to steps being redone, so they leave
+        the volume; the checkpoint's adapter goes to every replica (and the volume, if missing)."""
+        for path in (self.run_dir / "adapters").glob("step_*"):
+            if int(path.name.removeprefix("step_")) > step:
+                shutil.rmtree(path)
+        result = self.publisher.publish(step, checkpoint_path(self.run_dir, step) / "adapter")
+        return AdapterRef(step, result.version, self.run_dir / "adapters" / result.version)
 
     def _write_base_checkpoint(self) -> None:
         def fill(tmp: Path) -> None:

@@ -13,9 +13,11 @@ class Reporter:
         self._cm = None
 
     def __enter__(self) -> "Reporter":
-        from dagster_pipes import is_dagster_pipes_process, open_dagster_pipes
+        import os
 
-        if is_dagster_pipes_process():
+        from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
+
+        if os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
             self._cm = open_dagster_pipes()
             self._pipes = self._cm.__enter__()
         return self

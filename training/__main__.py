@@ -1,0 +1,67 @@
+"""The RL trainer: asynchronous GRPO on a LoRA adapter, one process per run.
+
+    python -m training --config RUN_DIR/trainer-config.json --run-dir RUN_DIR
+
+``--config`` is a JSON file of :class:`training.config.TrainConfig` keys (or a resolved run plan with
+a ``trainer`` table). The trainer starts its environment (engine replicas with their adapter
+receivers, the sandboxed agent harness: :mod:`training.episodes`), resumes from the newest complete
+checkpoint in ``RUN_DIR/checkpoints/`` if there is one, and then loops: producers generate groups
+and store each finished rollout; the trainer takes whole groups within the policy lag, takes a GRPO
+step, checkpoints every ``checkpoint_every`` steps, and publishes the new adapter version. Launched by
+the ``rl_run`` asset it reports through Dagster Pipes; run by hand it prints one line per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from training.config import TrainConfig
+from training.episodes import make_environment
+from training.loop import Producer, RunState
+from training.progress import Reporter
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="trainer config JSON (or a resolved plan)")
+    parser.add_argument("--run-dir", required=True, help="the run's folder (checkpoints, store, adapters, metrics)")
+    args = parser.parse_args(argv)
+    cfg = TrainConfig.load(args.config)
+    torch.set_num_threads(cfg.torch_threads)
+    run_dir = Path(args.run_dir)
+
+    with Reporter() as report:
+        env = make_environment(cfg, run_dir)  # engine replicas + adapter receivers + harness
+        state = RunState(cfg, run_dir, env.curriculum, receivers=env.receivers)
+        report.info(f"run {cfg.run_name}: step {state.step} of {cfg.steps}"
+                    + (f" (resumed from checkpoint {state.resumed_from})" if state.resumed_from else ""))
+        producer = Producer(state, env.runner)
+        producer.start()  # no threads when producer_workers == 0: each step produces its own groups
+        sync = cfg.producer_workers == 0
+        try:
+            for step in range(state.step + 1, cfg.steps + 1):
+                taken = state.take(step, produce=(lambda: producer.produce_step(step)) if sync else None,
+                                   should_stop=lambda: _raise_first(producer.errors))  # generate + store
+                row = state.train(step, taken)  # one GRPO step on whole groups
+                if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                    state.checkpoint(step, {"loss": row["loss"], "solve_rate": row["solve_rate"]})
+                published = state.publish(step)  # HTTP shards to every replica + volume copy
+                report.step(row, published)
+        finally:
+            producer.stop()
+            env.close()
+        report.done(state)
+    return 0
+
+
+def _raise_first(errors: list[BaseException]) -> None:
+    if errors:
+        raise RuntimeError(f"a producer failed: {errors[0]!r}") from errors[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
