@@ -119,6 +119,7 @@ class ShardAssembler:
 
     def __init__(self, staging_dir: str | Path | None = None):
         self.staging_dir = Path(staging_dir) if staging_dir else Path(tempfile.mkdtemp(prefix="posttrain-adapters-"))
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
         self._parts: dict[str, dict[int, bytes]] = {}
         self._expected: dict[str, int] = {}
         self._lock = threading.Lock()

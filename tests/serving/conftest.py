@@ -1,0 +1,30 @@
+import pytest
+import torch
+
+from serving.tiny import build_tiny_lora_adapter, build_tiny_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "v000001": build_tiny_lora_adapter(tiny_model, root / "v000001", seed=1),
+        "v000002": build_tiny_lora_adapter(tiny_model, root / "v000002", seed=2),
+    }
+
+
+@pytest.fixture
+def engine_server(tiny_model):
+    from serving.engine import LocalEngine
+    from serving.http import serve
+
+    server = serve(LocalEngine(tiny_model, max_total_tokens=8192, torch_threads=1), port=0)
+    yield server
+    server.shutdown()

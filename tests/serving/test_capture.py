@@ -1,0 +1,105 @@
+"""Capture inside the replica, replay through the model, the SGLang capture sidecar, sharded adapter upload."""
+
+import torch
+
+from serving.adapters import newest_adapter, publish_to_volume, push_adapter
+from serving.client import EngineClient, EngineError
+from serving.engine import LocalEngine
+from serving.http import serve, serve_sidecar
+
+PROMPT = list(range(20, 70))
+
+
+def _replay_logprobs(model_dir, adapter_dir, call, temperature=1.0):
+    """Teacher-force the captured tokens through a freshly loaded model; logprob of each output token."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model.eval()
+    ids = call["input_ids"] + call["output_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    n = len(call["input_ids"])
+    return [logprobs[n - 1 + i, tok].item() for i, tok in enumerate(call["output_ids"])]
+
+
+def test_captured_calls_replay_to_the_same_logprobs(tiny_model, adapters):
+    server = serve(LocalEngine(tiny_model, torch_threads=1), port=0)
+    try:
+        client = EngineClient(server.url)
+        client.load_lora_adapter("v000001", str(adapters["v000001"]))
+        params = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+        first = client.generate(PROMPT, params, lora_path="v000001", rid="rollout-1")  # no logprobs asked
+        second_prompt = PROMPT + first["output_ids"] + [5, 6, 7]
+        client.generate(second_prompt, params, lora_path="v000001", rid="rollout-1")
+        client.generate(PROMPT, params, rid="rollout-2")
+        calls = client.session("rollout-1")
+        assert [c["call_index"] for c in calls] == [0, 1]
+        assert calls[0]["output_ids"] == first["output_ids"]
+        assert calls[1]["input_ids"] == second_prompt
+        assert calls[1]["cached_tokens"] >= 64  # the second turn reused the first turn's KV
+        assert {c["lora_path"] for c in calls} == {"v000001"} and calls[0]["weight_version"] == "v000001"
+        for call in calls:
+            replayed = _replay_logprobs(tiny_model, adapters["v000001"], call)
+            assert len(replayed) == len(call["output_logprobs"]) == 24
+            assert max(abs(a - b) for a, b in zip(replayed, call["output_logprobs"])) < 1e-4
+        base_call = client.session("rollout-2")[0]
+        replayed = _replay_logprobs(tiny_model, None, base_call)
+        assert max(abs(a - b) for a, b in zip(replayed, base_call["output_logprobs"])) < 1e-4
+        client.drop_session("rollout-1")
+        assert client.session("rollout-1") == []
+    finally:
+        server.shutdown()
+
+
+def test_sidecar_captures_in_front_of_an_sglang_api_server(tiny_model):
+    """SGLang itself needs CUDA; the local engine stands in for it behind the sidecar, speaking the
+    same API. The sidecar code path (forward, force logprobs, record, strip) is the production one."""
+    upstream = serve(LocalEngine(tiny_model, torch_threads=1), port=0)
+    sidecar = serve_sidecar(upstream.url, port=0)
+    try:
+        client = EngineClient(sidecar.url)
+        out = client.generate(PROMPT, {"max_new_tokens": 6, "ignore_eos": True}, rid="r9")
+        assert "output_token_logprobs" not in out["meta_info"]
+        calls = client.session("r9")
+        assert calls[0]["output_ids"] == out["output_ids"] and len(calls[0]["output_logprobs"]) == 6
+        assert client.metrics()["num_requests_total"] == 1  # /metrics passes through
+        assert client.health()
+    finally:
+        sidecar.shutdown()
+        upstream.shutdown()
+
+
+def test_sharded_upload_loads_the_same_adapter(tiny_model, adapters, tmp_path):
+    server = serve(LocalEngine(tiny_model, torch_threads=1), port=0, staging_dir=tmp_path / "staging")
+    try:
+        client = EngineClient(server.url)
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        client.load_lora_adapter("from-dir", str(adapters["v000002"]))
+        result = push_adapter(server.url, "v000002", adapters["v000002"], num_shards=3)
+        assert result["success"] and "v000002" in result["loaded_adapters"]
+        a = client.generate(PROMPT, params, lora_path="from-dir")["output_ids"]
+        b = client.generate(PROMPT, params, lora_path="v000002")["output_ids"]
+        assert a == b
+        # A commit before every shard arrived is refused, naming what is missing.
+        client.pool.request("PUT", f"{server.url}/lora_shards/v9/0?num_shards=2", b"x")
+        try:
+            client.pool.json("POST", f"{server.url}/commit_lora_adapter", {"lora_name": "v9", "num_shards": 2, "adapter_config": {"peft_type": "LORA"}})
+            raise AssertionError("commit with a missing shard was accepted")
+        except EngineError as exc:
+            assert exc.status == 400 and "shards [1]" in exc.message
+    finally:
+        server.shutdown()
+
+
+def test_volume_publication_and_newest_version(adapters, tmp_path):
+    volume = tmp_path / "adapters"
+    assert newest_adapter(volume) is None
+    publish_to_volume(adapters["v000002"], volume, "v000010")
+    publish_to_volume(adapters["v000001"], volume, "v000009")
+    (volume / "v000011").mkdir()  # an incomplete version is not picked
+    assert newest_adapter(volume) == ("v000010", str(volume / "v000010"))
