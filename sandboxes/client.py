@@ -129,6 +129,8 @@ class PxdClient:
         self._owned = owned
         self._closed = False
         self.name = name
+        # set by the owner (a Sandbox) to explain a lost daemon: wall time, memory limit...
+        self.explain_loss = lambda: ""
 
     @classmethod
     def over_fds(cls, read_fd: int, write_fd: int, name: str = "pxd") -> "PxdClient":
@@ -167,7 +169,8 @@ class PxdClient:
                f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
         with self._lock:
             if self._closed:
-                raise PxdConnectionError(f"{self.name}: the connection is closed")
+                why = self.explain_loss()
+                raise PxdConnectionError(f"{self.name}: the connection is closed" + (f": {why}" if why else ""))
             deadline = time.monotonic() + wait_s
             try:
                 view = memoryview(msg)
@@ -186,7 +189,9 @@ class PxdClient:
                 data = self._rstream.read(length, deadline) if length else b""
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
                 self._closed = True
-                raise PxdConnectionError(f"{self.name}: the daemon is gone ({type(exc).__name__}) during {route}") from None
+                why = self.explain_loss()
+                raise PxdConnectionError(f"{self.name}: the daemon is gone ({type(exc).__name__}) during {route}"
+                                         + (f": {why}" if why else "")) from None
             except TimeoutError:
                 self._closed = True  # the stream is out of step now
                 raise PxdConnectionError(f"{self.name}: no answer to {route} within {wait_s:g} s") from None

@@ -87,7 +87,8 @@ class Image:
 def _tarinfo(name: str, st: os.stat_result | None = None, *, kind=tarfile.REGTYPE, mode=0o755) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = kind
-    info.mode = stat.S_IMODE(st.st_mode) if st is not None else mode
+    # no setuid/setgid bits in images: nothing in a sandbox may gain rights by running a file
+    info.mode = (stat.S_IMODE(st.st_mode) & 0o1777) if st is not None else mode
     info.mtime = 0  # content addressing: the same files give the same digest
     info.uid = info.gid = 0
     info.uname = info.gname = ""
@@ -198,7 +199,7 @@ def unpack_layer(blob: Path, compression: str, dest: Path) -> None:
     the files (so no member can be written through one)."""
     dest.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        ["tar", "-x", "-f", "-", "-C", str(dest), "--no-same-permissions", "--same-owner", "--delay-directory-restore"],
+        ["tar", "-x", "-f", "-", "-C", str(dest), "--same-permissions", "--same-owner", "--delay-directory-restore"],
         stdin=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     errors: list[BaseException] = []

@@ -361,10 +361,11 @@ class Daemon:
                 raise
         finally:
             os.close(dfd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise RequestError(f"path {'/'.join(parts)!r} is not a regular file")
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise RequestError(f"path {'/'.join(parts)!r} is not a regular file")
             data = f.read(max_bytes + 1)
         truncated = len(data) > max_bytes
         data = data[:max_bytes]

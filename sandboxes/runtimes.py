@@ -404,6 +404,7 @@ class Sandbox:
         self.closed = False
         self.expired = False
         self._lock = threading.Lock()
+        self._removed = threading.Event()
         started = time.perf_counter()
         self.lease = cache.acquire(image, store)
         self.cache_hit = self.lease.hit
@@ -421,6 +422,7 @@ class Sandbox:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          start_new_session=True, close_fds=True, env=host_env)
             self.pxd = PxdClient.over_fds(self.proc.stdout.fileno(), self.proc.stdin.fileno(), name=f"pxd[{self.id}]")
+            self.pxd.explain_loss = self.why_gone
             try:
                 self.pxd.wait_ready(READY_TIMEOUT_S)
             except PxdConnectionError as exc:
@@ -443,6 +445,22 @@ class Sandbox:
             return self.proc.stderr.read()[-2000:].decode(errors="replace").strip()
         except (OSError, ValueError):
             return ""
+
+    def why_gone(self) -> str:
+        """Why the sandbox stopped answering, as far as the host can tell."""
+        if self.expired:
+            self._removed.wait(60)
+            return f"the sandbox reached its wall-time limit of {self.limits.wall_s:g} s and was removed"
+        if self.closed:
+            return "the sandbox was closed"
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                return "the sandbox's runtime is still running but its daemon does not answer"
+            hint = " (the sandbox exceeded its memory limit?)" if code in (-9, 137) else ""
+            return f"the {self.runtime.name} runtime exited with code {code}{hint}"
+        return ""
 
     def _expire(self) -> None:
         self.expired = True
@@ -472,8 +490,15 @@ class Sandbox:
     def close(self) -> None:
         with self._lock:
             if self.closed:
+                self._removed.wait(60)  # another thread (the wall-time timer) is removing it
                 return
             self.closed = True
+        try:
+            self._remove()
+        finally:
+            self._removed.set()
+
+    def _remove(self) -> None:
         timer = getattr(self, "_timer", None)
         if timer is not None:
             timer.cancel()

@@ -1,0 +1,89 @@
+"""Real sandboxes (bubblewrap and gVisor) started from task repositories: the toolchain inside, a
+writable workspace over a read-only root, git through pxd, limits, and cleanup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import sandboxes
+from sandboxes.runtimes import Cgroup
+
+from .conftest import runtime_params
+
+
+@pytest.mark.parametrize("runtime", runtime_params())
+def test_task_tests_run_for_real(runtime, repo, store, cache):
+    with sandboxes.start(repo, runtime=runtime, store=store, cache=cache) as sb:
+        r = sb.exec("python -m pytest -q -p no:cacheprovider", timeout_s=120)
+        assert r.exit_code == 0 and "1 passed" in r.output, r.output
+        sb.write_file("calc.py", b"def add(a, b):\n    return a - b\n")
+        r = sb.exec("python -m pytest -q -p no:cacheprovider", timeout_s=120)
+        assert r.exit_code == 1 and "1 failed" in r.output
+        assert [f.path for f in sb.pxd.git_status().files] == ["calc.py"]
+        commit = sb.pxd.git_commit("break add")
+        assert commit.committed
+        assert sb.exec(["git", "log", "--format=%s"]).output == "break add\nbase\n"
+        # the root is read-only, the workspace and /tmp are not
+        assert sb.exec("touch /usr/x || touch /etc/x || touch /x").exit_code != 0
+        assert sb.exec("touch /tmp/x $HOME/y && echo ok > new.txt").exit_code == 0
+        assert sb.exec("pwd").output == "/workspace\n"
+        run_dir = sb.run_dir
+    assert not run_dir.exists()
+    assert repo.joinpath("calc.py").read_text().endswith("a + b\n")  # the source repository is untouched
+
+
+@pytest.mark.parametrize("runtime", runtime_params())
+def test_second_start_is_a_cache_hit_and_sandboxes_are_separate(runtime, repo, store, cache):
+    image = sandboxes.build_image("calc", repo, store)
+    with sandboxes.start("calc", runtime=runtime, store=store, cache=cache) as a:
+        assert not a.cache_hit
+        a.write_file("only-in-a.txt", b"a")
+        with sandboxes.start(image, runtime=runtime, store=store, cache=cache) as b:
+            assert b.cache_hit
+            assert b.exec("ls -A").output.split() == [".git", ".gitignore", "calc.py", "test_calc.py"]
+    assert not any((cache.root / "run").iterdir())
+
+
+def test_bwrap_user_has_no_capabilities_and_limits_are_a_cgroup(repo, store, cache):
+    limits = sandboxes.Limits(cpus=0.5, memory_mib=300, pids=50)
+    with sandboxes.start(repo, runtime="bwrap", limits=limits, store=store, cache=cache) as sb:
+        out = sb.exec("id -u; grep CapEff /proc/self/status").output.split()
+        assert out == ["1000", "CapEff:", "0000000000000000"]
+        cg = sb.cgroup
+        assert cg is not None and len(cg.pids()) >= 2  # bwrap and pxd at least
+        memory = [p for p in cg.paths if "memory" in str(p)] or cg.paths
+        limit_file = next(f for f in ("memory.limit_in_bytes", "memory.max") if (memory[0] / f).exists())
+        assert int((memory[0] / limit_file).read_text()) == 300 * 1024 * 1024
+        paths = list(cg.paths)
+    assert not any(p.exists() for p in paths)
+
+
+def test_wall_time_limit_ends_the_sandbox(repo, store, cache):
+    sb = sandboxes.start(repo, runtime="bwrap", limits=sandboxes.Limits(wall_s=1.0), store=store, cache=cache)
+    with pytest.raises(sandboxes.PxdConnectionError, match="wall-time limit of 1 s"):
+        sb.exec("sleep 60", timeout_s=120)
+    assert sb.closed and not sb.run_dir.exists()
+
+
+def test_unisolated_needs_the_explicit_flag(repo, store, cache):
+    with pytest.raises(sandboxes.SandboxError, match="allow_unisolated=True"):
+        sandboxes.start(repo, runtime="unisolated", store=store, cache=cache)
+    with sandboxes.start(repo, runtime="unisolated", allow_unisolated=True, store=store, cache=cache) as sb:
+        assert sb.exec("python -m pytest -q -p no:cacheprovider").exit_code == 0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="runtime 'docker'"):
+        sandboxes.start("x", runtime="docker")
+    with pytest.raises(ValueError, match=r"Limits\.memory_mib must be a number >= 16"):
+        sandboxes.Limits(memory_mib=1)
+    with pytest.raises(ValueError, match=r"Limits\.cpus"):
+        sandboxes.Limits(cpus="2")
+
+
+def test_missing_image_names_the_store(store, cache):
+    with pytest.raises(sandboxes.ImageError, match="no image 'ghost'"):
+        sandboxes.start("ghost", store=store, cache=cache)
