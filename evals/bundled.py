@@ -34,21 +34,20 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from evals.sandbox import GIT_ENV, SandboxFactory, local_repo_sandbox
+from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
 GENERATOR_VERSION = 1
 TASKS_PER_LEVEL = 60
 EVAL_EVERY = 4  # every 4th task of a level is held out for evaluation
 REPORT = ".pytest-report.xml"
-TEST_COMMAND = f"python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
+TEST_COMMAND = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
 GIT_DATE = "2024-01-01T00:00:00+00:00"
 
 
@@ -355,22 +354,8 @@ def build_suite(
 
 
 def default_sandbox_factory() -> SandboxFactory:
-    """The sandbox runtime validation uses: a working copy with this interpreter's pytest on PATH.
-
-    The bundled suite is code this module generated, so its validation may run without isolation;
-    agents' code goes through the ``sandboxes/`` runtimes (see :mod:`evals.sandbox`).
-    """
-    import contextlib
-
-    bindir = str(Path(sys.executable).parent)
-
-    @contextlib.contextmanager
-    def factory(task: Task):
-        with local_repo_sandbox(task) as sandbox:
-            sandbox._env["PATH"] = bindir + os.pathsep + sandbox._env.get("PATH", "")
-            yield sandbox
-
-    return factory
+    """Sandboxes for validation and tests: the platform's bubblewrap runtime, one per call."""
+    return platform_sandbox_factory("bwrap")
 
 
 def default_suite_dir() -> Path:

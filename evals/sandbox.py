@@ -12,20 +12,13 @@ A :data:`SandboxFactory` opens a fresh sandbox of a task with its repository at 
 context manager that tears it down on exit. :class:`InfraError` is what a runtime raises when the
 sandbox itself failed (died, could not start): graders retry it and never score it.
 
-:class:`LocalRepoSandbox` is a working copy of a bundled task's repository in a temporary folder,
-with commands run as plain subprocesses. It isolates nothing: it is for code the project itself
-generated (validating the bundled suite, tests) on machines where no sandbox runtime is set up.
-Use the ``sandboxes/`` runtimes for anything a model wrote.
+:func:`platform_sandbox_factory` is the implementation: each sandbox is a ``sandboxes`` sandbox
+(bubblewrap or gVisor, ``pxd`` inside) wrapped in :class:`PlatformSandbox`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Protocol
@@ -63,69 +56,73 @@ GIT_ENV = {
 }
 
 
-class LocalRepoSandbox:
-    """A temporary clone of a task's local repository; see the module docstring for its limits."""
+class PlatformSandbox:
+    """A :class:`Sandbox` over a running ``sandboxes`` sandbox (pxd inside, reached through its client).
 
-    def __init__(self, task: Task, root: Path):
-        if task.repo_path is None:
-            raise InfraError(f"task {task.id}: LocalRepoSandbox needs a local repository, the task names image {task.image}")
-        self.task = task
-        self.dir = root / "repo"
-        env = {**os.environ, **GIT_ENV}
-        proc = subprocess.run(
-            ["git", "clone", "-q", "--no-hardlinks", task.repo_path, str(self.dir)],
-            capture_output=True, text=True, env=env,
-        )
-        if proc.returncode != 0:
-            raise InfraError(f"task {task.id}: cloning {task.repo_path} failed: {proc.stderr.strip()}")
-        if task.base_commit:
-            subprocess.run(["git", "-C", str(self.dir), "checkout", "-q", task.base_commit], check=True, env=env)
-        self._env = {**env, "HOME": str(root), "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    Translates the runtime's failures into the grader's terms: a daemon that is gone or a sandbox
+    that cannot start is :class:`InfraError`; a path the daemon reports missing is ``FileNotFoundError``.
+    """
 
-    def _path(self, path: str) -> Path:
-        full = (self.dir / path).resolve()
-        if not full.is_relative_to(self.dir.resolve()):
-            raise PermissionError(f"{path}: outside the repository")
-        return full
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
 
     def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536) -> ExecResult:
-        import time
+        from sandboxes.client import PxdConnectionError, PxdError
 
-        started = time.monotonic()
-        proc = subprocess.Popen(
-            ["bash", "-c", command], cwd=self.dir, env=self._env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
         try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            timed_out = True
-        truncated = len(out) > output_cap_bytes
-        return ExecResult(
-            exit_code=proc.returncode if not timed_out else 124,
-            output=out[:output_cap_bytes].decode(errors="replace"),
-            timed_out=timed_out,
-            truncated=truncated,
-            duration_s=time.monotonic() - started,
-        )
+            r = self.sandbox.exec(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes)
+        except PxdConnectionError as exc:
+            raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
+        except PxdError as exc:
+            raise InfraError(f"sandbox {self.sandbox.id} refused a command: {exc}") from exc
+        return ExecResult(r.exit_code, r.output, r.timed_out, r.truncated, r.duration_s)
 
     def read_file(self, path: str) -> bytes:
-        return self._path(path).read_bytes()
+        from sandboxes.client import PxdConnectionError, PxdError
+
+        try:
+            return self.sandbox.read_file(path)
+        except PxdConnectionError as exc:
+            raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
+        except PxdError as exc:
+            if exc.status == 404:
+                raise FileNotFoundError(path) from exc
+            raise ValueError(f"{path}: {exc.message}") from exc
 
     def write_file(self, path: str, data: bytes) -> None:
-        full = self._path(path)
-        full.parent.mkdir(parents=True, exist_ok=True)
-        full.write_bytes(data)
+        from sandboxes.client import PxdConnectionError, PxdError
+
+        try:
+            self.sandbox.write_file(path, data)
+        except PxdConnectionError as exc:
+            raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
+        except PxdError as exc:
+            raise ValueError(f"{path}: {exc.message}") from exc
 
 
-@contextlib.contextmanager
-def local_repo_sandbox(task: Task) -> Iterator[LocalRepoSandbox]:
-    """A :class:`LocalRepoSandbox` of ``task`` in a temporary folder, removed on exit."""
-    root = Path(tempfile.mkdtemp(prefix=f"posttrain-{task.id[:40]}-"))
-    try:
-        yield LocalRepoSandbox(task, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxFactory:
+    """A :data:`SandboxFactory` that starts a ``sandboxes`` sandbox (``bwrap`` or ``gvisor``) per call.
+
+    A task with a local repository is started from that folder (built into a cached image on the
+    fly); a task with an image name from that image in the store. The task's resource limits become
+    the sandbox's (CPU, memory, wall time from the agent timeout plus the test timeout).
+    """
+
+    @contextlib.contextmanager
+    def factory(task: Task) -> Iterator[PlatformSandbox]:
+        import sandboxes
+        from sandboxes.runtimes import SandboxError
+
+        limits = sandboxes.Limits(
+            cpus=max(task.limits.cpus, 0.01), memory_mib=max(task.limits.memory_mb, 64),
+            wall_s=task.limits.agent_timeout_s + task.limits.test_timeout_s + 60.0,
+        )
+        source = task.repo_path or task.image
+        try:
+            box = sandboxes.start(source, runtime=runtime, limits=limits, **start_kwargs)
+        except (SandboxError, OSError) as exc:
+            raise InfraError(f"task {task.id}: the {runtime} sandbox did not start: {exc}") from exc
+        with box:
+            yield PlatformSandbox(box)
+
+    return factory

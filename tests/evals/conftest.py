@@ -10,6 +10,21 @@ import pytest
 DEEPSWE = Path("/work/shared/datasets/deepswe-1.1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def sandbox_dir(tmp_path_factory):
+    """Sandbox images and layer cache of these tests live in a temporary folder, not the user's."""
+    import os
+
+    path = tmp_path_factory.mktemp("sandboxes")
+    old = os.environ.get("POSTTRAIN_SANDBOX_DIR")
+    os.environ["POSTTRAIN_SANDBOX_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("POSTTRAIN_SANDBOX_DIR", None)
+    else:
+        os.environ["POSTTRAIN_SANDBOX_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def small_suite(tmp_path_factory) -> Path:
     from evals.bundled import build_suite
