@@ -123,6 +123,10 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
         print(f"invalid manifest: {problem}", file=sys.stderr)
     if problems:
         return EXIT_UNSOUND
+    missing = k8s.missing_entry_points()
+    if missing:
+        print("note: this checkout has no entry point for " + ", ".join(f"python -m {m}" for m in missing)
+              + "; the image must provide it before these pods can run", file=sys.stderr)  # fmt: skip
     print(f"{len(manifests)} manifests valid against the Kubernetes {version} schemas (strict): "
           + ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in manifests), file=sys.stderr)  # fmt: skip
     if args.dry_run:

@@ -1,9 +1,13 @@
 """Kubernetes manifests of a planned run, validated offline against the Kubernetes schemas.
 
 One run is: the shared volume (PVC), the resolved plan (ConfigMap), the trainer (Job), the engine
-fleet (a Deployment of SGLang servers, each pod with the capture sidecar on localhost, behind a
-headless Service), the router (Deployment + Service), and the sandbox pool (a controller Deployment
-with the RBAC to create sandbox pods, and a NetworkPolicy that cuts sandbox pods off the network).
+fleet (SGLang servers, each pod with the capture sidecar on localhost), the router (Deployment +
+Service), and the sandbox pool (a controller Deployment with the RBAC to create sandbox pods, and a
+NetworkPolicy that cuts sandbox pods off the network).
+
+The engines are a StatefulSet behind a headless Service rather than a Deployment: the router is
+given each replica's address (``--worker URL@POOL:GPUS``), and a StatefulSet's pods have stable
+names (``RUN-engine-0.RUN-engine.NAMESPACE.svc``) that survive restarts.
 
 Every container runs a module's ``__main__`` (``WORKLOAD_MODULES``), the same entry points that run
 locally. ``posttrain run --target k8s --dry-run`` prints these manifests; without ``--dry-run`` they
@@ -26,8 +30,8 @@ WORKLOAD_MODULES = {
 }
 
 SGLANG_PORT = 30000
-CAPTURE_PORT = 8000
-ROUTER_PORT = 8080
+CAPTURE_PORT = 30001
+ROUTER_PORT = 30100
 DATA_MOUNT = "/data"
 PLAN_MOUNT = "/etc/posttrain"
 PLAN_FILE = "resolved-plan.json"
@@ -101,8 +105,14 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     kube = rf.kubernetes
     base = k8s_name(plan.run_name)
     image = kube.image
-    engines_dns = f"{base}-engine.{kube.namespace}.svc"
+    engine_service_name = f"{base}-engine"
+    workers = [
+        f"http://{engine_service_name}-{i}.{engine_service_name}.{kube.namespace}.svc:{CAPTURE_PORT}"
+        f"@reserved:{rf.inference.gpus_per_engine}"
+        for i in range(rf.inference.engines)
+    ]
     router_url = f"http://{base}-router.{kube.namespace}.svc:{ROUTER_PORT}"
+    pool_name = f"{base}-sandbox-pool"  # its service account may create sandbox pods (pool and trainer)
 
     volume: dict[str, Any] = {
         "apiVersion": "v1",
@@ -141,7 +151,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url}],
                     "volumeMounts": _MOUNTS,
                     "resources": _gpu_resources(rf.trainer.gpus, "4", "32Gi"),
-                }], restartPolicy="Never"),
+                }], restartPolicy="Never", serviceAccountName=pool_name),
             },
         },
     }  # fmt: skip
@@ -162,8 +172,8 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "name": "capture",
         "image": image,
         "command": ["python", "-m", WORKLOAD_MODULES["capture"],
-                    "--upstream", f"http://127.0.0.1:{SGLANG_PORT}", "--port", str(CAPTURE_PORT),
-                    "--store", f"{run_dir_in_pod(plan)}/capture"],
+                    "--upstream", f"http://127.0.0.1:{SGLANG_PORT}", "--host", "0.0.0.0",
+                    "--port", str(CAPTURE_PORT)],
         "ports": [{"name": "capture", "containerPort": CAPTURE_PORT}],
         "env": _env(plan),
         "volumeMounts": _MOUNTS,
@@ -171,9 +181,11 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     }  # fmt: skip
     engines = {
         "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "kind": "StatefulSet",
         "metadata": _meta(plan, "engine", "engine"),
         "spec": {
+            "serviceName": engine_service_name,
+            "podManagementPolicy": "Parallel",  # replicas start together, not one after another
             "replicas": rf.inference.engines,
             "selector": {"matchLabels": _labels(plan, "engine")},
             "template": {
@@ -207,9 +219,10 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                 "spec": _pod_spec(plan, [{
                     "name": "router",
                     "image": image,
-                    "command": ["python", "-m", WORKLOAD_MODULES["router"], "--port", str(ROUTER_PORT),
-                                "--engines-dns", engines_dns, "--engine-port", str(CAPTURE_PORT),
-                                "--permits-per-engine", str(plan.resolved["sglang_server_concurrency"])],
+                    "command": ["python", "-m", WORKLOAD_MODULES["router"], "--host", "0.0.0.0",
+                                "--port", str(ROUTER_PORT), "--policy", "kv_headroom",
+                                *[arg for w in workers for arg in ("--worker", w)],
+                                "--adapters-volume", f"{run_dir_in_pod(plan)}/adapters"],
                     "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
                     "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
                     "env": _env(plan),
@@ -227,7 +240,6 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                  "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}]},
     }  # fmt: skip
 
-    pool_name = f"{base}-sandbox-pool"
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(plan, "sandbox-pool", "sandbox-pool")}
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -286,6 +298,22 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     }
     return [volume, plan_map, account, role, binding, no_network, engine_service, engines,
             router_service, router, pool, trainer]  # fmt: skip
+
+
+def missing_entry_points() -> list[str]:
+    """Workload modules the manifests run that this checkout does not have (yet)."""
+    import importlib.util
+
+    missing = []
+    for module in WORKLOAD_MODULES.values():
+        name = module if module.count(".") else f"{module}.__main__"
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(module)
+    return missing
 
 
 def validate_manifests(manifests: list[dict[str, Any]], kubernetes_version: str | None = None) -> list[str]:

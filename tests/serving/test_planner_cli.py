@@ -108,14 +108,14 @@ def test_k8s_dry_run_prints_every_manifest_valid_against_the_schemas(hybrid_file
     kinds = {(m["kind"], m["metadata"]["name"]) for m in manifests}
     assert {
         ("Job", "hybrid-b300-trainer"),
-        ("Deployment", "hybrid-b300-engine"),
+        ("StatefulSet", "hybrid-b300-engine"),
         ("Deployment", "hybrid-b300-router"),
         ("Deployment", "hybrid-b300-sandbox-pool"),
         ("PersistentVolumeClaim", "hybrid-b300-data"),
         ("NetworkPolicy", "hybrid-b300-sandboxes-no-network"),
     } <= kinds
     assert "12 manifests valid against the Kubernetes" in err
-    engine = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-engine"))
+    engine = next(m for m in manifests if m["kind"] == "StatefulSet")
     assert engine["spec"]["replicas"] == 2
     sglang, capture = engine["spec"]["template"]["spec"]["containers"]
     assert capture["name"] == "capture" and sglang["resources"]["limits"]["nvidia.com/gpu"] == 8
@@ -126,6 +126,9 @@ def test_k8s_dry_run_prints_every_manifest_valid_against_the_schemas(hybrid_file
                         ("--mamba-scheduler-strategy", "extra_buffer"), ("--tp-size", "8")]:  # fmt: skip
         assert args[args.index(flag) + 1] == value
     assert "--enable-lora" in args and "--disable-radix-cache" not in args
+    router = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-router"))
+    workers = [a for a in router["spec"]["template"]["spec"]["containers"][0]["command"] if a.startswith("http://")]
+    assert workers == [f"http://hybrid-b300-engine-{i}.hybrid-b300-engine.rl.svc:30001@reserved:8" for i in (0, 1)]
     plan_map = next(m for m in manifests if m["kind"] == "ConfigMap")
     assert json.loads(plan_map["data"]["resolved-plan.json"])["run"]["name"] == "Hybrid B300"
 
