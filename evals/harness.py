@@ -4,7 +4,7 @@ The episode API (what training's producer and :func:`evals.evaluate.evaluate` ca
 
     trajectory = run_episode(
         task,                      # evals.tasks.Task
-        model,                     # ModelClient: SGLang-native generate(body) -> response
+        model,                     # ModelClient: serving.client.EngineClient(url), or InProcessClient(engine)
         tokenizer,                 # encode(text, add_special_tokens=False) -> ids; decode(ids) -> text
         sandbox_factory,           # evals.sandbox.SandboxFactory: task -> context manager of a Sandbox
         adapter_version="step_000004",   # LoRA adapter name sent as lora_path (None: base model)
@@ -42,14 +42,19 @@ from evals.bundled import apply_edits, failing_summary
 from evals.grading import GRADED, INFRA_ERROR, GradeResult, committed_patch, grade_patch
 from evals.sandbox import InfraError, Sandbox, SandboxFactory
 from evals.tasks import Task
+from serving.client import EngineClient as HttpClient  # the HTTP ModelClient (replica, sidecar or router)
+
+__all__ = ["HttpClient", "InProcessClient", "ModelCall", "ModelClient", "Step", "Trajectory", "run_episode"]
 
 OBSERVATION_CAP_CHARS = 2000
 
 
 class ModelClient(Protocol):
-    """Anything that answers SGLang's native ``POST /generate`` body with its response dict."""
+    """SGLang's native ``POST /generate``, as :class:`serving.client.EngineClient` calls it: the
+    response dict holds ``output_ids`` and ``meta_info`` (with ``output_token_logprobs``)."""
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]: ...
+    def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
+                 return_logprob: bool = False, lora_path: str | None = None, rid: str | None = None) -> dict[str, Any]: ...
 
 
 class Tokenizer(Protocol):
@@ -207,12 +212,9 @@ def run_episode(
                     params["stop_token_ids"] = list(stop_token_ids)
                 if seed is not None:
                     params["sampling_seed"] = seed + turn
-                body: dict[str, Any] = {"input_ids": list(context_ids), "sampling_params": params,
-                                        "return_logprob": True, "rid": session_id}
-                if adapter_version is not None:
-                    body["lora_path"] = adapter_version
                 t0 = time.monotonic()
-                response = model.generate(body)
+                response = model.generate(list(context_ids), params, return_logprob=True, lora_path=adapter_version,
+                                          rid=session_id)
                 output_ids = list(response["output_ids"])
                 meta = dict(response.get("meta_info", {}))
                 logprobs = [float(entry[0]) for entry in meta.pop("output_token_logprobs", [])]
@@ -257,34 +259,19 @@ def run_episode(
     return traj
 
 
-class EngineClient:
-    """A :class:`ModelClient` over an in-process ``serving`` engine (its ``generate(GenerateRequest)``)."""
+class InProcessClient:
+    """A :class:`ModelClient` over an engine object in this process (``serving.engine.LocalEngine``)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        from serving.protocol import parse_generate
+    def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
+                 return_logprob: bool = False, lora_path: str | None = None, rid: str | None = None) -> dict[str, Any]:
+        from serving.protocol import GenerateRequest, parse_sampling_params
 
-        (request,) = parse_generate(body)
+        request = GenerateRequest(list(input_ids), parse_sampling_params(sampling_params or {}), return_logprob,
+                                  lora_path, rid)
         return self.engine.generate(request)
-
-
-class HttpClient:
-    """A :class:`ModelClient` over an engine or router's HTTP ``POST /generate``."""
-
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
-        import requests
-
-        self.url = base_url.rstrip("/") + "/generate"
-        self.timeout_s = timeout_s
-        self.session = requests.Session()
-
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        resp = self.session.post(self.url, json=body, timeout=self.timeout_s)
-        if resp.status_code != 200:
-            raise RuntimeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp.json()
 
 
 def graded_ok(traj: Trajectory) -> bool:

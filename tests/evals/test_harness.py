@@ -9,7 +9,7 @@ import pytest
 from evals.actions import JSON_TOOLS, demonstration, parse_json_tools
 from evals.bundled import default_sandbox_factory
 from evals.evaluate import evaluate, write_rows
-from evals.harness import EngineClient, run_episode
+from evals.harness import InProcessClient, run_episode
 
 
 class ScriptedPolicy:
@@ -18,7 +18,9 @@ class ScriptedPolicy:
     def __init__(self, tokenizer, answers):
         self.tokenizer, self.answers, self.bodies = tokenizer, list(answers), []
 
-    def generate(self, body):
+    def generate(self, input_ids, sampling_params=None, *, return_logprob=False, lora_path=None, rid=None):
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob,
+                "lora_path": lora_path, "rid": rid}
         self.bodies.append(body)
         text = self.answers[min(len(self.bodies) - 1, len(self.answers) - 1)]
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -88,7 +90,7 @@ def tiny_engine(tmp_path_factory):
 
 def test_real_tiny_engine_episode_and_evaluate(small_tasks, tiny_engine, tmp_path):
     tokenizer = tiny_engine.tokenizer
-    client = EngineClient(tiny_engine)
+    client = InProcessClient(tiny_engine)
     task = small_tasks[0]
     traj = run_episode(task, client, tokenizer, default_sandbox_factory(), max_turns=2, max_new_tokens=16,
                        seed=1, action_format=JSON_TOOLS)
