@@ -7,7 +7,7 @@
     out["output_ids"], out["meta_info"]["output_token_logprobs"]   # [[logprob, token_id, None], ...]
     client.session("rollout-17")   # every captured call of the session, in order
 
-Connections are kept alive per thread (``http.client``), so a client is cheap to share between
+Connections are kept alive and shared between threads (``http.client``), so a client is cheap to share between
 threads and adds well under a millisecond per call on loopback.
 """
 
@@ -30,27 +30,24 @@ class EngineError(RuntimeError):
 
 
 class HttpPool:
-    """Keep-alive HTTP/1.1 connections, one per (thread, host)."""
+    """Keep-alive HTTP/1.1 connections per host, shared by threads (idle ones are reused LIFO)."""
 
     def __init__(self, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
-        self._local = threading.local()
+        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
 
-    def _conn(self, netloc: str) -> http.client.HTTPConnection:
-        conns = getattr(self._local, "conns", None)
-        if conns is None:
-            conns = self._local.conns = {}
-        conn = conns.get(netloc)
-        if conn is None:
-            host, _, port = netloc.partition(":")
-            conn = conns[netloc] = http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
-        return conn
+    def _checkout(self, netloc: str) -> http.client.HTTPConnection:
+        with self._lock:
+            idle = self._idle.get(netloc)
+            if idle:
+                return idle.pop()
+        host, _, port = netloc.partition(":")
+        return http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
 
-    def _drop(self, netloc: str) -> None:
-        conns = getattr(self._local, "conns", {})
-        conn = conns.pop(netloc, None)
-        if conn is not None:
-            conn.close()
+    def _checkin(self, netloc: str, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._idle.setdefault(netloc, []).append(conn)
 
     def request(self, method: str, url: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None) -> tuple[int, bytes, str]:
@@ -61,24 +58,27 @@ class HttpPool:
         hdrs = {"Content-Type": "application/json"} if body is not None else {}
         hdrs.update(headers or {})
         for attempt in (0, 1):
-            conn = self._conn(parts.netloc)
+            conn = self._checkout(parts.netloc)
             try:
                 conn.request(method, path or "/", body=body, headers=hdrs)
                 resp = conn.getresponse()
                 data = resp.read()
-                if resp.getheader("Connection", "").lower() == "close":
-                    self._drop(parts.netloc)
-                return resp.status, data, resp.getheader("Content-Type", "")
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.CannotSendRequest,
                     http.client.BadStatusLine) as exc:
-                self._drop(parts.netloc)
+                conn.close()
                 # A kept-alive connection the server closed: retry once on a fresh one. A request
                 # that reached a dead server fails the same way twice and raises.
                 if attempt == 1:
                     raise ConnectionError(f"{url}: {exc!r}") from exc
+                continue
             except OSError:
-                self._drop(parts.netloc)
+                conn.close()
                 raise
+            if resp.getheader("Connection", "").lower() == "close":
+                conn.close()
+            else:
+                self._checkin(parts.netloc, conn)
+            return resp.status, data, resp.getheader("Content-Type", "")
         raise AssertionError("unreachable")
 
     def json(self, method: str, url: str, payload: Any = None) -> Any:

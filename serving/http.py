@@ -76,6 +76,7 @@ class JsonServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
 
             def log_message(self, *args):  # quiet: one line per call would swamp the logs
                 pass

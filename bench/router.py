@@ -1,0 +1,231 @@
+"""Router benchmark: multi-turn agent sessions replayed against a fleet of SIMULATED engines.
+
+    .venv/bin/python bench/router.py                       # defaults below, about 3-4 minutes on 2 cores
+    .venv/bin/python bench/router.py --sessions 2048 --turns 100   # closer to production, much longer
+
+The replicas are ``serving.sim`` engines: the same HTTP API and KV-cache accounting as a replica
+(block prefix cache, LRU eviction, token budget, retraction), a service-time model, and no model
+compute. The fleet mixes 8-GPU "reserved" and 1-GPU "on-demand" replicas. Sessions come in GRPO
+groups of 8 sharing a prompt; each turn sends the whole context (prompt + every earlier output and
+tool observation), so the context grows every turn, then "runs a tool" (think time) before the
+next turn.
+
+The same workload (same seed) runs through each router, each against a freshly started fleet:
+ours (``kv_headroom``), ``round_robin``, ``least_loaded`` (both ours too, sticky per session), and
+the real ``sglang-router`` from PyPI (``--policy cache_aware``) when it is installed (the ``bench``
+extra). Reported per router: prefix-cache hit rate (cached / prompt tokens over all calls),
+retractions (summed over replicas), throughput, p50/p99 call latency, and router overhead
+(client-side latency minus the replica's own ``e2e_latency``: the extra hop plus routing), then
+each figure as a ratio to sglang-router's (or round-robin's when sglang-router is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from serving.client import EngineClient, EngineError, HttpPool  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_fleet(args) -> tuple[subprocess.Popen, list[tuple[str, int]]]:
+    cmd = [sys.executable, "-m", "serving.sim", "--max-total-tokens-per-gpu", str(args.tokens_per_gpu),
+           "--decode-step-ms", str(args.decode_step_ms)]
+    for spec in args.replicas:
+        cmd += ["--replicas", spec]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    workers = []
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            break
+        url, gpus = line.split()
+        workers.append((url, int(gpus)))
+    return proc, workers
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if EngineClient(url).health():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up in {timeout_s}s")
+
+
+def start_router(kind: str, workers, port: int) -> subprocess.Popen:
+    if kind == "sglang-router":
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--policy", "cache_aware", "--log-level", "error", "--worker-urls", *[u for u, _ in workers]]
+    else:
+        cmd = [sys.executable, "-m", "serving.router", "--port", str(port), "--policy", kind]
+        for url, gpus in workers:
+            cmd += ["--worker", f"{url}@{'reserved' if gpus > 1 else 'on_demand'}:{gpus}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}")
+    if kind == "sglang-router":  # it reports healthy before the workers are checked in
+        time.sleep(3.0)
+    return proc
+
+
+def make_workload(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    sessions = []
+    for g in range(args.sessions // args.group_size):
+        prompt = [rng.randrange(10, 30000) for _ in range(args.prompt_tokens)]
+        for k in range(args.group_size):
+            turns = max(2, int(rng.gauss(args.turns, args.turns / 4)))
+            obs = [[rng.randrange(10, 30000) for _ in range(rng.randint(args.obs_tokens // 2, args.obs_tokens * 3 // 2))]
+                   for _ in range(turns)]
+            sessions.append({"rid": f"g{g:05d}-s{k}", "prompt": prompt, "obs": obs})
+    return sessions
+
+
+def run_workload(url: str, sessions, args) -> dict:
+    pool = HttpPool(timeout_s=600)
+    records: list[tuple[float, float, int, int, int]] = []  # latency, replica_s, prompt, cached, completion
+    lock = threading.Lock()
+    queue = list(reversed(sessions))
+    errors = []
+
+    def worker() -> None:
+        local = []
+        while True:
+            with lock:
+                if not queue:
+                    break
+                session = queue.pop()
+            context = list(session["prompt"])
+            for obs in session["obs"]:
+                body = {"input_ids": context, "rid": session["rid"],
+                        "sampling_params": {"max_new_tokens": args.output_tokens, "ignore_eos": True}}
+                t0 = time.perf_counter()
+                try:
+                    out = pool.json("POST", f"{url}/generate", body)
+                except (EngineError, OSError) as exc:
+                    errors.append(repr(exc))
+                    break
+                latency = time.perf_counter() - t0
+                meta = out["meta_info"]
+                local.append((latency, float(meta.get("e2e_latency", 0.0)), int(meta["prompt_tokens"]),
+                              int(meta.get("cached_tokens") or 0), int(meta["completion_tokens"])))
+                context += out["output_ids"] + obs
+                time.sleep(args.think_ms / 1e3)
+            try:
+                pool.request("POST", f"{url}/end_session", json.dumps({"rid": session["rid"]}).encode())
+            except OSError:
+                pass
+        with lock:
+            records.extend(local)
+
+    threads = [threading.Thread(target=worker) for _ in range(args.live_sessions)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat = sorted(r[0] for r in records)
+    over = sorted(max(0.0, r[0] - r[1]) for r in records)
+    q = lambda v, p: v[min(len(v) - 1, int(len(v) * p))] * 1e3 if v else float("nan")  # noqa: E731
+    return {
+        "calls": len(records), "errors": len(errors), "first_error": errors[0] if errors else "",
+        "cache_hit_rate": sum(r[3] for r in records) / max(1, sum(r[2] for r in records)),
+        "throughput_tok_s": sum(r[4] for r in records) / wall, "calls_per_s": len(records) / wall,
+        "p50_ms": q(lat, 0.5), "p99_ms": q(lat, 0.99), "overhead_p50_ms": q(over, 0.5), "overhead_p99_ms": q(over, 0.99),
+        "wall_s": wall,
+    }
+
+
+def retractions(workers) -> float:
+    return sum(EngineClient(url).metrics().get("num_retracted_reqs", 0.0) for url, _ in workers)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", action="append", default=None, help="COUNTxGPUS (default: 56x1 and 8x8 = 64 replicas)")
+    p.add_argument("--tokens-per-gpu", type=int, default=12288, help="KV budget per GPU in tokens")
+    p.add_argument("--decode-step-ms", type=float, default=10.0)
+    p.add_argument("--sessions", type=int, default=1024)
+    p.add_argument("--live-sessions", type=int, default=384, help="sessions running at once (closed loop)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--turns", type=int, default=24, help="mean calls per session")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--obs-tokens", type=int, default=96, help="mean tool-observation tokens per turn")
+    p.add_argument("--output-tokens", type=int, default=24)
+    p.add_argument("--think-ms", type=float, default=150.0, help="tool time between a session's calls")
+    p.add_argument("--routers", default="kv_headroom,round_robin,least_loaded,sglang-router")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    args.replicas = args.replicas or ["56x1", "8x8"]
+    routers = [r for r in args.routers.split(",") if r]
+    if "sglang-router" in routers:
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError:
+            print("sglang-router is not installed (pip install 'posttrain[bench]'); skipping it", flush=True)
+            routers.remove("sglang-router")
+    sessions = make_workload(args)
+    n_calls = sum(len(s["obs"]) for s in sessions)
+    print(f"SIMULATED engines (serving.sim: engine HTTP API, KV-cache accounting, service-time model, no model compute)")
+    print(f"fleet {'+'.join(args.replicas)} replicas, {args.tokens_per_gpu} KV tokens/GPU; {len(sessions)} sessions "
+          f"(groups of {args.group_size}), {args.live_sessions} live, {n_calls} calls", flush=True)
+    results = {}
+    for kind in routers:
+        fleet, workers = start_fleet(args)
+        port = free_port()
+        router = None
+        try:
+            router = start_router(kind, workers, port)
+            res = run_workload(f"http://127.0.0.1:{port}", sessions, args)
+            res["retractions"] = retractions(workers)
+            results[kind] = res
+            print(f"  {kind}: {res['calls']} calls in {res['wall_s']:.1f}s, errors {res['errors']} {res['first_error'][:120]}", flush=True)
+        finally:
+            for proc in (router, fleet):
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait()
+    base = "sglang-router" if "sglang-router" in results else "round_robin"
+    cols = [("cache_hit_rate", "cache hit", "{:.4f}"), ("retractions", "retractions", "{:.0f}"),
+            ("throughput_tok_s", "tok/s", "{:.0f}"), ("p50_ms", "p50 ms", "{:.1f}"), ("p99_ms", "p99 ms", "{:.1f}"),
+            ("overhead_p50_ms", "overhead p50 ms", "{:.2f}"), ("overhead_p99_ms", "overhead p99 ms", "{:.2f}")]
+    print()
+    print("| router | " + " | ".join(c[1] for c in cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for kind, res in results.items():
+        print(f"| {kind} | " + " | ".join(c[2].format(res[c[0]]) for c in cols) + " |")
+    print()
+    print(f"ratios to {base} (same workload, same run):")
+    print("| router | " + " | ".join(c[1] for c in cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for kind, res in results.items():
+        cells = []
+        for key, _, _ in cols:
+            b = results[base][key]
+            cells.append(f"{res[key] / b:.2f}x" if b else ("=" if res[key] == b else "inf"))
+        print(f"| {kind} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""A simulated engine: the engine HTTP API, real KV-cache accounting, a service-time model, no model.
+
+It exists so the router can be measured against a fleet of 64+ replicas and thousands of sessions
+on a laptop (``bench/router.py``). Each replica runs the same scheduler shape as the local engine
+and SGLang: admit waiting requests while the KV budget allows (a block prefix cache with LRU
+eviction gives the hits), prefill the uncached tokens, decode every running request together, and
+retract the newest request when the running ones outgrow the budget. Time is spent by sleeping:
+
+    prefill_s = uncached_tokens * prefill_s_per_token / size_gpus
+    decode step (decode_chunk_tokens for every running request) =
+        decode_step_s + running_reqs * decode_s_per_req / size_gpus
+
+Output tokens are pseudo-random ids (a hash of the sequence), logprobs are 0.0: nothing is computed.
+Run a fleet of them in one process:
+
+    python -m serving.sim --replicas 56x1 --replicas 8x8 --max-total-tokens-per-gpu 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.prefix_cache import Block, PrefixCache
+from serving.protocol import BadRequest, GenerateRequest, finish_reason
+
+
+@dataclass
+class ServiceModel:
+    prefill_s_per_token: float = 20e-6
+    decode_step_s: float = 0.010
+    decode_s_per_req: float = 0.0004
+    decode_chunk_tokens: int = 8
+
+
+@dataclass(eq=False)
+class _SimReq:
+    request: GenerateRequest
+    order: int
+    seq_len: int
+    output_ids: list[int]
+    produced: int = 0
+    locked: list[Block] = field(default_factory=list)
+    cached_tokens: int = 0
+    prefilled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    arrived_s: float = field(default_factory=time.perf_counter)
+
+
+class SimEngine:
+    def __init__(self, *, size_gpus: int = 1, max_total_tokens: int = 16384, max_running_requests: int = 64,
+                 block_size: int = 16, service: ServiceModel | None = None, admission_reserve_tokens: int = 32,
+                 name: str = "sim"):
+        self.size_gpus = size_gpus
+        self.max_total_tokens = max_total_tokens
+        self.max_running_requests = max_running_requests * size_gpus
+        self.service = service or ServiceModel()
+        self.admission_reserve_tokens = admission_reserve_tokens
+        self.name = name
+        self.cache = PrefixCache(block_size)
+        self._adapters: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_SimReq] = deque()
+        self._running: list[_SimReq] = []
+        self._order = itertools.count()
+        self.num_retracted_reqs = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_total = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"sim-{name}", daemon=True)
+        self._thread.start()
+
+    # --- the Engine protocol --------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        if request.lora_path is not None and request.lora_path not in self._adapters:
+            raise BadRequest(f"lora_path {request.lora_path!r} is not loaded (loaded: {sorted(self._adapters)})")
+        need = len(request.input_ids) + request.sampling_params.max_new_tokens
+        if need > self.max_total_tokens:
+            raise BadRequest(f"input_ids plus max_new_tokens is {need} tokens; the KV budget is {self.max_total_tokens}")
+        n = request.sampling_params.max_new_tokens
+        seed = hash((tuple(request.input_ids[-8:]), n)) & 0xFFFFFFFFFFFF
+        output_ids = [(seed >> (i % 40)) % 1000 + 10 for i in range(n)]
+        req = _SimReq(request, next(self._order), len(request.input_ids), output_ids)
+        with self._lock:
+            self._waiting.append(req)
+            self.num_requests_total += 1
+            self._wake.notify()
+        req.done.wait()
+        meta = {
+            "id": request.rid, "prompt_tokens": len(request.input_ids), "completion_tokens": n,
+            "cached_tokens": req.cached_tokens, "finish_reason": finish_reason("length", n),
+            "weight_version": request.lora_path or "base", "lora_path": request.lora_path,
+            "e2e_latency": time.perf_counter() - req.arrived_s,
+        }
+        if request.return_logprob:
+            meta["output_token_logprobs"] = [[0.0, t, None] for t in output_ids]
+        return {"text": "", "output_ids": output_ids, "meta_info": meta}
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        with self._lock:
+            self._adapters[name] = path
+
+    def unload_lora_adapter(self, name: str) -> None:
+        with self._lock:
+            if self._adapters.pop(name, None) is None:
+                raise BadRequest(f"lora_name {name!r} is not loaded")
+            self.cache.drop_adapter(name)
+
+    def adapters(self) -> list[str]:
+        with self._lock:
+            return sorted(self._adapters)
+
+    def server_info(self) -> dict[str, Any]:
+        return {"engine": "posttrain-sim (no model compute)", "max_total_num_tokens": self.max_total_tokens,
+                "max_running_requests": self.max_running_requests, "size_gpus": self.size_gpus,
+                "loaded_adapters": self.adapters(), "page_size": self.cache.block_size}
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            used = self._used_tokens()
+            stats = self.cache.stats
+            return {
+                "num_running_reqs": len(self._running), "num_queue_reqs": len(self._waiting),
+                "num_used_tokens": used, "token_usage": used / self.max_total_tokens,
+                "cache_hit_rate": stats.hit_tokens / stats.lookups_tokens if stats.lookups_tokens else 0.0,
+                "num_retracted_reqs": self.num_retracted_reqs, "max_total_num_tokens": self.max_total_tokens,
+                "prompt_tokens_total": self.prompt_tokens_total, "cached_tokens_total": self.cached_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total, "num_requests_total": self.num_requests_total,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+
+    # --- the scheduler ----------------------------------------------------------------------
+
+    def _private(self, r: _SimReq) -> int:
+        return r.seq_len + r.produced - len(r.locked) * self.cache.block_size
+
+    def _used_tokens(self) -> int:
+        return self.cache.locked_tokens + sum(self._private(r) for r in self._running)
+
+    def _make_room(self, need: int) -> bool:
+        free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
+        if free < need:
+            self.cache.evict(need - free)
+            free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
+        return free >= need
+
+    def _loop(self) -> None:
+        svc = self.service
+        while True:
+            with self._lock:
+                while not self._waiting and not self._running and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                prefill_tokens = 0
+                while self._waiting and len(self._running) < self.max_running_requests:
+                    req = self._waiting[0]
+                    tokens = req.request.input_ids
+                    chain = self.cache.match(req.request.lora_path, tokens, max_tokens=len(tokens) - 1)
+                    hit = len(chain) * self.cache.block_size
+                    remaining = req.request.sampling_params.max_new_tokens - req.produced
+                    self.cache.lock(chain)
+                    if not self._make_room(len(tokens) - hit + req.produced + min(remaining, self.admission_reserve_tokens)):
+                        self.cache.unlock(chain)
+                        break
+                    self._waiting.popleft()
+                    if not req.prefilled:
+                        req.cached_tokens = hit
+                        self.cache.record_lookup(len(tokens), hit)
+                        self.prompt_tokens_total += len(tokens)
+                        self.cached_tokens_total += hit
+                        req.prefilled = True
+                    req.locked = self.cache.insert(req.request.lora_path, tokens, have=chain)
+                    self.cache.lock(req.locked[len(chain):])
+                    prefill_tokens += len(tokens) - hit + req.produced
+                    self._running.append(req)
+                batch = len(self._running)
+            step_s = prefill_tokens * svc.prefill_s_per_token / self.size_gpus
+            if batch:
+                step_s += svc.decode_step_s + batch * svc.decode_s_per_req / self.size_gpus
+            time.sleep(step_s)
+            with self._lock:
+                grow = svc.decode_chunk_tokens
+                while len(self._running) > 1 and not self._make_room(grow * len(self._running)):
+                    victim = max(self._running, key=lambda r: r.order)
+                    self._running.remove(victim)
+                    self.cache.unlock(victim.locked)
+                    victim.locked = []
+                    self._waiting.appendleft(victim)
+                    self.num_retracted_reqs += 1
+                finished = []
+                for req in self._running:
+                    step = min(grow, req.request.sampling_params.max_new_tokens - req.produced)
+                    req.produced += step
+                    self.generation_tokens_total += step
+                    if req.produced >= req.request.sampling_params.max_new_tokens:
+                        finished.append(req)
+                for req in finished:
+                    self._running.remove(req)
+                    # The generated tokens' KV stays cached, as in SGLang: the next turn hits it.
+                    self.cache.insert(req.request.lora_path, req.request.input_ids + req.output_ids, have=req.locked)
+                    self.cache.unlock(req.locked)
+                    req.locked = []
+                    req.done.set()
+
+
+def parse_replica_spec(spec: str) -> tuple[int, int]:
+    """``COUNTxGPUS`` -> (count, gpus)."""
+    count, _, gpus = spec.partition("x")
+    try:
+        return int(count), int(gpus or 1)
+    except ValueError:
+        raise ValueError(f"--replicas must look like COUNTxGPUS (e.g. 56x1), got {spec!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from serving.http import serve
+
+    parser = argparse.ArgumentParser(prog="python -m serving.sim", description="a fleet of simulated engines in one process")
+    parser.add_argument("--replicas", action="append", default=[], help="COUNTxGPUS, repeatable (default 4x1)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--max-total-tokens-per-gpu", type=int, default=16384)
+    parser.add_argument("--decode-step-ms", type=float, default=10.0)
+    parser.add_argument("--prefill-us-per-token", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    service = ServiceModel(prefill_s_per_token=args.prefill_us_per_token * 1e-6, decode_step_s=args.decode_step_ms / 1e3)
+    servers = []
+    for spec in args.replicas or ["4x1"]:
+        count, gpus = parse_replica_spec(spec)
+        for _ in range(count):
+            engine = SimEngine(size_gpus=gpus, max_total_tokens=args.max_total_tokens_per_gpu * gpus, service=service)
+            servers.append((serve(engine, host=args.host, port=0), gpus))
+    for server, gpus in servers:
+        print(f"{server.url} {gpus}", flush=True)
+    print("ready", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
