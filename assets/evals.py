@@ -1,26 +1,159 @@
 """The ``deepswe_eval`` asset (per checkpoint) and the ``eval_report`` asset (all checkpoints)."""
 
 
+import base64
+import json
+from pathlib import Path
+
 import dagster as dg
 
-from assets._missing import not_built
 from assets.training import checkpoints
 from dagster_project.partitions import checkpoints_partitions
 from dagster_project.resources import PosttrainStorage
 
 
+class DeepSWEEvalConfig(dg.Config):
+    """How a checkpoint is evaluated. ``tasks``: a task source (``bundled`` is the suite under the
+    datasets folder); ``split``: which of its tasks (empty: all)."""
+
+    tasks: str = "bundled"
+    split: str = "eval"
+    attempts: int = 8
+    max_turns: int = 2
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    seed: int = 0
+    workers: int = 2
+    sandbox_runtime: str = "bwrap"
+
+
+def _eval_tasks(storage: PosttrainStorage, source: str, split: str) -> list:
+    from evals.bundled import ensure_suite
+    from evals.tasks import load_bundled, load_tasks
+
+    task_set = load_bundled(ensure_suite(storage.datasets_dir() / "bundled")) if source == "bundled" else load_tasks(source)
+    tasks = [t for t in task_set.tasks if not split or t.split == split]
+    if not tasks:
+        raise ValueError(f"deepswe_eval: task source {source!r} has no task in split {split!r}")
+    return tasks
+
+
 @dg.asset(group_name="evals", deps=[checkpoints], partitions_def=checkpoints_partitions, kinds={"parquet"})
-def deepswe_eval(context: dg.AssetExecutionContext, storage: PosttrainStorage) -> dg.MaterializeResult:
+def deepswe_eval(
+    context: dg.AssetExecutionContext, config: DeepSWEEvalConfig, storage: PosttrainStorage
+) -> dg.MaterializeResult:
     """DeepSWE-style evaluation of one checkpoint on the held-out tasks: several attempts per task,
-    only committed work graded, per-attempt rows (reward, f2p, p2p, partial, target scores) in Parquet."""
-    raise not_built("deepswe_eval", "the agent harness and grader in evals/")
+    only committed work graded, per-attempt rows (reward, f2p, p2p, partial, target scores) in Parquet.
+    The checkpoint's base model (and adapter, if any) is served by a local engine in this process;
+    episodes run in sandboxes; attempts lost to sandbox failures are retried, never scored."""
+    from evals.evaluate import evaluate, write_rows
+    from evals.harness import InProcessClient
+    from evals.report import per_task
+    from evals.sandbox import platform_sandbox_factory
+    from serving.engine import LocalEngine
+
+    key = context.partition_key
+    ckpt = storage.checkpoint_dir(key)
+    meta_path = ckpt / "metadata.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"checkpoint {key}: {meta_path} is missing")
+    meta = json.loads(meta_path.read_text())
+    base_model = meta.get("base_model")
+    if not base_model or not Path(base_model).is_dir():
+        raise FileNotFoundError(f"checkpoint {key}: metadata key 'base_model' ({base_model!r}) is not a model folder")
+    adapter_version = None
+    tasks = _eval_tasks(storage, config.tasks, config.split)
+    engine = LocalEngine(base_model, torch_threads=1)
+    try:
+        if meta.get("adapter"):
+            adapter_dir = ckpt / meta["adapter"]
+            adapter_version = meta.get("adapter_version") or key
+            engine.load_lora_adapter(adapter_version, str(adapter_dir))
+        if engine.tokenizer is None:
+            raise FileNotFoundError(f"checkpoint {key}: base model {base_model} has no tokenizer")
+        context.log.info(f"evaluating {key} (adapter {adapter_version}) on {len(tasks)} tasks x {config.attempts} attempts")
+        rows = evaluate(
+            tasks, InProcessClient(engine), engine.tokenizer, platform_sandbox_factory(config.sandbox_runtime),
+            checkpoint=key, adapter_version=adapter_version, attempts=config.attempts, max_turns=config.max_turns,
+            max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed,
+            workers=config.workers, stop_token_ids=tuple(sorted(engine.eos_ids)),
+        )
+    finally:
+        engine.close()
+    path = write_rows(rows, storage.evals_dir() / "deepswe" / f"{key}.parquet")
+
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    table = per_task(frame, config.attempts)
+    graded = frame[frame["status"] != "infra_error"]
+    metadata = {
+        "path": dg.MetadataValue.path(str(path)),
+        "tasks": len(tasks),
+        "attempts": len(frame),
+        "infra_errors": int((frame["status"] == "infra_error").sum()),
+        "apply_failed": int((frame["status"] == "apply_failed").sum()),
+        "pass@1": float(table["pass@1"].mean()) if len(table) else float("nan"),
+        f"pass@{config.attempts}": float(table[f"pass@{config.attempts}"].mean()) if len(table) else float("nan"),
+        "mean_target_score": float(graded["target_score"].mean()) if len(graded) else float("nan"),
+        "mean_strict_target_score": float(graded["strict_target_score"].mean()) if len(graded) else float("nan"),
+        "committed_share": float(frame["committed"].mean()) if len(frame) else 0.0,
+        "adapter_version": adapter_version or "base",
+    }
+    return dg.MaterializeResult(metadata=metadata)
+
+
+class EvalReportConfig(dg.Config):
+    """``flawed_dir``: folder of flawed-task lists (default: ``<datasets>/flawed``); ``k``: the k of pass@k."""
+
+    flawed_dir: str = ""
+    k: int = 8
+    resamples: int = 2000
+
+
+def _png_md(path: Path, title: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f"![{title}](data:image/png;base64,{data})"
 
 
 @dg.asset(group_name="evals", deps=[deepswe_eval])
-def eval_report(context: dg.AssetExecutionContext, storage: PosttrainStorage) -> dg.MaterializeResult:
+def eval_report(
+    context: dg.AssetExecutionContext, config: EvalReportConfig, storage: PosttrainStorage
+) -> dg.MaterializeResult:
     """pass@1 and pass@k per checkpoint with confidence intervals, target scores, the paired
     comparison with the base model, and every score with each flawed-task list dropped."""
-    raise not_built("eval_report", "the metrics and reports in evals/")
+    import pandas as pd
+
+    from evals.flawed import load_flawed_lists
+    from evals.report import (
+        build_report, markdown_tables, plot_pass_at_1, plot_pass_at_k, plot_target_scores, report_rows,
+    )
+
+    files = sorted((storage.evals_dir() / "deepswe").glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"eval_report: no evaluated checkpoint under {storage.evals_dir() / 'deepswe'}")
+    rows = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    flawed_dir = Path(config.flawed_dir) if config.flawed_dir else storage.datasets_dir() / "flawed"
+    lists = load_flawed_lists(flawed_dir)
+    report = build_report(rows, lists, k=config.k, resamples=config.resamples)
+    out = storage.reports_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    tables = markdown_tables(report, k=config.k)
+    (out / "eval_report.md").write_text("# Evaluation report\n\n" + tables)
+    report_rows(report).to_csv(out / "eval_report.csv", index=False)
+    p1 = plot_pass_at_1(report, out / "pass_at_1.png")
+    pk = plot_pass_at_k(rows, out / "pass_at_k.png", k_max=config.k)
+    ts = plot_target_scores(report, out / "target_scores.png")
+    return dg.MaterializeResult(metadata={
+        "checkpoints": int(rows["checkpoint"].nunique()),
+        "attempts": len(rows),
+        "flawed_lists": dg.MetadataValue.json({fl.name: sorted(fl.ids) for fl in lists}),
+        "scores": dg.MetadataValue.md(tables),
+        "pass@1 per checkpoint": dg.MetadataValue.md(_png_md(p1, "pass@1 per checkpoint")),
+        "pass@k curves": dg.MetadataValue.md(_png_md(pk, "pass@k curves")),
+        "target scores": dg.MetadataValue.md(_png_md(ts, "target scores")),
+        "report": dg.MetadataValue.path(str(out / "eval_report.md")),
+    })
 
 
 defs = dg.Definitions(assets=[deepswe_eval, eval_report])

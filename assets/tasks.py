@@ -1,17 +1,77 @@
 """The ``task_dataset`` asset: the tasks a run trains and evaluates on."""
 
 
+import json
+import os
+
 import dagster as dg
 
-from assets._missing import not_built
 from dagster_project.resources import PosttrainStorage
 
 
+class TaskDatasetConfig(dg.Config):
+    """Which task sources to load: ``bundled`` (the generated suite, built and validated under the
+    datasets folder), a Harbor/DeepSWE folder, or a SWE-bench ``.jsonl``/``.parquet`` file."""
+
+    sources: list[str] = ["bundled"]
+    build_workers: int = 2
+
+
 @dg.asset(group_name="tasks", kinds={"parquet"})
-def task_dataset(context: dg.AssetExecutionContext, storage: PosttrainStorage) -> dg.MaterializeResult:
+def task_dataset(
+    context: dg.AssetExecutionContext, config: TaskDatasetConfig, storage: PosttrainStorage
+) -> dg.MaterializeResult:
     """Tasks loaded from every configured source (the bundled suite, Harbor/DeepSWE folders,
-    SWE-bench JSONL/Parquet) into one schema, with train and held-out eval splits."""
-    raise not_built("task_dataset", "the task loaders in evals/")
+    SWE-bench JSONL/Parquet) into one schema, with train and held-out eval splits. The bundled suite
+    is generated and every task validated by running its tests in a sandbox; tasks a source lists but
+    that cannot be loaded are reported as incomplete."""
+    import pandas as pd
+
+    from evals.bundled import ensure_suite
+    from evals.tasks import TaskSet, load_bundled, load_tasks, summarize
+
+    out_dir = storage.datasets_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    combined = TaskSet(())
+    per_source = {}
+    for source in config.sources:
+        if source == "bundled":
+            path = ensure_suite(out_dir / "bundled", workers=config.build_workers)
+            loaded = load_bundled(path)
+        else:
+            loaded = load_tasks(source)
+        context.log.info(f"{source}: {len(loaded.tasks)} tasks, {len(loaded.incomplete)} incomplete")
+        per_source[source] = len(loaded.tasks)
+        combined = combined + loaded
+    ids = [t.id for t in combined.tasks]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"task_dataset: task id {dupes[0]!r} appears in more than one source")
+
+    parquet = out_dir / "tasks.parquet"
+    tmp = parquet.with_name(f".tasks.parquet.tmp-{os.getpid()}")
+    pd.DataFrame([t.to_row() for t in combined.tasks]).to_parquet(tmp, index=False)
+    tmp.replace(parquet)
+    incomplete = [{"id": t.id, "source": t.source, "path": t.path, "reason": t.reason} for t in combined.incomplete]
+    (out_dir / "incomplete.json").write_text(json.dumps(incomplete, indent=1) + "\n")
+    for item in incomplete:
+        context.log.warning(f"incomplete task {item['id']} ({item['path']}): {item['reason']}")
+
+    summary = summarize(combined)
+    splits = {s or "(none)": sum(t.split == s for t in combined.tasks) for s in sorted({t.split for t in combined.tasks})}
+    levels = {str(d): sum(t.difficulty == d for t in combined.tasks) for d in sorted({t.difficulty for t in combined.tasks})}
+    table = "| source | tasks |\n|---|---|\n" + "\n".join(f"| {s} | {n} |" for s, n in per_source.items())
+    return dg.MaterializeResult(metadata={
+        "tasks": summary["tasks"],
+        "incomplete": dg.MetadataValue.json(incomplete),
+        "by_language": dg.MetadataValue.json(summary["by_language"]),
+        "splits": dg.MetadataValue.json(splits),
+        "by_difficulty": dg.MetadataValue.json(levels),
+        "median_target_tests": summary["median_target_tests"],
+        "median_existing_tests": summary["median_existing_tests"],
+        "sources": dg.MetadataValue.md(table),
+        "path": dg.MetadataValue.path(str(parquet)),
+    })
 
 
 defs = dg.Definitions(assets=[task_dataset])

@@ -66,9 +66,16 @@ def evaluate(
     seed: int = 0,
     workers: int = 2,
     infra_retries: int = 2,
+    reuse_grading: bool = True,
     **episode_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """Run ``attempts`` episodes of every task and return one row per attempt, in task order."""
+    """Run ``attempts`` episodes of every task and return one row per attempt, in task order.
+
+    With ``reuse_grading`` an attempt whose committed patch is identical to an earlier attempt's on
+    the same task takes that grading instead of running the tests again (tiny models often commit
+    the same patch, or nothing); leave it off for tasks with nondeterministic tests.
+    """
+    grade_cache: dict | None = {} if reuse_grading else None
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
 
@@ -80,7 +87,7 @@ def evaluate(
                 task, model, tokenizer, sandbox_factory, adapter_version=adapter_version,
                 session_id=f"{checkpoint}/{task.id}/{attempt}/{retry}", action_format=action_format,
                 max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                seed=seed * 1_000_003 + ti * 1009 + attempt * 17 + retry, **episode_kwargs,
+                seed=seed * 1_000_003 + ti * 1009 + attempt * 17 + retry, grade_cache=grade_cache, **episode_kwargs,
             )
             if not traj.infra_error:
                 break
