@@ -24,7 +24,9 @@ Start a sandbox from a task repository folder (built into a cached image on the 
 
 The workspace (``/workspace``) starts as the task repository with its ``.git``; it is writable, the
 rest of the root is not. ``python3``/``python`` (the project's Python, with pytest), ``git`` and
-coreutils are there. ``runtime="unisolated"`` runs ``pxd`` as a plain host process and needs
+coreutils are there. ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` is set (the venv's unrelated
+plugins cost ~2.5 s per pytest run); pass ``env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": ""}`` to
+``start`` to load them, or ``-p NAME`` to load one. ``runtime="unisolated"`` runs ``pxd`` as a plain host process and needs
 ``allow_unisolated=True``: it is for debugging only and nothing falls back to it.
 
 Images and the cache::

@@ -247,18 +247,18 @@ class Daemon:
         fd = os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY)
         try:
             for i, comp in enumerate(parts):
+                where = "/".join(parts[: i + 1])
                 try:
-                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    nfd = _open_nofollow(fd, comp, os.O_RDONLY | os.O_DIRECTORY)
                 except FileNotFoundError:
                     if not create:
-                        raise RequestError(f"{field}: folder {'/'.join(parts[: i + 1])!r} does not exist", 404)
+                        raise RequestError(f"{field}: folder {where!r} does not exist", 404)
                     os.mkdir(comp, 0o755, dir_fd=fd)
-                    nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        kind = "a symlink" if _is_symlink(fd, comp) else "not a folder"
-                        raise RequestError(f"{field}: {'/'.join(parts[: i + 1])!r} is {kind}; pxd does not follow symlinks")
-                    raise
+                    nfd = _open_nofollow(fd, comp, os.O_RDONLY | os.O_DIRECTORY)
+                except _Symlink:
+                    raise RequestError(f"{field}: {where!r} is a symlink; pxd does not follow symlinks")
+                except NotADirectoryError:
+                    raise RequestError(f"{field}: {where!r} is not a folder")
                 os.close(fd)
                 fd = nfd
             return fd
@@ -352,13 +352,11 @@ class Daemon:
         dfd = self._open_dir(parts[:-1], "path")
         try:
             try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                fd = _open_nofollow(dfd, parts[-1], os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise RequestError(f"path {'/'.join(parts)!r} does not exist", 404)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise RequestError(f"path {'/'.join(parts)!r} is a symlink; pxd does not follow symlinks")
-                raise
+            except _Symlink:
+                raise RequestError(f"path {'/'.join(parts)!r} is a symlink; pxd does not follow symlinks")
         finally:
             os.close(dfd)
         st = os.fstat(fd)
@@ -486,11 +484,28 @@ class Daemon:
             s.close()
 
 
-def _is_symlink(dir_fd: int, name: str) -> bool:
+class _Symlink(Exception):
+    pass
+
+
+def _open_nofollow(dir_fd: int, name: str, flags: int) -> int:
+    """Open ``name`` in ``dir_fd`` only if it is not a symlink, and prove the opened file is the one
+    inspected (same device and inode): ``O_NOFOLLOW`` alone is not honoured by every kernel (gVisor
+    20221219 follows a symlink opened with ``O_DIRECTORY | O_NOFOLLOW``)."""
+    before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(before.st_mode):
+        raise _Symlink(name)
     try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
+        fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Symlink(name)
+        raise
+    after = os.fstat(fd)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise _Symlink(name)  # swapped for a symlink (or another file) between the two looks
+    return fd
 
 
 GIT_ENV = {
@@ -744,6 +759,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.stdio == bool(args.socket):
         parser.error("give exactly one of --stdio or --socket")
+    if os.getpid() == 1:
+        become_init()
     daemon = Daemon(args.workspace, max_file_bytes=args.max_file_bytes)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -766,6 +783,26 @@ def main(argv=None) -> int:
     finally:
         daemon.close()
     return 0
+
+
+def become_init() -> None:
+    """As PID 1 (gVisor starts pxd so), stay a reaper of orphaned processes and serve from a child.
+
+    Orphans are re-parented to PID 1; without a reaper their zombies would pile up. The parent
+    only waits; it exits with the serving child's status."""
+    child = os.fork()
+    if child == 0:
+        return
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(0)
+        except InterruptedError:
+            continue
+        if pid == child:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def write_ready(wfile) -> None:
