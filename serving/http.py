@@ -22,6 +22,7 @@ Bad input is answered 400 with ``{"error": "..."}`` naming the field.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,32 @@ from serving.protocol import BadRequest, Engine, parse_adapter_name, parse_gener
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 4096  # thousands of sessions may connect at once
+
+    def __init__(self, *args, **kwargs):
+        self.open_sockets: set[socket.socket] = set()
+        self.sockets_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request_thread(self, request, client_address):
+        with self.sockets_lock:
+            self.open_sockets.add(request)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.sockets_lock:
+                self.open_sockets.discard(request)
+
+    def handle_error(self, request, client_address):  # a peer that went away is not news
+        pass
+
+    def close_connections(self) -> None:
+        with self.sockets_lock:
+            sockets = list(self.open_sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class HttpError(Exception):
@@ -143,8 +170,10 @@ class JsonServer:
             self._thread.join()
 
     def shutdown(self) -> None:
+        """Stop listening and cut every open connection (calls in flight see a reset, as from a crash)."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.httpd.close_connections()
         if self._thread is not None:
             self._thread.join(timeout=5)
 

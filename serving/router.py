@@ -178,6 +178,7 @@ class Router:
         self.sessions: dict[str, Session] = {}
         self.group_replicas: dict[int, dict[Replica, int]] = {}
         self.published: dict[str, str] = {}  # adapter version -> path on the shared volume
+        self.pending: dict[str, tuple[str, int]] = {}  # replicas not reachable yet: url -> (pool, size)
         self.lock = threading.RLock()
         self.overhead_s: deque[float] = deque(maxlen=100_000)
         self.retried_calls = 0
@@ -207,6 +208,15 @@ class Router:
         with self.lock:
             self.replicas[url] = replica
         return replica
+
+    def add_replica_when_up(self, url: str, pool: str = "on_demand", size_gpus: int = 1) -> None:
+        """Register a replica that may not be up yet (pods start in any order): it joins, loading
+        the newest adapter first, once it answers."""
+        try:
+            self.add_replica(url, pool, size_gpus)
+        except (OSError, EngineError):
+            with self.lock:
+                self.pending[url.rstrip("/")] = (pool, size_gpus)
 
     def remove_replica(self, url: str) -> None:
         with self.lock:
@@ -281,6 +291,15 @@ class Router:
                     if replica.failures >= 2:
                         self._mark_dead(replica)
             self._expire_sessions()
+            with self.lock:
+                pending = list(self.pending.items())
+            for url, (pool, size) in pending:
+                try:
+                    self.add_replica(url, pool, size)
+                except (OSError, EngineError):
+                    continue
+                with self.lock:
+                    self.pending.pop(url, None)
 
     def _mark_dead(self, replica: Replica) -> None:
         with self.lock:
@@ -545,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.worker:
         url, _, rest = spec.partition("@")
         pool, _, gpus = rest.partition(":")
-        router.add_replica(url, pool or "on_demand", int(gpus or 1))
+        router.add_replica_when_up(url, pool or "on_demand", int(gpus or 1))
     server = serve_router(router, args.host, args.port)
     print(f"router ({args.policy}) on {server.url} over {len(router.replicas)} replicas", flush=True)
     try:
