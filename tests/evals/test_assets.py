@@ -1,0 +1,96 @@
+"""The evals assets materialized in a real Dagster instance: task_dataset from built sources,
+deepswe_eval of a checkpoint served by a real (random, tiny) model, eval_report from attempt rows."""
+
+import json
+
+import dagster as dg
+import pandas as pd
+import pytest
+
+from assets.evals import deepswe_eval, eval_report
+from assets.tasks import task_dataset
+from dagster_project.resources import PosttrainStorage
+
+from .conftest import DEEPSWE
+
+
+def test_task_dataset_loads_sources_and_reports_incomplete(small_suite, posttrain_home):
+    sources = [str(small_suite)] + ([str(DEEPSWE)] if DEEPSWE.is_dir() else [])
+    storage = PosttrainStorage(root=str(posttrain_home))
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([task_dataset], instance=instance, resources={"storage": storage},
+                                run_config={"ops": {"task_dataset": {"config": {"sources": sources}}}})
+        assert result.success
+        meta = result.asset_materializations_for_node("task_dataset")[0].metadata
+    frame = pd.read_parquet(storage.datasets_dir() / "tasks.parquet")
+    expected = 6 + (111 if DEEPSWE.is_dir() else 0)
+    assert meta["tasks"].value == expected == len(frame)
+    assert set(frame["source"]) == ({"bundled", "harbor"} if DEEPSWE.is_dir() else {"bundled"})
+    incomplete = json.loads((storage.datasets_dir() / "incomplete.json").read_text())
+    assert len(incomplete) == (2 if DEEPSWE.is_dir() else 0)
+
+
+def _rows(checkpoint, outcomes):
+    rows = []
+    for task_id, rewards in outcomes.items():
+        for attempt, reward in enumerate(rewards):
+            rows.append({"checkpoint": checkpoint, "task_id": task_id, "attempt": attempt,
+                         "status": "infra_error" if reward is None else "graded",
+                         "reward": reward, "target_score": reward, "strict_target_score": reward, "partial": reward})
+    return rows
+
+
+def test_eval_report_tables_plots_and_flawed_lists(posttrain_home):
+    storage = PosttrainStorage(root=str(posttrain_home))
+    out = storage.evals_dir() / "deepswe"
+    out.mkdir(parents=True)
+    base = _rows("r-step_000000", {"a": [0, 0], "b": [0, 1], "c": [0, 0], "d": [1, 1]})
+    new = _rows("r-step_000004", {"a": [1, 1], "b": [1, 1], "c": [0, None], "d": [1, 1]})
+    pd.DataFrame(base).to_parquet(out / "r-step_000000.parquet")
+    pd.DataFrame(new).to_parquet(out / "r-step_000004.parquet")
+    flawed = storage.datasets_dir() / "flawed"
+    flawed.mkdir(parents=True)
+    (flawed / "audit.csv").write_text("id,reason,source\na,instruction does not say which function,review 2026-11\n")
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([eval_report], instance=instance, resources={"storage": storage},
+                                run_config={"ops": {"eval_report": {"config": {"k": 2, "resamples": 200}}}})
+        assert result.success
+        meta = result.asset_materializations_for_node("eval_report")[0].metadata
+    tables = meta["scores"].value
+    # all tasks: new pass@1 = (1 + 1 + 0 + 1) / 4 = 0.75 (the infra error is left out); base = (0 + .5 + 0 + 1)/4
+    assert "| r-step_000004 | 4 | 7 | 1 | 0.750" in tables
+    assert "| r-step_000000 | 4 | 8 | 0 | 0.375" in tables
+    assert "### without audit" in tables
+    # without task a: new (1 + 0 + 1)/3, base (.5 + 0 + 1)/3
+    assert "| r-step_000004 | 3 | 5 | 1 | 0.667" in tables
+    csv = pd.read_csv(storage.reports_dir() / "eval_report.csv")
+    row = csv[(csv["subset"] == "all") & (csv["checkpoint"] == "r-step_000004")].iloc[0]
+    assert row["delta_pass@1"] == pytest.approx(0.375)
+    for name in ("pass_at_1.png", "pass_at_k.png", "target_scores.png"):
+        assert (storage.reports_dir() / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert meta["pass@1 per checkpoint"].value.startswith("![pass@1 per checkpoint](data:image/png;base64,")
+
+
+def test_deepswe_eval_of_a_checkpoint(small_suite, posttrain_home):
+    from serving.tiny import build_tiny_model
+
+    storage = PosttrainStorage(root=str(posttrain_home))
+    model = build_tiny_model(posttrain_home / "model")
+    key = "t-step_000000"
+    ckpt = storage.checkpoint_dir(key)
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text(json.dumps({"step": 0, "base_model": str(model), "adapter": None}))
+    config = {"tasks": str(small_suite), "split": "eval", "attempts": 2, "max_turns": 1, "max_new_tokens": 8,
+              "workers": 1}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("checkpoints", [key])
+        result = dg.materialize([deepswe_eval], instance=instance, resources={"storage": storage}, partition_key=key,
+                                run_config={"ops": {"deepswe_eval": {"config": config}}})
+        assert result.success
+        meta = result.asset_materializations_for_node("deepswe_eval")[0].metadata
+    rows = pd.read_parquet(storage.evals_dir() / "deepswe" / f"{key}.parquet")
+    n_eval = meta["tasks"].value
+    assert n_eval >= 1 and len(rows) == 2 * n_eval
+    assert set(rows["checkpoint"]) == {key} and set(rows["split"]) == {"eval"}
+    assert rows["status"].isin(["graded", "apply_failed", "infra_error"]).all()
+    assert meta["adapter_version"].value == "base"
