@@ -93,14 +93,21 @@ def capture_generate(generate, request: GenerateRequest, store: CaptureStore, re
     return response
 
 
-def main(argv: list[str] | None = None) -> int:
-    from serving.http import serve_sidecar
-
-    parser = argparse.ArgumentParser(prog="python -m serving.capture", description="capture sidecar in front of an SGLang replica")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", required=True, help="the SGLang server on localhost, e.g. http://127.0.0.1:30000")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30001)
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.capture", description="capture sidecar in front of an SGLang replica")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from serving.http import serve_sidecar
+
     server = serve_sidecar(args.upstream, host=args.host, port=args.port)
     print(f"capture sidecar for {args.upstream} on {server.url}", flush=True)
     try:

@@ -519,10 +519,7 @@ class LocalEngine:
             self._remove_rows(rows)
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    from serving.http import serve
-
-    parser = argparse.ArgumentParser(prog="python -m serving.engine", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a transformers model directory (save_pretrained)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
@@ -533,7 +530,17 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", help="load an adapter at start")
     parser.add_argument("--adapters-dir", default=None,
                         help="shared volume of published adapters (<dir>/<version>/); the newest is loaded before serving")
-    args = parser.parse_args(argv)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.engine", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from serving.http import serve
+
     engine = LocalEngine(args.model, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
                          block_size=args.block_size, torch_threads=args.torch_threads)
     for spec in args.lora:

@@ -552,14 +552,21 @@ def serve_router(router: Router, host: str = "127.0.0.1", port: int = 0) -> Rout
     return RouterServer(router, host, port).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.router", description="session-sticky router in front of replicas")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30100)
     parser.add_argument("--policy", default="kv_headroom", choices=sorted(POLICIES))
     parser.add_argument("--worker", action="append", default=[], metavar="URL[@POOL:GPUS]")
     parser.add_argument("--adapters-volume", default=None, help="shared folder of published adapter versions")
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.router", description="session-sticky router in front of replicas")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     router = Router(args.policy, adapters_volume=args.adapters_volume)
     for spec in args.worker:
         url, _, rest = spec.partition("@")
