@@ -1,0 +1,188 @@
+"""The embedded default's base model, built here: no download is possible or needed.
+
+``build_base_model(OUT, tasks)``:
+
+1. trains a byte-level BPE tokenizer on the demonstrations of the training split (the compact prompts
+   of :mod:`evals.actions` and their reference actions; held-out tasks are never read);
+2. builds a small Qwen2-style causal LM (``transformers.Qwen2Config``; ~2M parameters by default);
+3. trains it briefly (supervised, full weights) on those demonstrations: the loss is on the action
+   tokens and the end-of-text token only, so the model learns to answer a prompt with compact
+   actions ending in ``commit``;
+4. saves model, tokenizer and ``build.json`` (settings, data fingerprint, loss curve) with
+   ``save_pretrained``, under a temporary name renamed into place.
+
+A folder whose ``build.json`` matches the requested settings and data is reused. SFT is kept short on
+purpose: the base model should solve some held-out tasks but far from all, so RL has room to improve.
+
+    python -m training.base_model --tasks posttrain-data/datasets/bundled --out posttrain-data/models/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>",)
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    max_position_embeddings: int = 2048
+    sft_steps: int = 300
+    batch_size: int = 16
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+
+def demonstrations(tasks: Sequence[Any]) -> list[tuple[str, str]]:
+    """(prompt, actions) of every training task; a task without a reference solution is an error."""
+    from evals.actions import demonstration
+
+    demos = []
+    for task in tasks:
+        if getattr(task, "split", "train") != "train":
+            raise ValueError(f"task {task.id}: split {task.split!r}; the base model trains on 'train' tasks only")
+        demos.append(demonstration(task))
+    if not demos:
+        raise ValueError("no training task to build demonstrations from")
+    return demos
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def _fingerprint(demos: list[tuple[str, str]], spec: BaseModelSpec) -> str:
+    h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
+    for prompt, actions in demos:
+        h.update(prompt.encode())
+        h.update(actions.encode())
+    return h.hexdigest()[:16]
+
+
+def _examples(tokenizer, demos: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for prompt, actions in demos:
+        p = tokenizer.encode(prompt, add_special_tokens=False)
+        a = tokenizer.encode(actions, add_special_tokens=False) + [tokenizer.eos_token_id]
+        out.append((p + a, [0] * len(p) + [1] * len(a)))
+    return out
+
+
+def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec, log_every: int = 50) -> list[dict]:
+    """Supervised steps on the action tokens; returns the loss curve."""
+    rng = random.Random(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
+    warmup = max(1, spec.sft_steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, spec.sft_steps) / spec.sft_steps)))
+    curve = []
+    model.train()
+    order: list[int] = []
+    for step in range(1, spec.sft_steps + 1):
+        if len(order) < spec.batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        idx, order = order[:spec.batch_size], order[spec.batch_size:]
+        width = max(len(examples[i][0]) for i in idx)
+        ids = torch.tensor([examples[i][0] + [0] * (width - len(examples[i][0])) for i in idx])
+        mask = torch.tensor([examples[i][1] + [0] * (width - len(examples[i][1])) for i in idx], dtype=torch.float32)
+        attn = torch.tensor([[1] * len(examples[i][0]) + [0] * (width - len(examples[i][0])) for i in idx])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        loss = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % log_every == 0 or step == spec.sft_steps:
+            curve.append({"step": step, "loss": float(loss)})
+            print(f"sft step {step}/{spec.sft_steps} loss {float(loss):.4f}", flush=True)
+    model.eval()
+    return curve
+
+
+def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec = BaseModelSpec()) -> Path:
+    """Build (or reuse) the base model at ``out`` from the demonstrations of ``tasks``."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    out = Path(out)
+    demos = demonstrations(tasks)
+    fingerprint = _fingerprint(demos, spec)
+    info = out / "build.json"
+    if info.is_file() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
+        return out
+    started = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    tokenizer = train_tokenizer([p + a for p, a in demos], spec.vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    examples = _examples(tokenizer, demos)
+    curve = sft(model, examples, spec)
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "build.json").write_text(json.dumps({
+        "fingerprint": fingerprint, "spec": asdict(spec), "demonstrations": len(demos),
+        "parameters": sum(p.numel() for p in model.parameters()), "sft_curve": curve,
+        "build_s": time.perf_counter() - started,
+        "max_demo_tokens": max(len(e[0]) for e in examples),
+    }, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from evals.bundled import load_suite
+
+    parser = argparse.ArgumentParser(prog="python -m training.base_model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default=None, help="bundled suite folder (built if missing)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sft-steps", type=int, default=BaseModelSpec.sft_steps)
+    parser.add_argument("--torch-threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    tasks = [t for t in load_suite(args.tasks) if t.split == "train"]
+    path = build_base_model(args.out, tasks, BaseModelSpec(sft_steps=args.sft_steps))
+    print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
