@@ -44,6 +44,7 @@ class Preset:
     knobs: Mapping[str, Any]
     source: str
     gpus_per_engine: int | None = None  # None: the source does not pin the topology
+    geometry: Mapping[str, Any] | None = None  # [model] geometry keys the preset was measured on
     decode_tokens_per_s_per_engine: float | None = None  # measured, if the source gives it
     notes: tuple[str, ...] = field(default_factory=tuple)
 

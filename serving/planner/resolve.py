@@ -229,7 +229,7 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
         if preset is None:
             names = ", ".join(["generic", *sorted(PRESETS)])
             raise PlanError([f"{src}: [inference] profile: no profile {inf.profile!r}; profiles: {names}"])
-        _check_preset_applies(rf, preset, warnings)
+        _check_preset_applies(rf, preset, geometry, warnings)
 
     if asy.collection_size % asy.group_size:
         problems.append(
@@ -316,7 +316,7 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
     )
 
 
-def _check_preset_applies(rf: RunFile, preset: Preset, warnings: list[Advice]) -> None:
+def _check_preset_applies(rf: RunFile, preset: Preset, geometry: Geometry, warnings: list[Advice]) -> None:
     src, inf = rf.source, rf.inference
     if preset.gpu != inf.gpu:
         raise PlanError([
@@ -343,6 +343,22 @@ def _check_preset_applies(rf: RunFile, preset: Preset, warnings: list[Advice]) -
             f"\"{preset.model_family}\" to have it checked",
             {"preset": preset.name, "model_family": preset.model_family},
         ))  # fmt: skip
+    if preset.geometry:
+        differ = [k for k, v in preset.geometry.items() if getattr(geometry, k) is not None and getattr(geometry, k) != v]
+        if differ:
+            raise PlanError([
+                f"{src}: [model] {k}: {getattr(geometry, k)!r}, but preset {preset.name!r} was measured on a "
+                f"model with {k} = {preset.geometry[k]!r}" for k in differ
+            ])  # fmt: skip
+        unknown = [k for k in preset.geometry if getattr(geometry, k) is None]
+        if unknown:
+            warnings.append(Advice(
+                "inference_model_guard_deferred",
+                f"preset {preset.name!r} was measured on a model with "
+                + ", ".join(f"{k} = {preset.geometry[k]!r}" for k in unknown)
+                + "; this model's values are not known here, so they are not checked",
+                {"preset": preset.name, "unchecked": unknown},
+            ))  # fmt: skip
     owned = [k for k in preset.knobs if rf.is_set("inference", k)]
     if owned:
         raise PlanError(
@@ -355,6 +371,11 @@ def _check_preset_applies(rf: RunFile, preset: Preset, warnings: list[Advice]) -
                 f"[inference] knobs with this block and edit it:\n\n{preset.as_generic_toml()}\n"
             ),
         )
+
+
+def _geometry_matches(preset: Preset, g: Geometry) -> bool:
+    """No pinned geometry key of the preset differs from a known value of the model."""
+    return all(getattr(g, k) in (None, v) for k, v in (preset.geometry or {}).items())
 
 
 def _other_presets(family: str, gpu: str) -> str:
@@ -530,7 +551,7 @@ def _knob_advice(
         same_family = [p for p in PRESETS.values() if p.model_family == family]
         matching = [
             p for p in same_family
-            if p.gpu == inf.gpu and p.gpus_per_engine in (None, inf.gpus_per_engine)
+            if p.gpu == inf.gpu and p.gpus_per_engine in (None, inf.gpus_per_engine) and _geometry_matches(p, g)
         ]  # fmt: skip
         if matching:
             names = ", ".join(p.name for p in matching)

@@ -61,6 +61,7 @@ def write_resolved_plan(plan: Plan, run_dir: str | os.PathLike[str], *, replace:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the plan is read by every workload of the run
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
