@@ -19,7 +19,8 @@ The episode API (what training's producer and :func:`evals.evaluate.evaluate` ca
 How a turn goes: the context so far (the prompt from :mod:`evals.actions`, then each answer and its
 observations) is tokenized and sent with ``return_logprob`` to the model; the answer's
 ``output_ids`` are decoded and parsed into actions, which run in the sandbox; their results are
-appended as the next observation. The episode ends when the agent commits, or at ``max_turns``, the
+appended as the next observation. The sandbox is opened at the first action (an agent that never acts
+costs no sandbox; its committed patch is empty). The episode ends when the agent commits, or at ``max_turns``, the
 time limit, or the context limit. Then the committed work (``git diff BASE HEAD``) is graded in a
 fresh sandbox (:func:`evals.grading.grade_patch`); uncommitted edits are never graded. Token ids and
 logprobs are the ones the serving side returned for the call, never re-tokenized text: the context of
@@ -31,6 +32,7 @@ A sandbox failure (:class:`evals.sandbox.InfraError`) ends the episode with ``st
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -128,6 +130,14 @@ def _token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(getattr(ids, "ids", ids))
 
 
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """The answer's text without special tokens (an end-of-sequence token is not part of an action)."""
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[call-arg]
+    except TypeError:
+        return tokenizer.decode(ids)
+
+
 def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 60.0) -> tuple[str, bool]:
     """Run one action in the sandbox; return ``(observation, committed)``.
 
@@ -202,7 +212,15 @@ def run_episode(
     deadline = time.monotonic() + (time_limit_s if time_limit_s is not None else task.limits.agent_timeout_s)
     started = time.monotonic()
     try:
-        with sandbox_factory(task) as sandbox:
+        with contextlib.ExitStack() as stack:
+            opened: list[Sandbox] = []
+
+            def sandbox() -> Sandbox:
+                # Opened at the first action: an agent that never acts has nothing to run or grade.
+                if not opened:
+                    opened.append(stack.enter_context(sandbox_factory(task)))
+                return opened[0]
+
             context_ids = _token_ids(tokenizer, render_prompt(task, action_format))
             for turn in range(max_turns):
                 if time.monotonic() > deadline:
@@ -222,7 +240,7 @@ def run_episode(
                 output_ids = list(response["output_ids"])
                 meta = dict(response.get("meta_info", {}))
                 logprobs = [float(entry[0]) for entry in meta.pop("output_token_logprobs", [])]
-                text = tokenizer.decode(output_ids)
+                text = _decode(tokenizer, output_ids)
                 traj.calls.append(ModelCall(list(context_ids), output_ids, logprobs, text, meta, time.monotonic() - t0))
                 results = []
                 try:
@@ -233,7 +251,7 @@ def run_episode(
                     parse_error = str(exc)
                 for action in actions:
                     s0 = time.monotonic()
-                    obs, committed = execute(action, task, sandbox)
+                    obs, committed = execute(action, task, sandbox())
                     traj.steps.append(Step(turn, asdict(action), obs, time.monotonic() - s0))
                     results.append(obs)
                     if committed:
@@ -249,7 +267,7 @@ def run_episode(
             else:
                 traj.stop_reason = "max_turns"
             if grade:
-                traj.patch = committed_patch(sandbox, task.base_commit or "HEAD")
+                traj.patch = committed_patch(opened[0], task.base_commit or "HEAD") if opened else ""
     except InfraError as exc:
         traj.stop_reason = INFRA_ERROR
         traj.error = str(exc)

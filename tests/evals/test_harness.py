@@ -108,3 +108,32 @@ def test_real_tiny_engine_episode_and_evaluate(small_tasks, tiny_engine, tmp_pat
 
     frame = pd.read_parquet(write_rows(rows, tmp_path / "rows.parquet"))
     assert len(frame) == 4 and frame["f2p_total"].tolist() == [len(small_tasks[0].target_tests)] * 2 + [len(small_tasks[1].target_tests)] * 2
+
+
+def test_end_of_sequence_token_is_not_part_of_the_action(small_tasks, tokenizer):
+    task = small_tasks[0]
+    _, action_text = demonstration(task)
+
+    class EndsWithEos(ScriptedPolicy):
+        def generate(self, *args, **kwargs):
+            out = super().generate(*args, **kwargs)
+            out["output_ids"] = out["output_ids"] + [tokenizer.eos_token_id]
+            out["meta_info"]["output_token_logprobs"].append([-0.1, tokenizer.eos_token_id, None])
+            return out
+
+    traj = run_episode(task, EndsWithEos(tokenizer, [action_text]), tokenizer, default_sandbox_factory(), max_turns=1)
+    assert traj.calls[0].output_ids[-1] == tokenizer.eos_token_id
+    assert traj.stop_reason == "commit" and traj.reward == 1.0
+
+
+def test_an_agent_that_never_acts_opens_no_sandbox(small_tasks, tokenizer):
+    opened = []
+
+    def counting_factory(task):
+        opened.append(task.id)
+        return default_sandbox_factory()(task)
+
+    traj = run_episode(small_tasks[0], ScriptedPolicy(tokenizer, ["no idea"]), tokenizer, counting_factory, max_turns=2)
+    assert traj.stop_reason == "max_turns" and traj.patch == ""
+    assert opened == [small_tasks[0].id]  # only the grader's pristine sandbox
+    assert traj.reward == 0.0 and traj.grade.scores.p2p == 1.0
