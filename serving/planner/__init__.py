@@ -5,14 +5,17 @@ One TOML file describes a run (``[run]``, ``[model]``, ``[inference]``, ``[train
 validates it once, sizes the engines' admission and memory pools from the model's geometry, applies
 a measured preset or the generic defaults, and gives advice with stable codes.
 
-Use it from Python (the ``rl_run`` asset does exactly this, so the CLI and Dagster plan alike)::
+Use it from Python; the ``rl_run`` asset is meant to plan exactly so, so that the CLI and Dagster
+resolve a run file alike::
 
-    from serving.planner import PlanError, resolve, write_resolved_plan
+    from serving.planner import TRAINER_MODULE, PlanError, resolve, trainer_args, write_resolved_plan
 
     plan = resolve("examples/embedded.toml")   # or a dict shaped like the TOML
     plan.to_json()                             # the JSON that `posttrain plan` prints
     plan.sglang_server_args()                  # `python -m sglang.launch_server` arguments
-    write_resolved_plan(plan, run_dir)         # run_dir/resolved-plan.json, written atomically
+    run_dir = storage.run_dir(plan.run_name)
+    plan_path = write_resolved_plan(plan, run_dir)   # run_dir/resolved-plan.json, written atomically
+    launcher.run(context, TRAINER_MODULE, trainer_args(plan_path, run_dir))   # python -m training ...
 
 ``resolve`` raises ``PlanError``; its ``problems`` name the file, the section and the key.
 
@@ -26,11 +29,12 @@ From the shell::
 from serving.planner.geometry import Geometry
 from serving.planner.presets import PRESETS, Preset
 from serving.planner.resolve import Advice, Plan, resolve
-from serving.planner.runner import write_resolved_plan
+from serving.planner.runner import TRAINER_MODULE, trainer_args, write_resolved_plan
 from serving.planner.schema import PlanError, RunFile, load_run_file, parse_run_dict
 
 __all__ = [
     "PRESETS",
+    "TRAINER_MODULE",
     "Advice",
     "Geometry",
     "Plan",
@@ -40,5 +44,6 @@ __all__ = [
     "load_run_file",
     "parse_run_dict",
     "resolve",
+    "trainer_args",
     "write_resolved_plan",
 ]

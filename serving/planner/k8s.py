@@ -20,10 +20,11 @@ import re
 from typing import Any
 
 from serving.planner.resolve import Plan
+from serving.planner.runner import TRAINER_MODULE, trainer_args
 
 # The entry point of each workload, run as ``python -m MODULE``.
 WORKLOAD_MODULES = {
-    "trainer": "training",
+    "trainer": TRAINER_MODULE,
     "capture": "serving.capture",
     "router": "serving.router",
     "sandbox_pool": "sandboxes.pool",
@@ -146,8 +147,8 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                 "spec": _pod_spec(plan, [{
                     "name": "trainer",
                     "image": image,
-                    "command": ["python", "-m", WORKLOAD_MODULES["trainer"], "--config", f"{PLAN_MOUNT}/{PLAN_FILE}",
-                                "--run-dir", run_dir_in_pod(plan)],
+                    "command": ["python", "-m", WORKLOAD_MODULES["trainer"],
+                                *trainer_args(f"{PLAN_MOUNT}/{PLAN_FILE}", run_dir_in_pod(plan))],
                     "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url}],
                     "volumeMounts": _MOUNTS,
                     "resources": _gpu_resources(rf.trainer.gpus, "4", "32Gi"),

@@ -69,9 +69,13 @@ def write_resolved_plan(plan: Plan, run_dir: str | os.PathLike[str], *, replace:
     return target
 
 
+def trainer_args(plan_path: str | os.PathLike[str], run_dir: str | os.PathLike[str]) -> list[str]:
+    """Arguments of ``python -m training``: it reads the plan's trainer table and writes into RUN_DIR."""
+    return ["--config", str(plan_path), "--run-dir", str(run_dir)]
+
+
 def trainer_command(plan_path: Path, run_dir: Path) -> list[str]:
-    """``python -m training --config PLAN --run-dir RUN_DIR``: the trainer reads the plan's trainer table."""
-    return [sys.executable, "-m", TRAINER_MODULE, "--config", str(plan_path), "--run-dir", str(run_dir)]
+    return [sys.executable, "-m", TRAINER_MODULE, *trainer_args(plan_path, run_dir)]
 
 
 def trainer_is_built() -> bool:
