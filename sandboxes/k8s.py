@@ -1,0 +1,170 @@
+"""Kubernetes manifests for sandboxes: the Pod of one episode and the default-deny NetworkPolicy.
+
+A sandbox pod runs ``pxd --stdio`` as its only container; the harness talks to it by attaching to
+the container's stdin/stdout (the Kubernetes attach API), the same protocol as the local runtimes,
+so the pod needs no network at all: the NetworkPolicy denies every ingress and egress of the
+run's sandbox pods. ``runtimeClassName`` selects gVisor (``gvisor``) or Kata (``kata``).
+
+Requests are a fraction of the limits (CPU 25 %, memory 40 % by default): sandboxes mostly idle
+while the model thinks, and the placement in :mod:`sandboxes.placement` packs them accordingly.
+The pod's node affinity comes from that placement (preferred nodes that hold the image).
+
+Manifests are plain dicts; :func:`validate` checks them offline against the Kubernetes OpenAPI
+schemas with ``kubernetes-validate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from sandboxes.images import WORKDIR
+from sandboxes.runtimes import Limits
+
+LABEL_PREFIX = "posttrain.dev"
+RUNTIME_CLASSES = ("gvisor", "kata")
+DEFAULT_K8S_VERSION = "1.30.0"
+_LABEL_OK = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+
+
+class ManifestError(ValueError):
+    """A manifest setting is out of range, or a manifest failed schema validation."""
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """Cluster-side sandbox settings (parsed once from the run's ``[sandbox]`` table)."""
+
+    namespace: str = "posttrain"
+    runtime_class: str = "gvisor"
+    cpu_request_fraction: float = 0.25
+    memory_request_fraction: float = 0.40
+    pxd_python: str = "/usr/bin/python3"
+    pxd_path: str = "/opt/pxd/pxd.py"
+
+    def __post_init__(self):
+        if self.runtime_class not in RUNTIME_CLASSES:
+            raise ManifestError(f"sandbox.runtime_class must be one of {', '.join(RUNTIME_CLASSES)}, "
+                                f"got {self.runtime_class!r}")
+        for name in ("cpu_request_fraction", "memory_request_fraction"):
+            value = getattr(self, name)
+            if not (0 < value <= 1):
+                raise ManifestError(f"sandbox.{name} must be in (0, 1], got {value!r}")
+
+
+def label_value(text: str) -> str:
+    """A valid label value for any id: itself when it fits, else a readable prefix and a hash."""
+    if _LABEL_OK.match(text):
+        return text
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:50].strip("-._")
+    return f"{clean}-{hashlib.sha256(text.encode()).hexdigest()[:10]}" if clean else hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _millicpu(cpus: float) -> str:
+    return f"{max(1, round(cpus * 1000))}m"
+
+
+def _mebibytes(mib: float) -> str:
+    return f"{max(1, int(mib))}Mi"
+
+
+def pod_name(run: str, episode: str) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", f"sbx-{run}-{episode}".lower()).strip("-")
+    return (base[:52].rstrip("-") + "-" + hashlib.sha256(f"{run}/{episode}".encode()).hexdigest()[:10])
+
+
+def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits = Limits(),
+             settings: PodSettings = PodSettings(), preferred_nodes: list[str] | None = None,
+             required_nodes: list[str] | None = None) -> dict:
+    """The Pod of one episode's sandbox. ``image`` is the task image's registry reference."""
+    if not image:
+        raise ManifestError("pod_spec: image must name the task image (registry/repository:tag)")
+    labels = {f"{LABEL_PREFIX}/role": "sandbox", f"{LABEL_PREFIX}/run": label_value(run),
+              f"{LABEL_PREFIX}/task": label_value(task_id), f"{LABEL_PREFIX}/episode": label_value(episode)}
+    resources = {
+        "limits": {"cpu": _millicpu(limits.cpus), "memory": _mebibytes(limits.memory_mib),
+                   "ephemeral-storage": _mebibytes(limits.disk_mib + limits.tmp_mib)},
+        "requests": {"cpu": _millicpu(limits.cpus * settings.cpu_request_fraction),
+                     "memory": _mebibytes(limits.memory_mib * settings.memory_request_fraction),
+                     "ephemeral-storage": _mebibytes(min(limits.disk_mib, 256))},
+    }
+    locked_down = {
+        "runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True, "privileged": False, "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    affinity = {}
+    if required_nodes:
+        affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": list(required_nodes)}]}]}
+    if preferred_nodes:
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            {"weight": 100, "preference": {"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": list(preferred_nodes)}]}}]
+    spec = {
+        "runtimeClassName": settings.runtime_class,
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": max(1, int(limits.wall_s)),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "hostNetwork": False, "hostPID": False, "hostIPC": False,
+        "terminationGracePeriodSeconds": 0,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        # the image's workspace is copied into a size-limited volume: the per-sandbox writable layer
+        "initContainers": [{
+            "name": "workspace", "image": image, "command": ["/bin/cp", "-a", f"{WORKDIR}/.", "/mnt/workspace/"],
+            "securityContext": locked_down,
+            "resources": {"limits": {"cpu": "500m", "memory": "128Mi"}, "requests": {"cpu": "50m", "memory": "32Mi"}},
+            "volumeMounts": [{"name": "workspace", "mountPath": "/mnt/workspace"}],
+        }],
+        "containers": [{
+            "name": "sandbox", "image": image,
+            "command": [settings.pxd_python, "-I", "-S", settings.pxd_path, "--workspace", WORKDIR, "--stdio"],
+            "stdin": True, "stdinOnce": True, "tty": False,
+            "workingDir": WORKDIR,
+            "env": [{"name": "HOME", "value": "/home/sandbox"}, {"name": "TMPDIR", "value": "/tmp"},
+                    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+            "resources": resources,
+            "securityContext": locked_down,
+            "volumeMounts": [{"name": "workspace", "mountPath": WORKDIR}, {"name": "tmp", "mountPath": "/tmp"},
+                             {"name": "home", "mountPath": "/home/sandbox"}],
+        }],
+        "volumes": [
+            {"name": "workspace", "emptyDir": {"sizeLimit": _mebibytes(limits.disk_mib)}},
+            {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": _mebibytes(limits.tmp_mib)}},
+            {"name": "home", "emptyDir": {"medium": "Memory", "sizeLimit": _mebibytes(limits.tmp_mib)}},
+        ],
+    }
+    if affinity:
+        spec["affinity"] = {"nodeAffinity": affinity}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod_name(run, episode), "namespace": settings.namespace, "labels": labels},
+            "spec": spec}
+
+
+def network_policy(*, run: str, settings: PodSettings = PodSettings()) -> dict:
+    """Deny all ingress and egress of the run's sandbox pods (no rule = nothing allowed)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": f"sandbox-deny-all-{label_value(run)}"[:63].rstrip("-."), "namespace": settings.namespace,
+                     "labels": {f"{LABEL_PREFIX}/run": label_value(run)}},
+        "spec": {
+            "podSelector": {"matchLabels": {f"{LABEL_PREFIX}/role": "sandbox", f"{LABEL_PREFIX}/run": label_value(run)}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [], "egress": [],
+        },
+    }
+
+
+def validate(manifest: dict, k8s_version: str = DEFAULT_K8S_VERSION) -> None:
+    """Check a manifest against the Kubernetes OpenAPI schema (offline, strict: unknown keys fail)."""
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(manifest, k8s_version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.path) or "(top)"
+        raise ManifestError(f"{manifest.get('kind', '?')} {manifest.get('metadata', {}).get('name', '?')}: "
+                            f"{where}: {exc.message}") from None
