@@ -364,21 +364,25 @@ def default_suite_dir() -> Path:
     return Path(home).expanduser().resolve() / "datasets" / "bundled"
 
 
-def ensure_suite(path: str | Path | None = None, *, workers: int = 2) -> Path:
+def ensure_suite(path: str | Path | None = None, *, workers: int = 2, per_level: int = TASKS_PER_LEVEL) -> Path:
     """The built suite at ``path`` (default :func:`default_suite_dir`), building it if it is missing
-    or was built from a different generator output."""
+    or was built from a different generator output (another version or ``per_level``).
+
+    Building validates every task in sandboxes: about two pytest runs per task, so the default 180
+    tasks take a couple of minutes on two idle cores; later calls reuse the build.
+    """
     path = Path(path) if path else default_suite_dir()
     index = path / "suite.json"
     if index.is_file():
         try:
-            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint():
+            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint(per_level=per_level):
                 return path
         except json.JSONDecodeError:
             pass
-    build_suite(path, workers=workers)
+    build_suite(path, workers=workers, per_level=per_level)
     return path
 
 
-def load_suite(path: str | Path | None = None) -> list[Task]:
+def load_suite(path: str | Path | None = None, *, per_level: int = TASKS_PER_LEVEL) -> list[Task]:
     """The bundled tasks (built on first use)."""
-    return list(load_bundled(ensure_suite(path)).tasks)
+    return list(load_bundled(ensure_suite(path, per_level=per_level)).tasks)
