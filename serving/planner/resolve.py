@@ -181,6 +181,8 @@ class Plan:
                 "preset": None if self.preset is None else {
                     "name": self.preset.name, "model_family": self.preset.model_family, "gpu": self.preset.gpu,
                     "gpus_per_engine": self.preset.gpus_per_engine, "knobs": dict(self.preset.knobs),
+                    "geometry": None if self.preset.geometry is None else dict(self.preset.geometry),
+                    "decode_tokens_per_s_per_engine": self.preset.decode_tokens_per_s_per_engine,
                     "source": self.preset.source,
                 },
                 "tips": [t.to_json() for t in self.tips],
@@ -194,10 +196,6 @@ class Plan:
 
 def _section_json(section: Any) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(section).items()}
-
-
-def _gib(n_bytes: float) -> float:
-    return round(n_bytes / GIB, 4)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -253,7 +251,6 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
 
     # --- the knobs ---------------------------------------------------------------------------------
     resolved, sources = _resolve_knobs(rf, preset, geometry, context)
-    r = resolved["sglang_max_running_requests"]
 
     # --- memory ------------------------------------------------------------------------------------
     gpu_memory = inf.gpu_memory_gib
@@ -367,8 +364,8 @@ def _check_preset_applies(rf: RunFile, preset: Preset, geometry: Geometry, warni
                 for k in owned
             ],
             detail=(
-                f"To change a preset's values, plan with the generic profile instead: replace the "
-                f"[inference] knobs with this block and edit it:\n\n{preset.as_generic_toml()}\n"
+                f"To change a preset's values, plan with the generic profile instead: in [inference], put "
+                f"these keys in place of profile and the knobs above, and edit them:\n\n{preset.as_generic_toml()}\n"
             ),
         )
 
