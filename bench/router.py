@@ -69,7 +69,9 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up in {timeout_s}s")
 
 
-def start_router(kind: str, workers, port: int) -> subprocess.Popen:
+def start_router(kind: str, workers, port: int) -> subprocess.Popen | None:
+    if kind == "direct":
+        return None
     if kind == "sglang-router":
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", "cache_aware", "--log-level", "error", "--worker-urls", *[u for u, _ in workers]]
@@ -97,7 +99,9 @@ def make_workload(args) -> list[dict]:
     return sessions
 
 
-def run_workload(url: str, sessions, args) -> dict:
+def run_workload(url: str | None, sessions, args, workers=None) -> dict:
+    """Replay the sessions through ``url`` (a router), or, with ``url`` None, straight to the
+    replicas (``workers``), each session pinned by a hash of its id: the no-router baseline."""
     pool = HttpPool(timeout_s=600)
     records: list[tuple[float, float, int, int, int]] = []  # latency, replica_s, prompt, cached, completion
     lock = threading.Lock()
@@ -116,8 +120,9 @@ def run_workload(url: str, sessions, args) -> dict:
                 body = {"input_ids": context, "rid": session["rid"],
                         "sampling_params": {"max_new_tokens": args.output_tokens, "ignore_eos": True}}
                 t0 = time.perf_counter()
+                target = url or workers[hash(session["rid"]) % len(workers)][0]
                 try:
-                    out = pool.json("POST", f"{url}/generate", body)
+                    out = pool.json("POST", f"{target}/generate", body)
                 except (EngineError, OSError) as exc:
                     errors.append(repr(exc))
                     break
@@ -127,10 +132,11 @@ def run_workload(url: str, sessions, args) -> dict:
                               int(meta.get("cached_tokens") or 0), int(meta["completion_tokens"])))
                 context += out["output_ids"] + obs
                 time.sleep(args.think_ms / 1e3)
-            try:
-                pool.request("POST", f"{url}/end_session", json.dumps({"rid": session["rid"]}).encode())
-            except OSError:
-                pass
+            if url is not None and args.end_sessions:
+                try:
+                    pool.request("POST", f"{url}/end_session", json.dumps({"rid": session["rid"]}).encode())
+                except OSError:
+                    pass
         with lock:
             records.extend(local)
 
@@ -153,6 +159,15 @@ def run_workload(url: str, sessions, args) -> dict:
     }
 
 
+def _parse_plain(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def retractions(workers) -> float:
     return sum(EngineClient(url).metrics().get("num_retracted_reqs", 0.0) for url, _ in workers)
 
@@ -160,17 +175,20 @@ def retractions(workers) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", action="append", default=None, help="COUNTxGPUS (default: 56x1 and 8x8 = 64 replicas)")
-    p.add_argument("--tokens-per-gpu", type=int, default=12288, help="KV budget per GPU in tokens")
-    p.add_argument("--decode-step-ms", type=float, default=10.0)
+    p.add_argument("--tokens-per-gpu", type=int, default=4096, help="KV budget per GPU in tokens")
+    p.add_argument("--decode-step-ms", type=float, default=20.0)
     p.add_argument("--sessions", type=int, default=1024)
-    p.add_argument("--live-sessions", type=int, default=384, help="sessions running at once (closed loop)")
+    p.add_argument("--live-sessions", type=int, default=128, help="sessions running at once (closed loop)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--turns", type=int, default=24, help="mean calls per session")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--obs-tokens", type=int, default=96, help="mean tool-observation tokens per turn")
+    p.add_argument("--turns", type=int, default=12, help="mean calls per session")
+    p.add_argument("--prompt-tokens", type=int, default=384)
+    p.add_argument("--obs-tokens", type=int, default=80, help="mean tool-observation tokens per turn")
     p.add_argument("--output-tokens", type=int, default=24)
-    p.add_argument("--think-ms", type=float, default=150.0, help="tool time between a session's calls")
-    p.add_argument("--routers", default="kv_headroom,round_robin,least_loaded,sglang-router")
+    p.add_argument("--think-ms", type=float, default=500.0, help="tool time between a session's calls")
+    p.add_argument("--routers", default="direct,kv_headroom,round_robin,least_loaded,sglang-router",
+                   help="'direct' is the no-router baseline for the hop columns")
+    p.add_argument("--end-sessions", action=argparse.BooleanOptionalAction, default=True,
+                   help="tell the router when a session ends (POST /end_session)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -194,8 +212,15 @@ def main() -> int:
         router = None
         try:
             router = start_router(kind, workers, port)
-            res = run_workload(f"http://127.0.0.1:{port}", sessions, args)
+            url = None if kind == "direct" else f"http://127.0.0.1:{port}"
+            res = run_workload(url, sessions, args, workers)
             res["retractions"] = retractions(workers)
+            res["in_router_p50_ms"] = float("nan")
+            if kind in ("kv_headroom", "round_robin", "least_loaded"):
+                # our router's own timing, upstream time excluded
+
+                _, text, _ = HttpPool().request("GET", f"{url}/metrics")
+                res["in_router_p50_ms"] = {k.split(":")[-1]: v for k, v in _parse_plain(text.decode()).items()}["router_overhead_p50_ms"]
             results[kind] = res
             print(f"  {kind}: {res['calls']} calls in {res['wall_s']:.1f}s, errors {res['errors']} {res['first_error'][:120]}", flush=True)
         finally:
@@ -206,7 +231,8 @@ def main() -> int:
     base = "sglang-router" if "sglang-router" in results else "round_robin"
     cols = [("cache_hit_rate", "cache hit", "{:.4f}"), ("retractions", "retractions", "{:.0f}"),
             ("throughput_tok_s", "tok/s", "{:.0f}"), ("p50_ms", "p50 ms", "{:.1f}"), ("p99_ms", "p99 ms", "{:.1f}"),
-            ("overhead_p50_ms", "overhead p50 ms", "{:.2f}"), ("overhead_p99_ms", "overhead p99 ms", "{:.2f}")]
+            ("overhead_p50_ms", "hop p50 ms", "{:.2f}"), ("overhead_p99_ms", "hop p99 ms", "{:.2f}"),
+            ("in_router_p50_ms", "in-router p50 ms", "{:.3f}")]
     print()
     print("| router | " + " | ".join(c[1] for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
@@ -217,6 +243,8 @@ def main() -> int:
     print("| router | " + " | ".join(c[1] for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for kind, res in results.items():
+        if kind == "direct":
+            continue
         cells = []
         for key, _, _ in cols:
             b = results[base][key]

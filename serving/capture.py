@@ -97,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", required=True, help="the SGLang server on localhost, e.g. http://127.0.0.1:30000")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30001)
+    parser.add_argument("--staging-dir", default=None,
+                        help="where sharded adapter uploads are assembled; SGLang must see it (a volume both containers mount)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from serving.http import serve_sidecar
 
-    server = serve_sidecar(args.upstream, host=args.host, port=args.port)
+    server = serve_sidecar(args.upstream, host=args.host, port=args.port, staging_dir=args.staging_dir)
     print(f"capture sidecar for {args.upstream} on {server.url}", flush=True)
     try:
         server.serve_until_stopped()

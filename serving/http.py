@@ -272,13 +272,13 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, **kwargs) -> E
 class SidecarServer(JsonServer):
     """The capture sidecar for SGLang (see ``serving.capture``)."""
 
-    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0, staging_dir=None):
         from serving.client import HttpPool
 
         self.upstream = upstream.rstrip("/")
         self.pool = HttpPool()
         self.capture = CaptureStore()
-        self.shards = ShardAssembler()
+        self.shards = ShardAssembler(staging_dir)
         routes: dict[tuple[str, str], Route] = {
             ("POST", "/generate"): self._generate,
             ("PUT", "/lora_shards/"): lambda r: EngineServer._shard(self, r),  # same receiving code
@@ -321,5 +321,5 @@ class SidecarServer(JsonServer):
         return Text(data.decode(), ctype or "text/plain")
 
 
-def serve_sidecar(upstream: str, host: str = "127.0.0.1", port: int = 0) -> SidecarServer:
-    return SidecarServer(upstream, host, port).start()
+def serve_sidecar(upstream: str, host: str = "127.0.0.1", port: int = 0, staging_dir=None) -> SidecarServer:
+    return SidecarServer(upstream, host, port, staging_dir).start()

@@ -86,8 +86,10 @@ def sglang_launch_spec(knobs: Mapping[str, Any], *, name: str = "engine", image:
     """A Kubernetes Deployment of SGLang replicas, each pod with the capture sidecar on localhost."""
     gpus = gpus or int(knobs.get("tp_size") or 1)
     labels = {"app.kubernetes.io/name": "posttrain", "app.kubernetes.io/component": name, "posttrain/pool": pool}
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    # Sharded adapter uploads are assembled by the sidecar in a folder SGLang can read.
+    staging = {"name": "adapter-staging", "mountPath": "/adapter-staging"}
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, staging]
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "adapter-staging", "emptyDir": {}}]
     if adapters_volume_claim:
         mounts.append({"name": "run", "mountPath": "/run-data"})
         volumes.append({"name": "run", "persistentVolumeClaim": {"claimName": adapters_volume_claim}})
@@ -103,7 +105,7 @@ def sglang_launch_spec(knobs: Mapping[str, Any], *, name: str = "engine", image:
         "name": "capture",
         "image": sidecar_image,
         "command": ["python", "-m", "serving.capture", "--upstream", f"http://127.0.0.1:{SGLANG_PORT}",
-                    "--host", "0.0.0.0", "--port", str(CAPTURE_PORT)],
+                    "--host", "0.0.0.0", "--port", str(CAPTURE_PORT), "--staging-dir", staging["mountPath"]],
         "ports": [{"name": "engine-api", "containerPort": CAPTURE_PORT}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": CAPTURE_PORT}, "periodSeconds": 5},
         "volumeMounts": mounts[1:],
