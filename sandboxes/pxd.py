@@ -33,7 +33,6 @@ This file uses only the standard library: it runs under whatever ``python3`` the
 
 from __future__ import annotations
 
-import argparse
 import base64
 import errno
 import json
@@ -46,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -404,7 +402,7 @@ class Daemon:
                     raise RequestError(f"path {'/'.join(parts)!r} exists and is not a regular file")
             except FileNotFoundError:
                 pass
-            tmp = f".pxd-{uuid.uuid4().hex[:12]}.tmp"
+            tmp = f".pxd-{os.urandom(6).hex()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dfd)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -599,7 +597,7 @@ class Session:
     """A persistent shell: ``cd`` and ``export`` carry over from one command to the next."""
 
     def __init__(self, shell: str, cwd: str, env: dict):
-        self.id = uuid.uuid4().hex[:16]
+        self.id = os.urandom(8).hex()
         self.proc = subprocess.Popen(
             [shell] + (["--noprofile", "--norc"] if shell.endswith("bash") else []),
             cwd=cwd, env=env, start_new_session=True,
@@ -613,7 +611,7 @@ class Session:
             if not self.alive or self.proc.poll() is not None:
                 self.alive = False
                 raise RequestError(f"session {self.id} has ended", 409)
-            marker = f"__pxd_done_{uuid.uuid4().hex}__"
+            marker = f"__pxd_done_{os.urandom(16).hex()}__"
             quoted = "'" + command.replace("'", "'\"'\"'") + "'"
             script = (f"eval {quoted} </dev/null\n__pxd_rc=$?\n"
                       f"printf '%s %d\\n' {marker} $__pxd_rc\nprintf '%s\\n' {marker} >&2\n")
@@ -750,21 +748,43 @@ def serve_socket(daemon: Daemon, path: str) -> None:
         threading.Thread(target=one, args=(conn,), daemon=True).start()
 
 
+USAGE = "usage: pxd.py --workspace DIR (--stdio | --socket PATH) [--max-file-bytes N]"
+
+
+def parse_args(argv: list) -> dict:
+    """``--name value`` pairs and the ``--stdio`` switch (no argparse: it costs startup time in every sandbox)."""
+    opts = {"workspace": None, "socket": None, "stdio": False, "max_file_bytes": 8 * 1024 * 1024}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--stdio":
+            opts["stdio"] = True
+        elif arg in ("--workspace", "--socket", "--max-file-bytes") and i + 1 < len(argv):
+            opts[arg[2:].replace("-", "_")] = argv[i + 1]
+            i += 1
+        elif arg in ("-h", "--help"):
+            print(__doc__ + "\n" + USAGE)
+            sys.exit(0)
+        else:
+            sys.exit(f"pxd: unexpected argument {arg!r}\n{USAGE}")
+        i += 1
+    if not opts["workspace"] or opts["stdio"] == bool(opts["socket"]):
+        sys.exit(f"pxd: give --workspace and exactly one of --stdio or --socket\n{USAGE}")
+    try:
+        opts["max_file_bytes"] = int(opts["max_file_bytes"])
+    except ValueError:
+        sys.exit(f"pxd: --max-file-bytes must be an integer, got {opts['max_file_bytes']!r}")
+    return opts
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="pxd", description="the sandbox command daemon")
-    parser.add_argument("--workspace", required=True, help="folder that file and git requests are confined to")
-    parser.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
-    parser.add_argument("--socket", help="serve a unix socket at this path (and stdin as a lifeline)")
-    parser.add_argument("--max-file-bytes", type=int, default=8 * 1024 * 1024)
-    args = parser.parse_args(argv)
-    if args.stdio == bool(args.socket):
-        parser.error("give exactly one of --stdio or --socket")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if os.getpid() == 1:
         become_init()
-    daemon = Daemon(args.workspace, max_file_bytes=args.max_file_bytes)
+    daemon = Daemon(args["workspace"], max_file_bytes=args["max_file_bytes"])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        if args.stdio:
+        if args["stdio"]:
             rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
             # commands must never write into the protocol stream: move stdout away from fd 1
             proto_out = os.fdopen(os.dup(1), "wb")
@@ -774,7 +794,7 @@ def main(argv=None) -> int:
             write_ready(proto_out)
             serve_stream(daemon, rfile, proto_out)
         else:
-            threading.Thread(target=serve_socket, args=(daemon, args.socket), daemon=True).start()
+            threading.Thread(target=serve_socket, args=(daemon, args["socket"]), daemon=True).start()
             write_ready(sys.stdout.buffer)
             while sys.stdin.buffer.read(65536):  # the lifeline: exit when the parent goes away
                 pass
