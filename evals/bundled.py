@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 TASKS_PER_LEVEL = 60
 EVAL_EVERY = 4  # every 4th task of a level is held out for evaluation
 REPORT = ".pytest-report.xml"
@@ -222,6 +222,7 @@ def _task_json(gen: GeneratedTask, base_commit: str) -> dict[str, Any]:
         "test_command": TEST_COMMAND, "report_format": "junit", "report_paths": [REPORT],
         "base_commit": base_commit, "repo": "repo", "workdir": ".",
         "protected_paths": ["tests"],
+        "editable_paths": [f"{gen.module}.py"],
         "limits": {"cpus": 1.0, "memory_mb": 512, "storage_mb": 64, "agent_timeout_s": 120.0, "test_timeout_s": 60.0},
         "split": gen.split, "difficulty": gen.difficulty,
         "metadata": {

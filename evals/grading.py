@@ -8,8 +8,9 @@ Two halves:
   :class:`Scores`, whose fields and meaning match the DeepSWE v1.1 verifier's ``reward.json``:
   a target or existing test that is missing or skipped counts as failed.
 - **Grading committed work** (:func:`grade_patch`): the agent's ``git diff BASE HEAD`` is applied to a
-  pristine sandbox of the task; protected test files are restored from the base commit; the tests run
-  there. A patch that does not apply scores 0 with ``apply_failed``. An infrastructure failure (the
+  pristine sandbox of the task (only its changes to ``editable_paths``, when the task sets them);
+  protected paths (the tests) are reset to the base commit; the tests run there. Tests that time out
+  count as failed (an agent's endless loop must not escape scoring); a sandbox that dies is infra. A patch that does not apply scores 0 with ``apply_failed``. An infrastructure failure (the
   sandbox died, the grader's own command timed out) is retried and, if it persists, recorded as
   ``infra_error``: such an attempt is never scored.
 
@@ -259,17 +260,23 @@ def committed_patch(sandbox, base_commit: str) -> str:
 def _run_tests(task, sandbox, patch: str) -> GradeResult:
     if patch.strip():
         sandbox.write_file(PATCH_PATH, patch.encode())
-        applied = sandbox.exec(f"git apply --whitespace=nowarn {PATCH_PATH}", timeout_s=60)
+        includes = "".join(f" --include='{p}'" for p in task.editable_paths)
+        applied = sandbox.exec(f"git apply --whitespace=nowarn{includes} {PATCH_PATH}", timeout_s=60)
         if applied.timed_out:
             raise InfraError("git apply timed out")
         if applied.exit_code != 0:
             return GradeResult(APPLY_FAILED, zero_scores(task.target_tests, task.existing_tests),
                                detail=applied.output[-2000:])
     if task.protected_paths and task.base_commit:
-        paths = " ".join(f"'{p}'" for p in task.protected_paths)
-        restored = sandbox.exec(f"git checkout {task.base_commit} -- {paths}", timeout_s=60)
+        # exactly the base version: files the patch added under a protected path go too
+        base = task.base_commit
+        script = "; ".join(
+            f"rm -rf '{p}' && {{ ! git cat-file -e {base}:'{p}' 2>/dev/null || git checkout -q {base} -- '{p}'; }}"
+            for p in task.protected_paths
+        )
+        restored = sandbox.exec(f"set -e; {script}", timeout_s=60)
         if restored.exit_code != 0:
-            raise InfraError(f"restoring {paths} from the base commit failed: {restored.output[-500:]}")
+            raise InfraError(f"restoring {task.protected_paths} from the base commit failed: {restored.output[-500:]}")
     for report in task.report_paths:
         sandbox.exec(f"rm -f '{report}'", timeout_s=30)
     run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s, output_cap_bytes=1 << 20)

@@ -56,7 +56,8 @@ class Task:
     reports listed in ``report_paths`` in ``report_format`` (``junit`` or ``ctrf``); for CTRF,
     ``ctrf_node_id`` says how a test id is built (``name`` or ``suite.name``).
     ``protected_paths`` are restored from the base commit before grading, so an agent cannot pass by
-    editing the tests. ``split`` (``train`` / ``eval``) and ``difficulty`` (1..3) are set where the
+    editing the tests. When ``editable_paths`` is set, only the patch's changes to those paths are
+    graded (a one-file task cannot be passed by adding a ``conftest.py`` or shadowing pytest). ``split`` (``train`` / ``eval``) and ``difficulty`` (1..3) are set where the
     source defines them (the bundled suite), else empty / 0.
     """
 
@@ -75,6 +76,7 @@ class Task:
     workdir: str = "/app"
     ctrf_node_id: str = "name"
     protected_paths: tuple[str, ...] = ()
+    editable_paths: tuple[str, ...] = ()
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     split: str = ""
     difficulty: int = 0
@@ -95,6 +97,7 @@ class Task:
         row["existing_tests"] = json.dumps(list(self.existing_tests))
         row["report_paths"] = json.dumps(list(self.report_paths))
         row["protected_paths"] = json.dumps(list(self.protected_paths))
+        row["editable_paths"] = json.dumps(list(self.editable_paths))
         row["limits"] = json.dumps(asdict(self.limits))
         row["metadata"] = json.dumps(dict(self.metadata), sort_keys=True, default=str)
         return row
@@ -355,6 +358,7 @@ def task_from_json(data: Mapping[str, Any], task_dir: Path, where: str) -> Task:
             repo_path=str((task_dir / data["repo"]).resolve()),
             workdir=data.get("workdir", "."),
             protected_paths=tuple(data.get("protected_paths", ())),
+            editable_paths=tuple(data.get("editable_paths", ())),
             limits=limits,
             split=data.get("split", ""),
             difficulty=int(data.get("difficulty", 0)),

@@ -165,11 +165,31 @@ def test_editing_the_tests_does_not_pass(small_tasks):
     assert result.status == GRADED and result.scores.reward == 0.0
 
 
+def test_a_conftest_that_forces_passes_is_not_graded(small_tasks):
+    from evals.bundled import default_sandbox_factory
+
+    factory = default_sandbox_factory()
+    task = small_tasks[0]
+    cheat = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+             "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    with factory(task) as box:
+        box.write_file("conftest.py", cheat.encode())
+        box.write_file("tests/conftest.py", cheat.encode())
+        box.exec("git add -A && git commit -qm cheat")
+        patch = committed_patch(box, task.base_commit)
+        # the cheat does work when it is not filtered out
+        assert box.exec(task.test_command).exit_code == 0
+    assert "conftest.py" in patch
+    result = grade_patch(task, patch, factory)
+    assert result.status == GRADED and result.scores.reward == 0.0 and result.scores.f2p_passed == 0
+
+
 def test_patch_that_does_not_apply_scores_zero(small_tasks):
     from evals.bundled import default_sandbox_factory
 
     task = small_tasks[0]
-    bogus = "diff --git a/nothere.py b/nothere.py\n--- a/nothere.py\n+++ b/nothere.py\n@@ -1 +1 @@\n-a\n+b\n"
+    m = task.metadata["module_file"]
+    bogus = f"diff --git a/{m} b/{m}\n--- a/{m}\n+++ b/{m}\n@@ -1 +1 @@\n-not this line\n+b\n"
     result = grade_patch(task, bogus, default_sandbox_factory())
     assert result.status == APPLY_FAILED
     s = result.scores
