@@ -36,23 +36,27 @@ Images and the cache::
     report = sandboxes.build_images({"task-1": repo_dir, ...}, store)      # -> BuildReport
     sandboxes.start("task-1", store=store, cache=cache)
 
-Defaults: both live under ``$POSTTRAIN_SANDBOX_DIR`` or ``$POSTTRAIN_HOME/sandboxes``.
+Defaults: the store is ``$POSTTRAIN_HOME/images`` (where the ``image_cache`` asset builds, one
+image per task id: :func:`image_name` maps an id to its image name), the cache
+``$POSTTRAIN_HOME/sandboxes/cache``; ``$POSTTRAIN_SANDBOX_DIR`` moves both. The asset's core is
+:func:`build_image_cache` (build every task's image, warm the cache, report sizes and contents).
 
-Errors: :class:`SandboxError` (could not start, died), :class:`ImageError` (image or layer),
-:class:`PxdError` (the daemon refused a request: its message names the field or path),
-:class:`PxdConnectionError` (the daemon is gone, e.g. the sandbox hit its wall time).
+Errors: :class:`SandboxError` (could not start, died) and its subclasses :class:`ImageError`
+(image or layer) and :class:`PxdConnectionError` (the daemon is gone, e.g. the sandbox hit its wall
+time or memory limit: the message says which); :class:`PxdError` (the daemon refused a request:
+its message names the field or path; ``.status`` is 400/404/409/413).
 
 Kubernetes: :func:`sandboxes.k8s.pod_spec` and :func:`sandboxes.k8s.network_policy`. Placement and
 its simulator: :mod:`sandboxes.placement`. The daemon itself: ``sandboxes/pxd.py``.
 """
 
-from sandboxes.cache import LayerCache, Lease
+from sandboxes.cache import LayerCache, Lease, build_image_cache
 from sandboxes.client import CommitResult, ExecResult, GitStatus, PxdClient, PxdConnectionError, PxdError, ShellSession
-from sandboxes.images import BuildReport, Image, ImageError, ImageStore, Layer, build_image, build_images
+from sandboxes.images import BuildReport, Image, ImageError, ImageStore, Layer, build_image, build_images, image_name
 from sandboxes.runtimes import RUNTIMES, Limits, Sandbox, SandboxError, start
 
 __all__ = [
     "RUNTIMES", "BuildReport", "CommitResult", "ExecResult", "GitStatus", "Image", "ImageError", "ImageStore",
     "Layer", "LayerCache", "Lease", "Limits", "PxdClient", "PxdConnectionError", "PxdError", "Sandbox",
-    "SandboxError", "ShellSession", "build_image", "build_images", "start",
+    "SandboxError", "ShellSession", "build_image", "build_image_cache", "build_images", "image_name", "start",
 ]

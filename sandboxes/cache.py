@@ -18,7 +18,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandboxes.images import Image, ImageError, ImageStore, Layer, unpack_layer
+from typing import Mapping
+
+from sandboxes.images import Image, ImageError, ImageStore, Layer, build_images, image_name, unpack_layer
 
 
 def _hex(diff_id: str) -> str:
@@ -158,3 +160,46 @@ class LayerCache:
             finally:
                 os.close(fd)
         return evicted
+
+
+def build_image_cache(repos: Mapping[str, str | Path], store: ImageStore, cache: LayerCache | None = None,
+                      compression: str = "zstd") -> dict:
+    """Build the image of every task (``task id -> repository folder``) and, with a ``cache``, unpack
+    the layers into it (then evict to its budget). Returns the report the ``image_cache`` asset shows:
+    counts, sizes, failures by task, and the cache's contents. Writes ``images/index.json``
+    (task id -> image name) atomically."""
+    names = {task_id: image_name(task_id) for task_id in repos}
+    report = build_images({names[t]: p for t, p in repos.items()}, store, compression)
+    by_name = {v: k for k, v in names.items()}
+    warmed_hits = warmed_misses = 0
+    if cache is not None:
+        for image in report.images:
+            lease = cache.acquire(image, store)
+            warmed_hits += lease.hits
+            warmed_misses += lease.misses
+            lease.release()
+        cache.evict()
+    index = {by_name[i.name]: i.name for i in report.images}
+    tmp = store.root / f".index.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+    os.replace(tmp, store.root / "index.json")
+    contents = cache.contents() if cache is not None else []
+    largest = sorted(report.images, key=lambda i: -i.size_bytes)[:10]
+    return {
+        "tasks": len(repos),
+        "images": len(report.images),
+        "failures": {by_name[n]: why for n, why in report.failures.items()},
+        "compression": compression,
+        "store_bytes": report.store_bytes,
+        "tar_bytes": report.tar_bytes,
+        "compression_ratio": round(report.tar_bytes / report.store_bytes, 2) if report.store_bytes else None,
+        "distinct_layers": len({l.digest for i in report.images for l in i.layers}),
+        "largest_images": [{"task": by_name[i.name], "image": i.name, "size_bytes": i.size_bytes} for i in largest],
+        "cache_dir": str(cache.root) if cache is not None else None,
+        "cache_budget_bytes": cache.budget_bytes if cache is not None else None,
+        "cache_bytes": sum(c["size_bytes"] for c in contents),
+        "cached_layers": len(contents),
+        "cache_hits_while_warming": warmed_hits,
+        "cache_misses_while_warming": warmed_misses,
+        "index": str(store.root / "index.json"),
+    }

@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from sandboxes.errors import SandboxError
+
 # margin on top of a request's own timeout before the client gives up on the daemon
 ANSWER_MARGIN_S = 30.0
 
@@ -31,7 +33,7 @@ class PxdError(RuntimeError):
         self.route = route
 
 
-class PxdConnectionError(RuntimeError):
+class PxdConnectionError(SandboxError):
     """The daemon is gone (the sandbox died, was closed, or stopped answering)."""
 
 

@@ -37,6 +37,8 @@ from typing import Iterable, Mapping
 
 import zstandard
 
+from sandboxes.errors import SandboxError
+
 COMPRESSIONS = ("zstd", "gzip")
 SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
 WORKDIR = "/workspace"
@@ -44,7 +46,7 @@ SANDBOX_UID = 1000
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class ImageError(RuntimeError):
+class ImageError(SandboxError):
     """An image or layer cannot be built, found or read; the message names the file or task."""
 
 
@@ -296,6 +298,14 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def image_name(task_id: str) -> str:
+    """The image name of a task: the id itself when it is a valid name, else a readable part and a hash."""
+    if NAME_RE.match(task_id):
+        return task_id
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", task_id).strip("-._")[:100] or "task"
+    return f"{clean}-{hashlib.sha256(task_id.encode()).hexdigest()[:12]}"
 
 
 def build_image(name: str, repo_dir: Path | str, store: ImageStore, compression: str = "zstd") -> Image:

@@ -201,7 +201,7 @@ def clipped_lognormal(mean: float, p99: float, rng: np.random.Generator, n: int 
         sigma = (lo + hi) / 2
         mu = math.log(min(p99, 0.999999)) - z99 * sigma
         m = float(np.minimum(np.exp(mu + sigma * z), 1.0).mean())
-        lo, hi = (sigma, hi) if m < mean else (lo, sigma)
+        lo, hi = (lo, sigma) if m < mean else (sigma, hi)  # a wider spread lowers the median, so the mean
     return mu, sigma
 
 

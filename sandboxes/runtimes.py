@@ -48,18 +48,15 @@ from pathlib import Path
 from typing import Protocol
 
 from sandboxes.cache import LayerCache, Lease
+from sandboxes.errors import SandboxError
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
-from sandboxes.images import WORKDIR, Image, ImageError, ImageStore, build_image
+from sandboxes.images import WORKDIR, Image, ImageError, ImageStore, build_image, image_name
 
 RUNTIMES = ("bwrap", "gvisor", "unisolated")
 PXD_SOURCE = Path(__file__).with_name("pxd.py")
 PXD_IN_SANDBOX = "/opt/pxd/pxd.py"
 SANDBOX_HOME = "/home/sandbox"
 READY_TIMEOUT_S = 30.0
-
-
-class SandboxError(RuntimeError):
-    """A sandbox could not start or died; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -374,19 +371,24 @@ RUNTIME_CLASSES = {"bwrap": BwrapRuntime, "gvisor": GvisorRuntime, "unisolated":
 # the sandbox
 
 
-def default_root() -> Path:
-    """``$POSTTRAIN_SANDBOX_DIR``, else ``$POSTTRAIN_HOME/sandboxes``, else ``./posttrain-data/sandboxes``."""
-    if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
-        return Path(os.environ["POSTTRAIN_SANDBOX_DIR"])
-    return Path(os.environ.get("POSTTRAIN_HOME", "posttrain-data")) / "sandboxes"
+def _home() -> Path:
+    return Path(os.environ.get("POSTTRAIN_HOME") or "posttrain-data").expanduser().resolve()
 
 
 def default_store() -> ImageStore:
-    return ImageStore(default_root() / "images")
+    """``$POSTTRAIN_SANDBOX_DIR/images``, else ``$POSTTRAIN_HOME/images`` (where ``image_cache`` builds)."""
+    if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
+        return ImageStore(Path(os.environ["POSTTRAIN_SANDBOX_DIR"]) / "images")
+    return ImageStore(_home() / "images")
 
 
 def default_cache() -> LayerCache:
-    return LayerCache(default_root() / "cache")
+    """``$POSTTRAIN_SANDBOX_DIR/cache``, else ``$POSTTRAIN_HOME/sandboxes/cache``; the budget is
+    ``$POSTTRAIN_SANDBOX_CACHE_GIB`` (default 20 GiB)."""
+    budget = int(float(os.environ.get("POSTTRAIN_SANDBOX_CACHE_GIB", "20")) * 1024**3)
+    if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
+        return LayerCache(Path(os.environ["POSTTRAIN_SANDBOX_DIR"]) / "cache", budget)
+    return LayerCache(_home() / "sandboxes" / "cache", budget)
 
 
 class Sandbox:
@@ -549,7 +551,7 @@ class Sandbox:
 def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: Limits | None = None,
           store: ImageStore | None = None, cache: LayerCache | None = None, env: dict[str, str] | None = None,
           allow_unisolated: bool = False) -> Sandbox:
-    """Start a sandbox from an :class:`Image`, an image name in ``store``, or a repository folder.
+    """Start a sandbox from an :class:`Image`, a task id or image name in ``store``, or a repository folder.
 
     A folder is built into an image on the fly (content addressed: the same files reuse the cached
     layer). ``runtime="unisolated"`` needs ``allow_unisolated=True``; nothing falls back to it."""
@@ -569,7 +571,7 @@ def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: 
         import hashlib
         image = build_image("dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16], path, store)
     elif isinstance(source, str):
-        image = store.load_image(source)
+        image = store.load_image(image_name(source))  # a task id or an image name
     else:
         raise TypeError(f"start() takes an Image, an image name or a folder, not {type(source).__name__}")
     return Sandbox(image, runtime, limits, store, cache, env)
