@@ -33,8 +33,11 @@ def table(results: list[pl.SimResult]) -> None:
     for r in results:
         print(f"{r.policy:<38}" + "".join(f"{f.format(getattr(r, k)):>15}" for k, _, f in COLUMNS))
     ours, base = results
-    print(f"{'ratio ours / kubernetes defaults':<38}" + "".join(
-        f"{(getattr(ours, k) / getattr(base, k) if getattr(base, k) else float('nan')):>14.2f}x" for k, _, _ in COLUMNS))
+    cells = []
+    for k, _, _ in COLUMNS:
+        a, b = getattr(ours, k), getattr(base, k)
+        cells.append(f"{a / b:>14.2f}x" if b else f"{'n/a':>15}")
+    print(f"{'ratio ours / kubernetes defaults':<38}" + "".join(cells))
 
 
 def main() -> int:
