@@ -269,8 +269,18 @@ def _swebench_rows(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
         import pyarrow.parquet as pq
 
         return [(f"{path}: row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TaskLoadError(f"{path}: not valid JSON: {exc}") from exc
+        for i, row in enumerate(data):
+            if not isinstance(row, dict):
+                raise TaskLoadError(f"{path}: entry {i}: expected a JSON object")
+        return [(f"{path}: entry {i}", row) for i, row in enumerate(data)]
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -284,7 +294,7 @@ def _swebench_rows(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
 
 
 def load_swebench(path: str | Path) -> TaskSet:
-    """SWE-bench-style rows from a ``.jsonl`` or ``.parquet`` file.
+    """SWE-bench-style rows from a ``.jsonl``, ``.parquet`` or ``.json`` (an array of rows) file.
 
     A row without ``instance_id`` or ``problem_statement`` raises :class:`TaskLoadError` naming the
     line. Tests run with pytest and report JUnit XML to ``/tmp/posttrain-report.xml``; an explicit

@@ -85,7 +85,9 @@ def test_swebench_jsonl_and_parquet(tmp_path):
     jsonl.write_text("\n".join(json.dumps(r) for r in _swe_rows()) + "\n")
     parquet = tmp_path / "swe.parquet"
     pq.write_table(pa.Table.from_pylist(_swe_rows()), parquet)
-    for path in (jsonl, parquet):
+    array = tmp_path / "swe.json"
+    array.write_text(json.dumps(_swe_rows()))
+    for path in (jsonl, parquet, array):
         task_set = load_tasks(path)
         assert [t.id for t in task_set.tasks] == ["owner__repo-1", "owner__repo-2"]
         first = task_set.tasks[0]
