@@ -113,6 +113,22 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             source=_OLMO35_SOURCE,
             notes=("radix cache off; one recurrent-state slot per running request",),
         ),
+        "local-cpu-tiny-v1": Preset(
+            name="local-cpu-tiny-v1",
+            model_family="posttrain-tiny-qwen2",
+            gpu="cpu",
+            gpus_per_engine=1,
+            geometry=MappingProxyType({"full_attention_layers": 4, "kv_heads": 2, "head_dim": 32, "recurrent_layers": 0}),
+            knobs=MappingProxyType({"sglang_max_running_requests": 64}),
+            decode_tokens_per_s_per_engine=1080.1,
+            source=(
+                "measured on the development machine (2 cores, shared; load average 7-8): "
+                ".venv/bin/python bench/planner_local_engine.py --rounds 3, local engine, torch threads 1, "
+                "the serving.tiny Qwen2 of hidden 128, 4 layers, 4 heads, 2 KV heads; R = 64 is the smallest "
+                "admission within 5% of the best output rate (1080.1 tok/s, 7.1x R = 1); docs/benchmarks.md"
+            ),
+            notes=("admission only; the other knobs follow the generic rules",),
+        ),
     }
 )
 
