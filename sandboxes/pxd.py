@@ -729,12 +729,16 @@ def serve_stream(daemon: Daemon, rfile, wfile) -> None:
         write_response(wfile, status, obj)
 
 
-def serve_socket(daemon: Daemon, path: str) -> None:
+def listen_unix(path: str) -> socket.socket:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(path):
         os.unlink(path)
     server.bind(path)
     server.listen(64)
+    return server
+
+
+def serve_socket(daemon: Daemon, server: socket.socket) -> None:
 
     def one(conn):
         with conn, conn.makefile("rb") as r, conn.makefile("wb") as w:
@@ -794,7 +798,8 @@ def main(argv=None) -> int:
             write_ready(proto_out)
             serve_stream(daemon, rfile, proto_out)
         else:
-            threading.Thread(target=serve_socket, args=(daemon, args["socket"]), daemon=True).start()
+            server = listen_unix(args["socket"])  # listening before the ready line goes out
+            threading.Thread(target=serve_socket, args=(daemon, server), daemon=True).start()
             write_ready(sys.stdout.buffer)
             while sys.stdin.buffer.read(65536):  # the lifeline: exit when the parent goes away
                 pass

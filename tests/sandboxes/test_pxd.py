@@ -141,3 +141,36 @@ def test_bad_requests_get_clear_errors(pxd_proc, route, body, message):
         client.request("POST", route, body)
     assert message in err.value.message
     assert client.health()["ok"]  # the daemon carries on
+
+
+def test_unix_socket_serves_clients_at_once(tmp_path):
+    """The socket mode (several harness connections to one daemon); stdin stays its lifeline."""
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import sandboxes
+
+    from .conftest import make_repo
+
+    ws = make_repo(tmp_path / "ws")
+    sock = tmp_path / "pxd.sock"
+    proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(sandboxes.__file__).with_name("pxd.py")),
+                             "--workspace", str(ws), "--socket", str(sock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().startswith(b"PXD-READY")
+        slow, fast = sandboxes.PxdClient.over_unix_socket(str(sock)), sandboxes.PxdClient.over_unix_socket(str(sock))
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault("slow", slow.exec(shell="sleep 1; echo slow")))
+        t.start()
+        results["fast"] = fast.exec(["echo", "fast"])  # answered while the slow one still runs
+        assert "slow" not in results
+        t.join(30)
+        assert results["fast"].stdout == "fast\n" and results["slow"].stdout == "slow\n"
+        slow.close()
+        fast.close()
+    finally:
+        proc.stdin.close()
+        assert proc.wait(10) == 0
+        proc.stdout.close()
