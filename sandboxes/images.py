@@ -4,7 +4,7 @@ An image is what a sandbox's root folder is made of. It has two layers:
 
 1. the *base layer*, shared by every image: the skeleton of a Linux root (``/etc/passwd``,
    ``/etc/hosts``, a git config, empty ``/tmp``, ``/workspace``, ``/home/sandbox`` and the mount
-   points) with ``/bin``, ``/lib``... as symlinks into ``/usr``;
+   points) with ``/bin``, ``/lib``... as symlinks into ``/usr``, and ``pxd`` at ``/opt/pxd/pxd.py``;
 2. the *task layer*: the task's repository (with its ``.git``) under ``/workspace``.
 
 The toolchain (``/usr``: python3, git, coreutils; and the project's Python with pytest) is not in
@@ -145,8 +145,13 @@ BASE_DIRS = ("etc", "tmp", "proc", "dev", "sys", "run", "usr", "opt", "opt/pxd",
 BASE_LINKS = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
 
 
+PXD_SOURCE = Path(__file__).with_name("pxd.py")
+
+
 def base_layer_tar() -> bytes:
-    """The skeleton root every image starts from (see the module docstring)."""
+    """The skeleton root every image starts from (see the module docstring), with the daemon at
+    ``/opt/pxd/pxd.py`` so a cluster pod built from the layers can start it (locally the runtimes
+    bind the current ``sandboxes/pxd.py`` over it)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         entries = [(d, "dir") for d in BASE_DIRS] + [(n, "link") for n in BASE_LINKS] + [(f, "file") for f in BASE_FILES]
@@ -163,6 +168,10 @@ def base_layer_tar() -> bytes:
                 info = _tarinfo(name, mode=0o644)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+        data = PXD_SOURCE.read_bytes()
+        info = _tarinfo("opt/pxd/pxd.py", mode=0o644)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
 

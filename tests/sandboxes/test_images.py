@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+from pathlib import Path
 import json
 
 import pytest
@@ -121,3 +122,4 @@ def test_base_layer_has_the_skeleton(tmp_path, store):
     assert "sandbox:x:1000" in (root / "etc/passwd").read_text()
     assert (root / "bin").is_symlink() and (root / "workspace").is_dir()
     assert (root / "tmp").stat().st_mode & 0o7777 == 0o1777
+    assert (root / "opt/pxd/pxd.py").read_bytes() == Path(sandboxes.__file__).with_name("pxd.py").read_bytes()
