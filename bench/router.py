@@ -1,6 +1,6 @@
 """Router benchmark: multi-turn agent sessions replayed against a fleet of SIMULATED engines.
 
-    .venv/bin/python bench/router.py                       # defaults below, about 3-4 minutes on 2 cores
+    .venv/bin/python bench/router.py                       # defaults below, about 6-8 minutes on 2 cores
     .venv/bin/python bench/router.py --sessions 2048 --turns 100   # closer to production, much longer
 
 The replicas are ``serving.sim`` engines: the same HTTP API and KV-cache accounting as a replica
@@ -103,7 +103,8 @@ def run_workload(url: str | None, sessions, args, workers=None) -> dict:
     """Replay the sessions through ``url`` (a router), or, with ``url`` None, straight to the
     replicas (``workers``), each session pinned by a hash of its id: the no-router baseline."""
     pool = HttpPool(timeout_s=600)
-    records: list[tuple[float, float, int, int, int]] = []  # latency, replica_s, prompt, cached, completion
+    records: list[tuple[float, float, int, int, int, int]] = []  # latency, replica_s, prompt, cached, completion, ceiling
+    started_groups: set[str] = set()
     lock = threading.Lock()
     queue = list(reversed(sessions))
     errors = []
@@ -116,6 +117,12 @@ def run_workload(url: str | None, sessions, args, workers=None) -> dict:
                     break
                 session = queue.pop()
             context = list(session["prompt"])
+            group = session["rid"].split("-")[0]
+            with lock:
+                # The most a cache could hold for this call: the group's shared prompt once a
+                # sibling has started, then everything this session sent and got before.
+                ceiling = len(context) if group in started_groups else 0
+                started_groups.add(group)
             for obs in session["obs"]:
                 body = {"input_ids": context, "rid": session["rid"],
                         "sampling_params": {"max_new_tokens": args.output_tokens, "ignore_eos": True}}
@@ -129,7 +136,8 @@ def run_workload(url: str | None, sessions, args, workers=None) -> dict:
                 latency = time.perf_counter() - t0
                 meta = out["meta_info"]
                 local.append((latency, float(meta.get("e2e_latency", 0.0)), int(meta["prompt_tokens"]),
-                              int(meta.get("cached_tokens") or 0), int(meta["completion_tokens"])))
+                              int(meta.get("cached_tokens") or 0), int(meta["completion_tokens"]), ceiling))
+                ceiling = len(context) + len(out["output_ids"])
                 context += out["output_ids"] + obs
                 time.sleep(args.think_ms / 1e3)
             if url is not None and args.end_sessions:
@@ -153,6 +161,7 @@ def run_workload(url: str | None, sessions, args, workers=None) -> dict:
     return {
         "calls": len(records), "errors": len(errors), "first_error": errors[0] if errors else "",
         "cache_hit_rate": sum(r[3] for r in records) / max(1, sum(r[2] for r in records)),
+        "hit_of_ceiling": sum(r[3] for r in records) / max(1, sum(r[5] for r in records)),
         "throughput_tok_s": sum(r[4] for r in records) / wall, "calls_per_s": len(records) / wall,
         "p50_ms": q(lat, 0.5), "p99_ms": q(lat, 0.99), "overhead_p50_ms": q(over, 0.5), "overhead_p99_ms": q(over, 0.99),
         "wall_s": wall,
@@ -180,10 +189,10 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=1024)
     p.add_argument("--live-sessions", type=int, default=128, help="sessions running at once (closed loop)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--turns", type=int, default=12, help="mean calls per session")
-    p.add_argument("--prompt-tokens", type=int, default=384)
-    p.add_argument("--obs-tokens", type=int, default=80, help="mean tool-observation tokens per turn")
-    p.add_argument("--output-tokens", type=int, default=24)
+    p.add_argument("--turns", type=int, default=16, help="mean calls per session")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--obs-tokens", type=int, default=48, help="mean tool-observation tokens per turn")
+    p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--think-ms", type=float, default=500.0, help="tool time between a session's calls")
     p.add_argument("--routers", default="direct,kv_headroom,round_robin,least_loaded,sglang-router",
                    help="'direct' is the no-router baseline for the hop columns")
@@ -229,7 +238,7 @@ def main() -> int:
                     proc.terminate()
                     proc.wait()
     base = "sglang-router" if "sglang-router" in results else "round_robin"
-    cols = [("cache_hit_rate", "cache hit", "{:.4f}"), ("retractions", "retractions", "{:.0f}"),
+    cols = [("cache_hit_rate", "cache hit", "{:.4f}"), ("hit_of_ceiling", "hit / ceiling", "{:.4f}"), ("retractions", "retractions", "{:.0f}"),
             ("throughput_tok_s", "tok/s", "{:.0f}"), ("p50_ms", "p50 ms", "{:.1f}"), ("p99_ms", "p99 ms", "{:.1f}"),
             ("overhead_p50_ms", "hop p50 ms", "{:.2f}"), ("overhead_p99_ms", "hop p99 ms", "{:.2f}"),
             ("in_router_p50_ms", "in-router p50 ms", "{:.3f}")]
@@ -248,7 +257,11 @@ def main() -> int:
         cells = []
         for key, _, _ in cols:
             b = results[base][key]
-            cells.append(f"{res[key] / b:.2f}x" if b else ("=" if res[key] == b else "inf"))
+            v = res[key]
+            if v != v or b != b:  # nan: not measured for this router
+                cells.append("n/a")
+            else:
+                cells.append(f"{v / b:.2f}x" if b else ("=" if v == b else "inf"))
         print(f"| {kind} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

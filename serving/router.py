@@ -124,11 +124,16 @@ class KvHeadroom(Policy):
         self.expected_growth_tokens = expected_growth_tokens
         self._rng = random.Random(seed)
 
+    def _expected_growth(self, router: "Router") -> float:
+        # Learned across the fleet once sessions have been seen growing; the default before that.
+        return getattr(router, "mean_growth_per_turn_tokens", 0.0) or self.expected_growth_tokens
+
     def projected_room_tokens(self, replica: Replica, router: "Router") -> float:
         live = [router.sessions[rid] for rid in replica.sessions if rid in router.sessions]
         context = sum(s.context_tokens for s in live)
         used = max(replica.polled_used_tokens + replica.routed_since_poll_tokens, context)
-        growth = sum((s.growth_per_turn_tokens or self.expected_growth_tokens) for s in live) * self.lookahead_turns
+        default = self._expected_growth(router)
+        growth = sum((s.growth_per_turn_tokens or default) for s in live) * self.lookahead_turns
         return replica.max_total_tokens - used - growth
 
     def choose(self, candidates, prompt_tokens, group_key, router):
@@ -146,14 +151,16 @@ class KvHeadroom(Policy):
         for replica in candidates:
             if replica in siblings and replica not in sample:
                 sample.append(replica)
-        footprint = prompt_tokens + self.expected_growth_tokens * self.lookahead_turns
+        footprint = prompt_tokens + self._expected_growth(router) * self.lookahead_turns
 
-        def score(replica: Replica) -> tuple[float, float]:
+        def room_after(replica: Replica) -> float:
             shared = prompt_tokens if replica in siblings else 0
-            room = self.projected_room_tokens(replica, router) - (footprint - shared)
-            return (room, -len(replica.sessions) / replica.size_gpus)
+            return self.projected_room_tokens(replica, router) - (footprint - shared)
 
-        return max(sample, key=score)
+        # A GRPO sibling's replica already holds the prompt: go there while the projection fits.
+        fitting_siblings = [r for r in sample if r in siblings and room_after(r) >= 0]
+        pool = fitting_siblings or sample
+        return max(pool, key=lambda r: (room_after(r), -len(r.sessions) / r.size_gpus))
 
 
 POLICIES = {"kv_headroom": KvHeadroom, "round_robin": RoundRobin, "least_loaded": LeastLoaded}
@@ -181,6 +188,7 @@ class Router:
         self.pending: dict[str, tuple[str, int]] = {}  # replicas not reachable yet: url -> (pool, size)
         self.lock = threading.RLock()
         self.overhead_s: deque[float] = deque(maxlen=100_000)
+        self.mean_growth_per_turn_tokens = 0.0  # EWMA over every session's turns
         self.retried_calls = 0
         self.moved_sessions = 0
         self._stop = threading.Event()
@@ -375,7 +383,9 @@ class Router:
 
     # --- the call path -------------------------------------------------------------------
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, body: dict[str, Any], raw: bytes | None = None) -> dict[str, Any]:
+        """Route one call. ``raw`` is the body as received: forwarded as is when the router has
+        nothing to change in it (saves re-encoding a long ``input_ids``)."""
         t_start = time.perf_counter()
         requests = parse_generate(body)
         if len(requests) != 1:
@@ -395,8 +405,12 @@ class Router:
                     self.sessions[rid] = session
         elif request.lora_path not in (None, LATEST, session.adapter):
             raise BadRequest(f"lora_path {request.lora_path!r} differs from session {rid!r}'s adapter version {session.adapter!r}")
-        request.lora_path = session.adapter
-        payload = json.dumps(request.to_json()).encode()
+        if raw is not None and body.get("lora_path") == session.adapter:
+            payload = raw
+        else:
+            request.lora_path = session.adapter
+            payload = json.dumps({**body, "lora_path": session.adapter} if session.adapter else
+                                 {k: v for k, v in body.items() if k != "lora_path"}).encode()
         attempts = 0
         while True:
             replica = session.replica
@@ -439,6 +453,8 @@ class Router:
             new_context = len(request.input_ids) + completion
             if session.turns:
                 growth = new_context - session.context_tokens
+                self.mean_growth_per_turn_tokens = (growth if not self.mean_growth_per_turn_tokens
+                                                    else 0.99 * self.mean_growth_per_turn_tokens + 0.01 * growth)
                 session.growth_per_turn_tokens = growth if session.turns == 1 else 0.7 * session.growth_per_turn_tokens + 0.3 * growth
             session.context_tokens = new_context
             session.turns += 1
@@ -490,7 +506,7 @@ class RouterServer(JsonServer):
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0):
         self.router = router
         routes = {
-            ("POST", "/generate"): lambda r: router.generate(r.json()),
+            ("POST", "/generate"): lambda r: router.generate(r.json(), r.body),
             ("POST", "/end_session"): self._end_session,
             ("GET", "/sessions/"): self._session,
             ("POST", "/workers"): self._add_worker,
