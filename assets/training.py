@@ -2,23 +2,82 @@
 
 
 import json
+from typing import Any
 
 import dagster as dg
 
-from assets._missing import not_built
-from assets.curriculum import difficulty_curriculum
+from assets.curriculum import difficulty_curriculum, ensure_embedded_base, run_file_dict
 from dagster_project.partitions import checkpoints_partitions
 from dagster_project.resources import PosttrainStorage, WorkloadLauncher
 
 
+class RLRunConfig(dg.Config):
+    """``run_file``: the run TOML (default ``examples/embedded.toml``), resolved by the run planner
+    exactly as ``posttrain plan|run`` does. ``run_name`` replaces the file's ``[run] name``;
+    ``overrides`` replaces keys per section, e.g. ``{"trainer": {"steps": 4}, "async": {"collection_size": 16}}``."""
+
+    run_file: str = ""
+    run_name: str = ""
+    overrides: dict[str, Any] = {}
+
+
 @dg.asset(group_name="training", deps=[difficulty_curriculum])
 def rl_run(
-    context: dg.AssetExecutionContext, storage: PosttrainStorage, launcher: WorkloadLauncher
+    context: dg.AssetExecutionContext, config: RLRunConfig, storage: PosttrainStorage, launcher: WorkloadLauncher
 ) -> dg.MaterializeResult:
     """An asynchronous GRPO run on LoRA adapters: the trainer, the engine fleet, the router and the
     sandbox pool, launched as local processes or Kubernetes pods. Each saved checkpoint becomes a
     partition of ``checkpoints``."""
-    raise not_built("rl_run", "the trainer in training/")
+    import pandas as pd
+
+    from serving.planner import TRAINER_MODULE, resolve, trainer_args, write_resolved_plan
+    from training.checkpoint import complete_steps
+
+    data, source = run_file_dict(storage, config.run_file)
+    if config.run_name:
+        data.setdefault("run", {})["name"] = config.run_name
+    for section, values in config.overrides.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"rl_run config key overrides.{section}: expected a table of keys, got {values!r}")
+        data.setdefault(section, {}).update(values)
+    curriculum_file = storage.curriculum_dir() / "curriculum.json"
+    if curriculum_file.is_file():
+        data["curriculum"]["curriculum_file"] = str(curriculum_file)
+    ensure_embedded_base(context, storage, data)
+    plan = resolve(data, source=source)
+    run_dir = storage.run_dir(plan.run_name)
+    plan_path = write_resolved_plan(plan, run_dir)
+    context.log.info(f"run {plan.run_name}: plan {plan_path}")
+    launcher.run(context, TRAINER_MODULE, trainer_args(plan_path, run_dir))
+
+    steps_path = run_dir / "metrics" / "steps.parquet"
+    frame = pd.read_parquet(steps_path) if steps_path.is_file() else pd.DataFrame()
+    saved = complete_steps(run_dir)
+    metadata: dict[str, Any] = {
+        "run_dir": dg.MetadataValue.path(str(run_dir)),
+        "plan": dg.MetadataValue.path(str(plan_path)),
+        "checkpoints": dg.MetadataValue.json([f"step_{s:06d}" for s in saved]),
+        "steps": int(frame["step"].max()) if len(frame) else 0,
+    }
+    if len(frame):
+        first, last = frame.head(5), frame.tail(5)
+        metadata.update({
+            "solve_rate_first5": float(first["solve_rate"].mean()),
+            "solve_rate_last5": float(last["solve_rate"].mean()),
+            "zero_variance_groups": int(frame["zero_variance_groups"].sum()),
+            "discarded_samples": int(frame["discarded_samples"].sum()),
+            "discarded_token_fraction": float(frame["discarded_tokens"].sum()
+                                              / max(frame["discarded_tokens"].sum() + frame["consumed_tokens"].sum(), 1)),
+            "policy_age_mean": float(frame["policy_age_mean"].mean()),
+            "policy_age_max": int(frame["policy_age_max"].max()),
+            "wait_s_total": float(frame["wait_s"].sum()),
+            "useful_tokens_per_s": float(frame["useful_tokens"].sum() / max((frame["wait_s"] + frame["train_s"]).sum(), 1e-9)),
+            "metrics": dg.MetadataValue.path(str(steps_path)),
+            "per_step": dg.MetadataValue.md(frame[["step", "loss", "solve_rate", "groups", "zero_variance_groups",
+                                                   "discarded_samples", "policy_age_mean", "wait_s", "train_s"]]
+                                            .to_markdown(index=False, floatfmt=".3f")),
+        })
+    return dg.MaterializeResult(metadata=metadata)
 
 
 @dg.asset(group_name="training", deps=[rl_run], partitions_def=checkpoints_partitions)
