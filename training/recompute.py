@@ -168,11 +168,17 @@ def _expanding_kv(kernels: AttentionKernels) -> AttentionKernels:
 def _flash_attn_kernels() -> AttentionKernels | None:
     """flash-attn 2.x's private entry points, which take and return the log-sum-exp.
 
-    flash-attn works in (batch, seq, heads, head_dim); the transposes below are views.
+    flash-attn works in (batch, seq, heads, head_dim); the transposes below are views. Not run in
+    this repository's benchmarks: flash-attn is not installed on the device machines used (see
+    docs/benchmarks.md), which ran PyTorch's flash kernels.
     """
     try:
+        import flash_attn
         from flash_attn import flash_attn_interface as fa
     except ImportError:
+        return None
+    major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
+    if (major, minor) < (2, 6):  # the keyword signatures below are those of 2.6 to 2.8
         return None
 
     def forward(q, k, v, scale):
