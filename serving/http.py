@@ -208,11 +208,10 @@ class EngineServer(JsonServer):
     def _generate(self, req: Request) -> Any:
         body = req.json()
         requests = parse_generate(body)
-        answers = list(self._batch_pool.map(
+        if not isinstance(body["input_ids"][0], list):
+            return capture_generate(self.engine.generate, requests[0], self.capture, self.url)
+        return list(self._batch_pool.map(
             lambda r: capture_generate(self.engine.generate, r, self.capture, self.url), requests))
-        if isinstance(body.get("input_ids", [None])[0], list):
-            return answers
-        return answers[0]
 
     def _load(self, req: Request) -> Any:
         body = req.json()

@@ -399,9 +399,9 @@ class Router:
             adapter = self._resolve_adapter(request.lora_path)
             replica = self._place(rid or "", request.input_ids, adapter)
             session = Session(rid or "", replica, adapter, self._group_key(request.input_ids, adapter))
-            with self.lock:
-                self._attach(session, replica)
-                if rid is not None:
+            if rid is not None:  # a call without a session id is routed once and not tracked
+                with self.lock:
+                    self._attach(session, replica)
                     self.sessions[rid] = session
         elif request.lora_path not in (None, LATEST, session.adapter):
             raise BadRequest(f"lora_path {request.lora_path!r} differs from session {rid!r}'s adapter version {session.adapter!r}")
@@ -417,9 +417,12 @@ class Router:
             if not replica.healthy:
                 new = self._place(session.rid, request.input_ids, session.adapter, avoid=replica)
                 with self.lock:
-                    self._detach(session)
-                    self._attach(session, new)
-                    self.moved_sessions += 1
+                    if rid is not None:
+                        self._detach(session)
+                        self._attach(session, new)
+                        self.moved_sessions += 1
+                    else:
+                        session.replica = new
                 continue
             with self.lock:
                 replica.in_flight += 1

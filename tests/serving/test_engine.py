@@ -94,6 +94,10 @@ def test_several_adapters_in_one_batch(engine_server, adapters):
         client.generate(PROMPT, params, lora_path="v000001")
     assert err.value.status == 400 and "lora_path" in err.value.message
     assert client.generate(PROMPT, params, lora_path="v000002")["output_ids"] == singles["v000002"]
+    client.unload_lora_adapter("v000002")  # the last one: the engine is back on the plain base model
+    assert client.generate(PROMPT, params)["output_ids"] == singles[None]
+    client.load_lora_adapter("v000002", str(adapters["v000002"]))
+    assert client.generate(PROMPT, params, lora_path="v000002")["output_ids"] == singles["v000002"]
 
 
 @pytest.mark.parametrize("body, field", [
