@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/planner_local_engine.py [--rounds 2] [--threads 1]
 
-Builds the tiny Qwen2 model of ``serving.tiny`` (the geometry below), serves it with the local
+Builds a random Qwen2 with ``serving.tiny`` in the geometry of the embedded default's base model
+(``training.base_model.BaseModelSpec``: hidden 128, 4 layers, 4 heads, 2 KV heads), serves it with the local
 engine in this process, and replays one GRPO-shaped workload (16 prompts x 8 samples, 64-token
 prompts, 32 new tokens each, EOS ignored so every request is the same length) at each admission,
 rounds interleaved so that load from other processes falls on every setting alike. It prints output
@@ -20,7 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-GEOMETRY = dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256)
+GEOMETRY = dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=352,
+                max_position_embeddings=2048)
 PROMPTS, SAMPLES, PROMPT_TOKENS, NEW_TOKENS = 16, 8, 64, 32
 ADMISSIONS = (1, 4, 16, 32, 64, 128)
 
@@ -70,7 +72,7 @@ def main() -> int:
                 rate = tokens / elapsed
                 best[admission] = max(best.get(admission, 0.0), rate)
                 print(f"round {rnd} R={admission:>3}: {tokens} tokens in {elapsed:6.2f} s = {rate:8.1f} tok/s", flush=True)
-    print(f"\nlocal engine, tiny Qwen2 {GEOMETRY}, torch threads {args.threads}, {os.cpu_count()} CPUs")
+    print(f"\nlocal engine, random Qwen2 {GEOMETRY}, torch threads {args.threads}, {os.cpu_count()} CPUs")
     print(f"1-minute load average before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
           "(other processes share these CPUs; the best of the rounds is kept)")
     print(f"workload: {PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens")

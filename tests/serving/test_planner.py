@@ -308,15 +308,15 @@ def test_measured_local_preset_checks_the_geometry(tmp_path: Path) -> None:
     inference = {"profile": "local-cpu-tiny-v1", "gpu": "cpu", "gpu_memory_gib": 2}
     plan = resolve({"model": {"path": str(_tiny_checkpoint(tmp_path / "tiny")), "family": "posttrain-tiny-qwen2"},
                     "inference": inference})  # fmt: skip
-    # The preset owns only the admission (R = 64, measured); the rest follows the generic rules.
-    assert plan.resolved["sglang_max_running_requests"] == 64
-    assert plan.resolved["sglang_server_concurrency"] == 128
-    # C = 4096 from config.json: 64 x 4096 = 262,144 tokens x (2 x 4 x 2 x 32 x 4 = 2,048 bytes) = 0.5 GiB.
-    assert plan.resolved["sglang_max_total_tokens"] == 262_144
-    assert plan.memory["kv_bytes_per_token"] == 2048 and plan.memory["kv_pool_gib"] == 0.5
-    assert plan.throughput["decode_tokens_per_s_per_engine"] == 1080.1
+    # The preset owns only the admission (R = 32, measured); the rest follows the generic rules.
+    assert plan.resolved["sglang_max_running_requests"] == 32
+    assert plan.resolved["sglang_server_concurrency"] == 64
+    # C = 4096 from config.json: 32 x 4096 = 131,072 tokens x (2 x 4 x 2 x 32 x 4 = 2,048 bytes) = 0.25 GiB.
+    assert plan.resolved["sglang_max_total_tokens"] == 131_072
+    assert plan.memory["kv_bytes_per_token"] == 2048 and plan.memory["kv_pool_gib"] == 0.25
+    assert plan.throughput["decode_tokens_per_s_per_engine"] == 1487.9
     assert "inference_model_guard_deferred" not in plan.warning_codes()
-    assert plan.local_engine_args() == ["--max-running-requests", "64", "--max-total-tokens", "262144"]
+    assert plan.local_engine_args() == ["--max-running-requests", "32", "--max-total-tokens", "131072"]
     # Another geometry is refused, naming the key.
     with pytest.raises(PlanError, match=r"\[model\] full_attention_layers: 6, but preset 'local-cpu-tiny-v1'"):
         resolve({"model": {"path": str(_tiny_checkpoint(tmp_path / "deeper", layers=6))}, "inference": inference})
@@ -325,5 +325,5 @@ def test_measured_local_preset_checks_the_geometry(tmp_path: Path) -> None:
     assert "inference_model_guard_deferred" in deferred.warning_codes()
     # Two engines: the fleet rate is extrapolated from one engine, and says so.
     fleet = resolve({"model": {"path": str(tmp_path / "tiny")}, "inference": {**inference, "engines": 2}})
-    assert fleet.throughput["fleet_decode_tokens_per_s"] == pytest.approx(2160.2)
+    assert fleet.throughput["fleet_decode_tokens_per_s"] == pytest.approx(2975.8)
     assert "inference_fleet_extrapolation" in fleet.warning_codes()
