@@ -204,27 +204,58 @@ class Cgroup:
                     continue
         return None
 
-    def remove(self) -> None:
-        for _ in range(100):
+    def kill(self) -> None:
+        """SIGKILL every process of the sandbox (a fork bomb's too: it is one pass over a frozen list
+        only if new children cannot appear, so repeat until the cgroup is empty)."""
+        for _ in range(200):
             pids = self.pids()
             if not pids:
-                break
+                return
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.01)
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        self.kill()
         for p in self.paths:
-            try:
-                p.rmdir()
-            except OSError:
-                pass
+            for _ in range(250):
+                try:
+                    p.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # the last processes are still exiting
+                    time.sleep(0.002)
         self.paths = []
 
 
 # ---------------------------------------------------------------------------------------------
 # the toolchain seen inside
+
+
+def remove_empty_cgroups(name: str) -> None:
+    """Remove ``posttrain/<name>`` under every cgroup hierarchy where it exists and is empty."""
+    base = Path("/sys/fs/cgroup")
+    for p in [base / "posttrain" / name, *base.glob(f"*/posttrain/{name}")]:
+        try:
+            p.rmdir()
+        except OSError:
+            pass
+
+
+def _wait_eof(stream, timeout_s: float) -> None:
+    """Wait until ``stream`` (a pipe from the runtime) is closed: the runtime has exited."""
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    fd = stream.fileno()
+    while (remaining := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready and not os.read(fd, 65536):
+            return
 
 
 def host_toolchain() -> list[str]:
@@ -507,30 +538,33 @@ class Sandbox:
         timer = getattr(self, "_timer", None)
         if timer is not None:
             timer.cancel()
-        if self.proc is not None:
+        proc = self.proc
+        if proc is not None:
             try:
-                self.proc.stdin.close()  # pxd sees EOF and exits
+                proc.stdin.close()  # pxd sees EOF and exits (gVisor: the sandbox then shuts down)
             except OSError:
                 pass
-            try:
-                self.proc.wait(timeout=0.5 if self.runtime.name != "gvisor" else 3)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            self.runtime.stop(self)
-        except (OSError, subprocess.SubprocessError):
-            pass
-        if self.cgroup is not None:
-            self.cgroup.remove()
-        if self.proc is not None:
-            if self.proc.poll() is None:
+            if self.cgroup is not None:
+                self.cgroup.kill()  # no grace needed: the sandbox's files go away with it
+            elif self.runtime.name == "gvisor":
+                _wait_eof(proc.stdout, 3.0)
+                if proc.poll() is None:
+                    try:
+                        self.runtime.stop(self)
+                    except (OSError, subprocess.SubprocessError):
+                        pass
+            if proc.poll() is None:
                 try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            self.proc.wait()
-            for f in (self.proc.stdout, self.proc.stderr):
+            proc.wait()
+            for f in (proc.stdout, proc.stderr):
                 f.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        elif self.runtime.name == "gvisor":
+            remove_empty_cgroups(self.id)  # runsc leaves its cgroup behind when its sandbox is killed
         if self.rootfs is not None:
             self.rootfs.remove()
         else:
