@@ -192,3 +192,24 @@ def test_the_trainer_reads_the_plans_trainer_table(tmp_path: Path) -> None:
         assert config.run_name == plan.run_name
         assert config.groups_per_step * config.group_size == plan.run_file.async_.collection_size
         assert config.max_policy_lag == plan.run_file.async_.max_policy_lag
+
+
+def test_embedded_example_with_its_base_model_geometry(tmp_path: Path) -> None:
+    """The embedded example, planned against a config.json in training.base_model's geometry."""
+    import tomllib
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 128, "torch_dtype": "float32", "max_position_embeddings": 2048,
+    }))  # fmt: skip
+    (base / "model.safetensors").write_bytes(b"\0" * (4 * 2**20))
+    data = tomllib.loads((EXAMPLES / "embedded.toml").read_text())
+    data["model"]["path"] = str(base)
+    plan = resolve(data, source="embedded.toml")
+    # R = 32 (measured preset); tokens 32 x 2048 = 65,536 x 2,048 bytes (2 x 4 x 2 x 32 x 4) = 0.125 GiB.
+    assert plan.resolved["sglang_max_total_tokens"] == 65_536
+    assert plan.memory["kv_pool_gib"] == 0.125
+    assert plan.memory["fits"] is True
+    assert plan.warning_codes() == []
