@@ -13,8 +13,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import yaml
-
 from serving.planner import k8s
 from serving.planner.resolve import Plan, resolve
 from serving.planner.runner import RunStartError, apply_k8s, default_run_dir, start_local, write_resolved_plan
@@ -118,6 +116,8 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
     version = k8s.kubernetes_schema_version(args.kubernetes_version)
     problems = k8s.validate_manifests(manifests, version)
     if args.dry_run:
+        import yaml  # PyYAML comes with dagster; only the dry run's printing needs it
+
         sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
     for problem in problems:
         print(f"invalid manifest: {problem}", file=sys.stderr)
