@@ -13,8 +13,12 @@ Every runtime starts the same way:
    that ends the sandbox.
 
 bubblewrap: ``bwrap --unshare-all`` (no network but a private loopback, own PID/IPC/UTS/user
-namespaces), the sandbox user is uid 1000 with no capabilities, the root is read-only except
-``/workspace``, ``/tmp`` and ``$HOME``.
+namespaces), the sandbox user is uid 1000 with no capabilities (and no new privileges), the root is
+read-only except ``/workspace``, ``/tmp`` and ``$HOME``. bwrap runs as the caller, so when that is
+root the sandbox user is host uid 0 *without capabilities* outside its namespaces. Mapping it to an
+unprivileged host uid needs a prepared user namespace handed to ``bwrap --userns`` (running bwrap
+itself as an unprivileged user fails here: once it is non-dumpable it cannot follow the
+``/proc/self/fd`` bind sources it needs for paths under ``/root``); not done yet.
 
 gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none run``: the sandbox's system
 calls go to gVisor's user-space kernel, not the host's. The image root is read-only with
