@@ -138,8 +138,13 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
         print(f"posttrain run: {exc}", file=sys.stderr)
         return EXIT_NOT_STARTED
     print(f"wrote {plan_path} (the pods read the same plan from ConfigMap {manifests[1]['metadata']['name']})")
-    for created in apply_k8s(manifests, args.kubeconfig):
-        print(f"created {created}")
+    try:
+        created = apply_k8s(manifests, args.kubeconfig)
+    except RunStartError as exc:
+        print(f"posttrain run: {exc}", file=sys.stderr)
+        return EXIT_NOT_STARTED
+    for what in created:
+        print(f"created {what}")
     return 0
 
 

@@ -93,16 +93,27 @@ def start_local(plan_path: Path, run_dir: Path) -> int:
 
 
 def apply_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None) -> list[str]:
-    """Create every manifest through the Kubernetes API (in-cluster config, else kubeconfig)."""
+    """Create every manifest through the Kubernetes API (in-cluster config, else kubeconfig).
+
+    Raises ``RunStartError`` naming the object that could not be created; the ones before it stay.
+    """
     from kubernetes import client, config, utils
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig)
+        try:
+            config.load_kube_config(config_file=kubeconfig)
+        except (config.ConfigException, OSError) as exc:
+            raise RunStartError(f"no Kubernetes configuration: not in a cluster, and the kubeconfig fails: {exc}") from exc
     api = client.ApiClient()
     created = []
     for manifest in manifests:
-        utils.create_from_dict(api, manifest, namespace=manifest["metadata"].get("namespace"))
-        created.append(f"{manifest['kind']}/{manifest['metadata']['name']}")
+        what = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        try:
+            utils.create_from_dict(api, manifest, namespace=manifest["metadata"].get("namespace"))
+        except Exception as exc:  # the client raises FailToCreateError, ApiException or a connection error
+            done = ", ".join(created) or "nothing"
+            raise RunStartError(f"creating {what} failed ({exc}); created before it: {done}") from exc
+        created.append(what)
     return created

@@ -213,3 +213,13 @@ def test_embedded_example_with_its_base_model_geometry(tmp_path: Path) -> None:
     assert plan.memory["kv_pool_gib"] == 0.125
     assert plan.memory["fits"] is True
     assert plan.warning_codes() == []
+
+
+def test_k8s_run_without_a_cluster_says_so(tmp_path: Path, hybrid_file: Path, monkeypatch, capsys) -> None:
+    """No API server here: the run writes its plan, then reports that no cluster is configured."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    code = main(["run", str(hybrid_file), "--target", "k8s", "--run-dir", str(tmp_path / "run"),
+                 "--kubeconfig", str(tmp_path / "no-kubeconfig")])  # fmt: skip
+    assert code == EXIT_NOT_STARTED
+    assert "no Kubernetes configuration" in capsys.readouterr().err
+    assert (tmp_path / "run" / "resolved-plan.json").is_file()
