@@ -16,24 +16,26 @@ are created through the Kubernetes API.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
+from serving import sglang
 from serving.planner.resolve import Plan
 from serving.planner.runner import TRAINER_MODULE, trainer_args
 
 # The entry point of each workload, run as ``python -m MODULE``.
 WORKLOAD_MODULES = {
     "trainer": TRAINER_MODULE,
-    "capture": "serving.capture",
+    "capture": "serving.capture",  # the engine pods' sidecar, from serving.sglang's launch spec
     "router": "serving.router",
     "sandbox_pool": "sandboxes.pool",
 }
 
-SGLANG_PORT = 30000
-CAPTURE_PORT = 30001
+SGLANG_PORT = sglang.SGLANG_PORT
+CAPTURE_PORT = sglang.CAPTURE_PORT
 ROUTER_PORT = 30100
-DATA_MOUNT = "/data"
+DATA_MOUNT = "/run-data"  # where serving.sglang's engine pods mount the run volume; the same everywhere
 PLAN_MOUNT = "/etc/posttrain"
 PLAN_FILE = "resolved-plan.json"
 
@@ -157,47 +159,19 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         },
     }  # fmt: skip
 
-    sglang = {
-        "name": "sglang",
-        "image": rf.inference.sglang_image,
-        "command": ["python3", "-m", "sglang.launch_server", *plan.sglang_server_args(),
-                    "--host", "0.0.0.0", "--port", str(SGLANG_PORT)],
-        "ports": [{"name": "sglang", "containerPort": SGLANG_PORT}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": SGLANG_PORT},
-                           "periodSeconds": 10, "failureThreshold": 60},
-        "env": _env(plan),
-        "volumeMounts": [*_MOUNTS, {"name": "shm", "mountPath": "/dev/shm"}],
-        "resources": _gpu_resources(rf.inference.gpus_per_engine, "8", "64Gi"),
-    }  # fmt: skip
-    capture = {
-        "name": "capture",
-        "image": image,
-        "command": ["python", "-m", WORKLOAD_MODULES["capture"],
-                    "--upstream", f"http://127.0.0.1:{SGLANG_PORT}", "--host", "0.0.0.0",
-                    "--port", str(CAPTURE_PORT)],
-        "ports": [{"name": "capture", "containerPort": CAPTURE_PORT}],
-        "env": _env(plan),
-        "volumeMounts": _MOUNTS,
-        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
-    }  # fmt: skip
-    engines = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": _meta(plan, "engine", "engine"),
-        "spec": {
-            "serviceName": engine_service_name,
-            "podManagementPolicy": "Parallel",  # replicas start together, not one after another
-            "replicas": rf.inference.engines,
-            "selector": {"matchLabels": _labels(plan, "engine")},
-            "template": {
-                "metadata": {"labels": _labels(plan, "engine")},
-                "spec": {
-                    **_pod_spec(plan, [sglang, capture]),
-                    "volumes": [*_volumes(plan), {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}],
-                },
-            },
-        },
-    }  # fmt: skip
+    # One engine pod is serving's launch spec (SGLang on localhost, the capture sidecar in front of it,
+    # the run volume mounted for adapters); here it becomes a StatefulSet so each replica has a name.
+    engines = sglang.sglang_launch_spec(
+        plan.sglang_knobs(), name=engine_service_name, image=rf.inference.sglang_image, sidecar_image=image,
+        replicas=rf.inference.engines, namespace=kube.namespace, gpus=rf.inference.gpus_per_engine,
+        adapters_volume_claim=f"{base}-data", pool="reserved",
+    )
+    engines["kind"] = "StatefulSet"
+    engines["metadata"]["labels"].update(_labels(plan, "engine"))
+    engines["spec"]["selector"] = {"matchLabels": _labels(plan, "engine")}
+    engines["spec"]["template"]["metadata"]["labels"].update(_labels(plan, "engine"))
+    engines["spec"]["serviceName"] = engine_service_name
+    engines["spec"]["podManagementPolicy"] = "Parallel"  # replicas start together, not one by one
     engine_service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -297,8 +271,10 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
             "egress": [],
         },
     }
-    return [volume, plan_map, account, role, binding, no_network, engine_service, engines,
-            router_service, router, pool, trainer]  # fmt: skip
+    manifests = [volume, plan_map, account, role, binding, no_network, engine_service, engines,
+                 router_service, router, pool, trainer]  # fmt: skip
+    # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
+    return json.loads(json.dumps(manifests))
 
 
 def missing_entry_points() -> list[str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from serving import sglang
 from serving.planner.geometry import GIB, Geometry, resolve_geometry
 from serving.planner.presets import (
     DATASHEET_GPU_MEMORY_GIB,
@@ -95,35 +96,22 @@ class Plan:
             "--max-total-tokens", str(self.resolved["sglang_max_total_tokens"]),
         ]
 
+    def sglang_knobs(self, model_path: str | None = None) -> dict[str, Any]:
+        """The knobs of one SGLang replica, in the shape ``serving.sglang`` takes them."""
+        rf = self.run_file
+        knobs: dict[str, Any] = {
+            "model_path": model_path or rf.model.path or rf.model.name or "MODEL",
+            "tp_size": rf.inference.gpus_per_engine,
+            "context_length": self.max_context_length,
+            "max_lora_rank": rf.trainer.lora_rank,
+        }
+        # The HTTP permits are the router's and the producer's to keep, not a server argument.
+        knobs.update({k: v for k, v in self.resolved.items() if k != "sglang_server_concurrency"})
+        return knobs
+
     def sglang_server_args(self, model_path: str | None = None) -> list[str]:
         """``python -m sglang.launch_server`` arguments of one engine of this plan."""
-        r, inf = self.resolved, self.run_file.inference
-        args = [
-            "--model-path", model_path or self.run_file.model.path or self.run_file.model.name or "MODEL",
-            "--tp-size", str(inf.gpus_per_engine),
-            "--context-length", str(self.max_context_length),
-            "--max-running-requests", str(r["sglang_max_running_requests"]),
-            "--max-total-tokens", str(r["sglang_max_total_tokens"]),
-            "--mem-fraction-static", str(r["sglang_mem_fraction_static"]),
-            "--chunked-prefill-size", str(r["sglang_chunked_prefill_size"]),
-            "--cuda-graph-max-bs", str(r["sglang_cuda_graph_max_bs_decode"]),
-        ]  # fmt: skip
-        if r["sglang_disable_radix_cache"]:
-            args.append("--disable-radix-cache")
-        if r["sglang_max_mamba_cache_size"] is not None:
-            args += ["--max-mamba-cache-size", str(r["sglang_max_mamba_cache_size"])]
-        if r["sglang_mamba_scheduler_strategy"] is not None:
-            args += ["--mamba-scheduler-strategy", r["sglang_mamba_scheduler_strategy"]]
-        args += [
-            "--enable-lora",
-            "--max-loras-per-batch", str(r["sglang_max_loras_per_batch"]),
-        ]  # fmt: skip
-        if self.run_file.trainer.lora_rank is not None:
-            args += ["--max-lora-rank", str(self.run_file.trainer.lora_rank)]
-        args += [
-            "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-        ]  # fmt: skip
-        return args
+        return sglang.sglang_server_args(self.sglang_knobs(model_path))
 
     def trainer_config(self) -> dict[str, Any]:
         """The ``trainer`` table: the keys of ``python -m training --config``, set or derived here.

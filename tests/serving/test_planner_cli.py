@@ -23,7 +23,7 @@ name = "Hybrid B300"
 [model]
 name = "hybrid"
 family = "olmo35-hybrid"
-path = "/data/models/hybrid"
+path = "/run-data/models/hybrid"
 weights_gib = 13.5
 full_attention_layers = 8
 kv_heads = 8
