@@ -223,3 +223,22 @@ def test_infra_failure_is_retried_then_recorded_not_scored(small_tasks):
 
     result = grade_patch(task, "", always_dies, infra_retries=1)
     assert result.status == INFRA_ERROR and result.scores is None and "sandbox died" in result.detail
+
+
+def test_tests_that_hang_count_as_failed_not_infra(small_tasks):
+    import dataclasses
+
+    from evals.bundled import default_sandbox_factory
+    from evals.tasks import ResourceLimits
+
+    factory = default_sandbox_factory()
+    task = dataclasses.replace(small_tasks[0], limits=ResourceLimits(test_timeout_s=3.0))
+    module = task.metadata["module_file"]
+    with factory(task) as box:
+        source = box.read_file(module).decode()
+        box.write_file(module, (source + "\nwhile True:\n    pass\n").encode())  # importing it never returns
+        box.exec("git add -A && git commit -qm loop")
+        patch = committed_patch(box, task.base_commit)
+    result = grade_patch(task, patch, factory)
+    assert result.status == GRADED and "timed out" in result.detail
+    assert result.scores.reward == 0.0 and result.scores.f2p_passed == 0 and result.scores.p2p_passed == 0
