@@ -11,6 +11,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from serving.planner import PRESETS, PlanError, resolve
 
@@ -327,3 +329,34 @@ def test_measured_local_preset_checks_the_geometry(tmp_path: Path) -> None:
     fleet = resolve({"model": {"path": str(tmp_path / "tiny")}, "inference": {**inference, "engines": 2}})
     assert fleet.throughput["fleet_decode_tokens_per_s"] == pytest.approx(2975.8)
     assert "inference_fleet_extrapolation" in fleet.warning_codes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 96), kv_heads=st.sampled_from([1, 2, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
+    recurrent=st.integers(0, 64), admission=st.integers(1, 1024), context=st.integers(256, 262_144),
+    radix_off=st.booleans(), engines=st.integers(1, 16), group=st.sampled_from([2, 4, 8, 16]),
+)  # fmt: skip
+def test_sizing_rules_hold_for_any_geometry(layers, kv_heads, head_dim, recurrent, admission, context, radix_off,
+                                             engines, group) -> None:
+    model = {"weights_gib": 10.0, "full_attention_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+    if recurrent:
+        model.update(recurrent_layers=recurrent, recurrent_heads=16, recurrent_state_dims=[64, 128])
+    plan = resolve(run(model, inference={"gpu": "h200", "gpu_memory_gib": 141, "engines": engines,
+                                         "max_context_length": context, "sglang_max_running_requests": admission,
+                                         "sglang_disable_radix_cache": radix_off},
+                       async_={"group_size": group, "collection_size": group * 4}))  # fmt: skip
+    r, m = plan.resolved, plan.memory
+    assert r["sglang_max_total_tokens"] == admission * context
+    assert r["sglang_server_concurrency"] == 2 * admission
+    assert m["kv_bytes_per_token"] == 2 * layers * kv_heads * head_dim * 2
+    slots = r["sglang_max_mamba_cache_size"]
+    if recurrent:
+        assert slots == (admission if radix_off else 6 * admission) and slots > (0 if radix_off else 5 * admission)
+        assert m["state_bytes_per_slot"] == recurrent * 16 * 64 * 128 * 4
+    else:
+        assert slots is None and m["state_pool_gib"] == 0
+    assert m["total_gib"] == pytest.approx(10.0 + m["kv_pool_gib"] + m["state_pool_gib"], abs=1e-3)
+    assert m["fits"] == (m["total_gib"] <= m["budget_gib"]) or abs(m["total_gib"] - m["budget_gib"]) < 1e-3
+    budget = plan.producer_budget_samples
+    assert budget % group == 0 and budget >= max(group * 4, 2 * engines * admission) and budget - group < max(group * 4, 2 * engines * admission)
