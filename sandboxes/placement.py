@@ -126,6 +126,17 @@ class ImageAwarePolicy:
     def requests(self, req: SandboxRequest) -> tuple[float, float]:
         return req.vcpus * self.cpu_request_fraction, req.memory_bytes * self.memory_request_fraction
 
+    def rank(self, req: SandboxRequest, nodes: list[Node], k: int = 3) -> list[str]:
+        """The names of the ``k`` best nodes that fit, best first: the ``preferred_nodes`` of
+        :func:`sandboxes.k8s.pod_spec` (the cluster scheduler still checks the real fit)."""
+        cpu, mem = self.requests(req)
+
+        def key(node):
+            packed = max((node.requested_cpu + cpu) / node.vcpus, (node.requested_memory + mem) / node.memory_bytes)
+            return (node.has_image(req.task), packed)
+
+        return [n.name for n in sorted((n for n in nodes if _fits(n, cpu, mem)), key=key, reverse=True)[:k]]
+
     def choose(self, req: SandboxRequest, nodes: list[Node], require_image: bool = False) -> Node | None:
         cpu, mem = self.requests(req)
         best, best_key = None, None

@@ -65,3 +65,16 @@ def test_simulator_compares_policies_on_one_trace():
     assert ours.sandboxes_per_node > 2 * k8s.sandboxes_per_node
     assert ours.cache_hit_rate > k8s.cache_hit_rate
     assert 0 <= ours.cache_hit_rate <= 1 and ours.start_latency_p50_s >= cfg.start_hit_s
+
+
+def test_rank_feeds_the_pod_node_affinity():
+    from sandboxes import k8s
+
+    ns = nodes(4)
+    ns[1].images[7] = GIB
+    ns[3].requested_cpu = 12
+    ns[2].requested_cpu = 15.9  # cannot fit a 2-vCPU sandbox at 25 %
+    names = pl.ImageAwarePolicy().rank(req(task=7), ns, k=3)
+    assert names == ["n1", "n3", "n0"]
+    manifest = k8s.pod_spec(run="r", task_id="t7", episode="e1", image="reg/t7:1", preferred_nodes=names)
+    k8s.validate(manifest)
