@@ -76,6 +76,7 @@ class LocalEngine:
         max_running_requests: int = 64,
         block_size: int = 16,
         admission_reserve_tokens: int = 32,
+        max_prefill_batch: int = 16,
         torch_threads: int | None = None,
         weight_version: str = BASE_WEIGHT_VERSION,
     ):
@@ -104,6 +105,7 @@ class LocalEngine:
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
         self.admission_reserve_tokens = admission_reserve_tokens
+        self.max_prefill_batch = max_prefill_batch  # prompts of equal shape prefilled in one forward
         self.weight_version = weight_version
         self.cache = PrefixCache(block_size)
         self._adapters: dict[str, str] = {}
@@ -279,8 +281,8 @@ class LocalEngine:
                     admitted = self._admit()
                 try:
                     with self._model_lock:
-                        for req in admitted:
-                            self._prefill(req)
+                        if admitted:
+                            self._prefill(admitted)
                         if self._batch:
                             self._decode_step()
                 except Exception as exc:  # a bug must fail the requests, not hang them
@@ -337,43 +339,59 @@ class LocalEngine:
         new_kv = [(layer.keys, layer.values) for layer in out.cache.layers]
         return out.logits[:, -1, :], new_kv
 
-    def _prefill(self, req: _Req) -> None:
+    def _prefill(self, admitted: list[_Req]) -> None:
+        """Prefill the admitted requests, one forward pass per group of equal shape (same cached
+        prefix length, same length): the members of a GRPO group arrive together and share one."""
+        with self._lock:
+            bs = self.cache.block_size
+            groups: dict[tuple[int, int], list[_Req]] = {}
+            for req in admitted:
+                groups.setdefault((len(req.locked) * bs, len(req.seq)), []).append(req)
+        for (hit, n), reqs in groups.items():
+            for start in range(0, len(reqs), self.max_prefill_batch):
+                self._prefill_group(reqs[start:start + self.max_prefill_batch], hit, n)
+
+    def _prefill_group(self, reqs: list[_Req], hit: int, n: int) -> None:
         torch = self._torch
         with self._lock:
-            hit = len(req.locked) * self.cache.block_size
-            prefix = [b.payload for b in req.locked]
-        if prefix:
+            prefixes = [[b.payload for b in req.locked] for req in reqs]
+        if hit:
+            layers = len(prefixes[0][0])
             kv = [
-                (torch.cat([p[layer][0] for p in prefix], dim=2), torch.cat([p[layer][1] for p in prefix], dim=2))
-                for layer in range(len(prefix[0]))
+                (torch.cat([torch.cat([p[layer][0] for p in prefix], dim=2) for prefix in prefixes]),
+                 torch.cat([torch.cat([p[layer][1] for p in prefix], dim=2) for prefix in prefixes]))
+                for layer in range(layers)
             ]
         else:
             kv = None
-        n = len(req.seq)
-        input_ids = torch.tensor([req.seq[hit:]])
-        positions = torch.arange(hit, n).unsqueeze(0)
-        mask = torch.ones(1, n, dtype=torch.long)
-        logits, kv = self._forward(input_ids, positions, mask, kv, [req.adapter])
-        req.kv_len = n
+        input_ids = torch.tensor([req.seq[hit:] for req in reqs])
+        positions = torch.arange(hit, n).unsqueeze(0).expand(len(reqs), -1)
+        mask = torch.ones(len(reqs), n, dtype=torch.long)
+        logits, kv = self._forward(input_ids, positions, mask, kv, [req.adapter for req in reqs])
+        bs = self.cache.block_size
+        full = n // bs
         with self._lock:
-            # Cache the prompt's full blocks now so that concurrent requests sharing it hit.
-            bs = self.cache.block_size
-            full = n // bs
-            if full > len(req.locked):
-                # The request's private tokens become locked blocks: usage does not change.
-                payloads: list[Any] = [None] * full
-                for i in range(len(req.locked), full):
-                    payloads[i] = [(k[:, :, i * bs:(i + 1) * bs].clone(), v[:, :, i * bs:(i + 1) * bs].clone()) for k, v in kv]
-                chain = self.cache.insert(req.adapter, req.seq[:full * bs], payloads, have=req.locked)
-                self.cache.lock(chain[len(req.locked):])
-                req.locked = chain
-        token = self._sample(logits, [req])[0]
-        req.first_token_s = time.perf_counter()
-        self._append(req, token)
-        if req.finish is not None:
-            self._finish_rows([req], in_batch=False)
-            return
-        self._merge_into_batch(req, kv)
+            # Cache the prompts' full blocks now so that later requests sharing them hit.
+            for row, req in enumerate(reqs):
+                req.kv_len = n
+                if full > len(req.locked):
+                    # The request's private tokens become locked blocks: usage does not change.
+                    payloads: list[Any] = [None] * full
+                    for i in range(len(req.locked), full):
+                        lo, hi = i * bs, (i + 1) * bs
+                        payloads[i] = [(k[row:row + 1, :, lo:hi].clone(), v[row:row + 1, :, lo:hi].clone()) for k, v in kv]
+                    chain = self.cache.insert(req.adapter, req.seq[:full * bs], payloads, have=req.locked)
+                    self.cache.lock(chain[len(req.locked):])
+                    req.locked = chain
+        tokens = self._sample(logits, reqs)
+        now = time.perf_counter()
+        for row, (req, token) in enumerate(zip(reqs, tokens)):
+            req.first_token_s = now
+            self._append(req, token)
+            if req.finish is not None:
+                self._finish_rows([req], in_batch=False)
+            else:
+                self._merge_into_batch(req, [(k[row:row + 1], v[row:row + 1]) for k, v in kv])
 
     def _merge_into_batch(self, req: _Req, kv) -> None:
         torch = self._torch
