@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shlex
 import shutil
@@ -446,9 +447,14 @@ class Sandbox:
         self._lock = threading.Lock()
         self._removed = threading.Event()
         started = time.perf_counter()
-        self.lease = cache.acquire(image, store)
-        self.cache_hit = self.lease.hit
+        # held for the sandbox's life: a run folder whose lock is free belongs to a dead owner
+        self.run_dir.mkdir(parents=True)
+        self._run_lock = os.open(self.run_dir / "lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._run_lock, fcntl.LOCK_EX)
+        self.lease: Lease | None = None
         try:
+            self.lease = cache.acquire(image, store)
+            self.cache_hit = self.lease.hit
             self.rootfs = Rootfs(self.run_dir, self.lease, limits.disk_mib)
             argv = self.runtime.command(self)
             if runtime != "gvisor":  # runsc makes its own cgroup from the OCI spec
@@ -573,7 +579,9 @@ class Sandbox:
             self.rootfs.remove()
         else:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        self.lease.release()
+        if self.lease is not None:
+            self.lease.release()
+        os.close(self._run_lock)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -584,6 +592,62 @@ class Sandbox:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "running"
         return f"<Sandbox {self.id} {self.runtime.name} image={self.image.name} {state}>"
+
+
+def reap_stale_sandboxes(cache: LayerCache, min_age_s: float = 60.0) -> list[str]:
+    """Remove what sandboxes of dead owners left (a harness killed with SIGKILL cannot clean up):
+    their processes (by cgroup), mounts and run folders. A live sandbox holds the lock in its run
+    folder, so this is safe while other processes run sandboxes from the same cache."""
+    reaped = []
+    run_root = cache.root / "run"
+    if not run_root.is_dir():
+        return reaped
+    for run_dir in run_root.iterdir():
+        lock = run_dir / "lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:  # a folder being created right now has no lock yet; only old ones are debris
+                if time.time() - run_dir.stat().st_mtime < min_age_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            fd = None
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # alive
+            base = Path("/sys/fs/cgroup")
+            groups = [base / "posttrain" / run_dir.name, *base.glob(f"*/posttrain/{run_dir.name}")]
+            for _ in range(200):
+                pids = set()
+                for g in groups:
+                    try:
+                        pids.update(int(x) for x in (g / "cgroup.procs").read_text().split())
+                    except OSError:
+                        pass
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.005)
+            remove_empty_cgroups(run_dir.name)
+            for mount in (run_dir / "root", run_dir / "rw"):
+                _umount(mount)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            reaped.append(run_dir.name)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return reaped
+
+
+_reaped_caches: set[Path] = set()
 
 
 def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: Limits | None = None,
@@ -600,6 +664,9 @@ def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: 
     limits = limits or Limits()
     store = store or default_store()
     cache = cache or default_cache()
+    if cache.root not in _reaped_caches:  # once per process and cache: debris of crashed harnesses
+        _reaped_caches.add(cache.root)
+        reap_stale_sandboxes(cache)
     if isinstance(source, Image):
         image = source
     elif isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.isdir(source)):

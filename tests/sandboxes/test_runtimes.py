@@ -87,3 +87,31 @@ def test_bad_arguments_are_named():
 def test_missing_image_names_the_store(store, cache):
     with pytest.raises(sandboxes.ImageError, match="no image 'ghost'"):
         sandboxes.start("ghost", store=store, cache=cache)
+
+
+def test_debris_of_a_killed_harness_is_reaped(repo, store, cache):
+    """A harness killed with SIGKILL leaves its sandbox's mounts, cgroup and run folder behind;
+    the next process to start a sandbox on the same cache removes them (and only them)."""
+    import subprocess
+    import sys
+
+    from sandboxes.runtimes import reap_stale_sandboxes
+
+    script = (
+        "import os, sys, sandboxes\n"
+        f"store = sandboxes.ImageStore({str(store.root)!r}); cache = sandboxes.LayerCache({str(cache.root)!r})\n"
+        f"sb = sandboxes.start({str(repo)!r}, store=store, cache=cache)\n"
+        "print(sb.id, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    dead_id = out.stdout.strip()
+    assert out.returncode == -9 and dead_id.startswith("pt-"), out.stderr
+    run_dir = cache.root / "run" / dead_id
+    assert run_dir.exists() and str(run_dir) in Path("/proc/mounts").read_text()
+    with sandboxes.start(repo, runtime="bwrap", store=store, cache=cache) as alive:
+        assert reap_stale_sandboxes(cache) in ([], [dead_id])  # start() reaps once per process and cache
+        assert not run_dir.exists() and str(run_dir) not in Path("/proc/mounts").read_text()
+        assert reap_stale_sandboxes(cache) == []  # the live sandbox is left alone
+        assert alive.exec("echo ok").output == "ok\n"
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/posttrain/{dead_id}"))
