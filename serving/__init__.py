@@ -14,8 +14,18 @@ A local engine, in-process or as a process (``python -m serving.engine --model D
 
     from serving.engine import LocalEngine
     from serving.http import serve
-    server = serve(LocalEngine(model_dir, max_total_tokens=65536, max_running_requests=64), port=0)
+    engine = LocalEngine(model_dir, max_total_tokens=65536, max_running_requests=64)
+    server = serve(engine, port=0)
     server.url                                 # http://127.0.0.1:PORT; server.shutdown() to stop
+    # or without HTTP, from any thread (blocking; concurrent calls are batched together):
+    from serving.protocol import GenerateRequest, SamplingParams
+    engine.generate(GenerateRequest(input_ids, SamplingParams(max_new_tokens=48), return_logprob=True,
+                                    lora_path="v000001", rid="rollout-42"))   # same dict as /generate
+
+Engine knobs: ``max_total_tokens`` (KV budget; cache eviction then retraction past it),
+``max_running_requests`` (admission), ``block_size`` (prefix-cache block), ``max_prefill_batch``
+(equal-shape prompts prefilled in one forward), ``torch_threads``. In-process engine calls are not
+captured (capture lives in the HTTP layer, ``EngineServer.capture``).
 
 Calling it (a replica, the capture sidecar or the router; all take the same calls)::
 
@@ -54,4 +64,7 @@ for the session's life)::
 
 SGLang on Kubernetes: ``serving.sglang.sglang_server_args(plan)`` and ``sglang_launch_spec(plan, ...)``
 (a Deployment with the SGLang container and the capture sidecar ``python -m serving.capture``).
+
+Benchmarks: ``bench/router.py`` (simulated fleet, ``serving.sim``) and ``bench/serving_engine.py``.
+CLI: ``posttrain serving engine|router|sidecar|tiny-model|sglang-args``.
 """

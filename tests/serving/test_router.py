@@ -134,3 +134,24 @@ def test_kv_headroom_prefers_projected_room_over_current_room():
     big = Replica("big", size_gpus=8, max_total_tokens=800_000, polled_used_tokens=400_000)
     small = Replica("small", size_gpus=1, max_total_tokens=100_000, polled_used_tokens=50_000)
     assert policy.choose([small, big], 500, 0, _FakeRouter([small, big], {})) is big
+
+
+def test_replica_processes_join_with_the_newest_adapter_and_die_like_crashes(tiny_model, adapters, tmp_path):
+    """`python -m serving.engine` replicas started by the fleet (the trainer's local mode)."""
+    volume = tmp_path / "adapters"
+    publish_to_volume(adapters["v000001"], volume, "v000001")
+    router = Router("kv_headroom", adapters_volume=str(volume), poll_interval_s=0.2)
+    fleet = LocalFleet(tiny_model, router, mode="process", engine_kwargs={"max_total_tokens": 4096, "torch_threads": 1})
+    server = serve_router(router, port=0)
+    try:
+        first, second = fleet.scale_up(2)
+        client = EngineClient(server.url)
+        out = client.generate(PROMPT, PARAMS, lora_path="latest", rid="p1")
+        assert out["meta_info"]["weight_version"] == "v000001"
+        fleet.kill(out["meta_info"]["replica"])
+        again = client.generate(PROMPT + out["output_ids"], PARAMS, lora_path="latest", rid="p1")
+        assert again["meta_info"]["replica"] != out["meta_info"]["replica"]
+        assert again["meta_info"]["weight_version"] == "v000001"
+    finally:
+        server.shutdown()
+        fleet.shutdown()
