@@ -1,8 +1,14 @@
 """``posttrain demo``: the whole asset graph on the embedded default, in the local instance.
 
-Materializes ``task_dataset``, ``image_cache``, ``difficulty_curriculum`` and ``rl_run``; adds a
-``checkpoints`` partition for each checkpoint the run saved and evaluates each one; then builds
-``eval_report``. Everything lands in the local Dagster instance, so ``posttrain ui`` shows it after.
+Materializes ``task_dataset``, ``image_cache``, ``difficulty_curriculum`` (which builds the embedded
+base model first) and ``rl_run``; adds a ``checkpoints`` partition for every checkpoint the run saved;
+evaluates the base model (step 0) and the final checkpoint (the other checkpoints stay partitions that
+``posttrain backfill deepswe_eval`` or the sensor evaluates later); then builds ``eval_report`` and
+prints held-out pass@1, pass@k and target scores of the base and the final checkpoint side by side.
+Everything lands in the local Dagster instance, so ``posttrain ui`` shows it after.
+
+The settings below are the demo's compute budget for a 2-core machine: the run file's defaults
+(``examples/embedded.toml``) with the overrides of :data:`DEMO_RUN`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ from dagster_project.sensors import complete_checkpoint_keys
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
+# The demo's budget: 44 steps of 4 groups x 8 samples, one policy version of lag, a checkpoint every
+# 22 steps; the curriculum from 2 base-model attempts per training task.
+DEMO_RUN: dict[str, Any] = {
+    "overrides": {
+        "trainer": {"steps": 44, "checkpoint_every": 22},
+        "async": {"group_size": 8, "collection_size": 32, "max_policy_lag": 1},
+    },
+}
+DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2}
+DEMO_EVAL: dict[str, Any] = {"attempts": 8}
+
 
 def _stage(message: str, started: float) -> None:
     print(f"[demo {time.monotonic() - started:7.1f}s] {message}", flush=True)
@@ -29,16 +46,40 @@ def _execute(defs: dg.Definitions, job_name: str, instance: dg.DagsterInstance, 
         raise RuntimeError(f"job {job_name} failed")
 
 
-def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None) -> int:
+def summarize(storage: PosttrainStorage, keys: list[str], k: int) -> list[dict[str, Any]]:
+    """Held-out pass@1, pass@k and mean target scores of each evaluated checkpoint."""
+    import pandas as pd
+
+    from evals.report import per_task
+
+    out = []
+    for key in keys:
+        path = storage.evals_dir() / "deepswe" / f"{key}.parquet"
+        if not path.is_file():
+            continue
+        table = per_task(pd.read_parquet(path), k)
+        out.append({"checkpoint": key, "tasks": len(table), "pass@1": float(table["pass@1"].mean()),
+                    f"pass@{k}": float(table[f"pass@{k}"].mean()),
+                    "target_score": float(table[[c for c in table.columns if "target_score" in c][0]].mean())})
+    return out
+
+
+def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
+             curriculum_config: dict[str, Any] | None = None, eval_config: dict[str, Any] | None = None) -> int:
     from dagster_project.definitions import defs
 
     started = time.monotonic()
     storage = PosttrainStorage()
+    rl_config = {"run_name": run_name, **(DEMO_RUN if rl_run_config is None else rl_run_config)}
+    eval_cfg = {**DEMO_EVAL, **(eval_config or {})}
     with dg.DagsterInstance.get() as instance:
         _stage(f"Dagster instance at {instance.root_directory}; files under {storage.path}", started)
-        _stage("materializing task_dataset, image_cache, difficulty_curriculum, rl_run", started)
+        _stage("materializing task_dataset, image_cache, difficulty_curriculum (builds the base model), rl_run", started)
         run_config: dict[str, Any] = dict(QUIET_LOGS)
-        run_config["ops"] = {"rl_run": {"config": {"run_name": run_name, **(rl_run_config or {})}}}
+        run_config["ops"] = {
+            "rl_run": {"config": rl_config},
+            "difficulty_curriculum": {"config": {**DEMO_CURRICULUM, **(curriculum_config or {})}},
+        }
         _execute(defs, "rl_pipeline", instance, run_config=run_config)
 
         keys = [k for k in complete_checkpoint_keys(storage) if parse_checkpoint_partition_key(k)[0] == run_name]
@@ -46,12 +87,22 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None) -> int:
             raise RuntimeError(f"run {run_name!r} saved no checkpoint under {storage.run_dir(run_name)}")
         known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
         instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in keys if k not in known])
-        for i, key in enumerate(keys, 1):
-            _stage(f"evaluating checkpoint {key} ({i}/{len(keys)})", started)
-            _execute(defs, "checkpoint_eval", instance, partition_key=key, run_config=QUIET_LOGS)
+        evaluated = sorted({keys[0], keys[-1]})
+        for i, key in enumerate(evaluated, 1):
+            _stage(f"evaluating checkpoint {key} ({i}/{len(evaluated)})", started)
+            _execute(defs, "checkpoint_eval", instance, partition_key=key,
+                     run_config={**QUIET_LOGS, "ops": {"deepswe_eval": {"config": eval_cfg}}})
 
         _stage("building eval_report", started)
-        _execute(defs, "eval_report_job", instance, run_config=QUIET_LOGS)
+        _execute(defs, "eval_report_job", instance,
+                 run_config={**QUIET_LOGS, "ops": {"eval_report": {"config": {"k": eval_cfg["attempts"]}}}})
+        k = eval_cfg["attempts"]
+        rows = summarize(storage, evaluated, k)
+        for row in rows:
+            _stage(f"{row['checkpoint']}: held-out pass@1 {100 * row['pass@1']:.1f}%  pass@{k} "
+                   f"{100 * row[f'pass@{k}']:.1f}%  target score {row['target_score']:.3f}  ({row['tasks']} tasks)", started)
+        if len(rows) == 2:
+            _stage(f"pass@1 change over the base model: {100 * (rows[1]['pass@1'] - rows[0]['pass@1']):+.1f} points", started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
         _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)
     return 0

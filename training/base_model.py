@@ -4,7 +4,7 @@
 
 1. trains a byte-level BPE tokenizer on the demonstrations of the training split (the compact prompts
    of :mod:`evals.actions` and their reference actions; held-out tasks are never read);
-2. builds a small Qwen2-style causal LM (``transformers.Qwen2Config``; ~2M parameters by default);
+2. builds a small Qwen2-style causal LM (``transformers.Qwen2Config``; ~0.4M parameters by default);
 3. trains it briefly (supervised, full weights) on those demonstrations: the loss is on the action
    tokens and the end-of-text token only, so the model learns to answer a prompt with compact
    actions ending in ``commit``;
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -38,15 +39,16 @@ SPECIAL_TOKENS = ("<|endoftext|>",)
 
 @dataclass(frozen=True)
 class BaseModelSpec:
-    vocab_size: int = 1024
-    hidden_size: int = 128
-    num_layers: int = 4
+    vocab_size: int = 768
+    hidden_size: int = 96
+    num_layers: int = 3
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 352
+    intermediate_size: int = 256
     max_position_embeddings: int = 2048
     sft_steps: int = 300
     batch_size: int = 16
+    augment_copies: int = 4  # renamed variants per demonstration
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -63,6 +65,75 @@ def demonstrations(tasks: Sequence[Any]) -> list[tuple[str, str]]:
     if not demos:
         raise ValueError("no training task to build demonstrations from")
     return demos
+
+
+_STEMS = ("atlas", "harbor", "orchard", "quarry", "meadow", "summit", "canyon", "lagoon", "prairie", "tundra",
+          "valley", "delta", "glacier", "island", "forest", "river", "market", "studio", "factory", "clinic")
+_VERBS = ("compute", "get", "make", "find", "check", "scale", "clip", "pick", "join", "count", "apply", "merge")
+_NOUNS = ("fee", "mass", "span", "gap", "load", "mark", "rank", "cost", "limit", "sum", "width", "share")
+
+
+def augment(demos: Sequence[tuple[str, str]], copies: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Each demonstration plus ``copies`` variants with the module and its functions renamed
+    consistently in prompt and answer: the same bug and fix under new names, so the model learns to
+    read and copy from the prompt rather than recall names."""
+    rng = random.Random(seed)
+    out = list(demos)
+    for prompt, actions in demos:
+        stems = sorted(set(re.findall(r"\b(\w+)\.py\b", prompt)))
+        funcs = sorted(set(re.findall(r"\bdef (\w+)\(", prompt)), key=len, reverse=True)
+        for _ in range(copies):
+            mapping = {s: rng.choice(_STEMS) for s in stems}
+            used: set[str] = set()
+            for f in funcs:
+                name = f"{rng.choice(_VERBS)}_{rng.choice(_NOUNS)}"
+                while name in used:
+                    name = f"{rng.choice(_VERBS)}_{rng.choice(_NOUNS)}_{rng.randint(2, 9)}"
+                used.add(name)
+                mapping[f] = name
+            if not mapping:
+                continue
+            prompt_v, actions_v = _permute_functions(prompt, actions, rng)
+            pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)) + r")\b")
+            out.append((pattern.sub(lambda m: mapping[m.group(1)], prompt_v), pattern.sub(lambda m: mapping[m.group(1)], actions_v)))
+    return out
+
+
+_NUMBERED = re.compile(r"^(\d+) (.*)$")
+_REPLACE = re.compile(r"^replace (\S+):(\d+) (.*)$")
+
+
+def _permute_functions(prompt: str, actions: str, rng: random.Random) -> tuple[str, str]:
+    """Shuffle the order of the module's functions in the numbered listing and renumber the lines the
+    answer edits, so a line is found by its content, not by a remembered number."""
+    lines = prompt.split("\n")
+    listing = [i for i, line in enumerate(lines) if _NUMBERED.match(line)]
+    if not listing or listing != list(range(listing[0], listing[-1] + 1)):
+        return prompt, actions
+    body = [_NUMBERED.match(lines[i]).group(2) for i in listing]
+    blocks: list[list[int]] = [[]]
+    for j, text in enumerate(body):
+        if text.strip() == "":
+            blocks.append([])
+        else:
+            blocks[-1].append(j)
+    blocks = [b for b in blocks if b]
+    rng.shuffle(blocks)
+    order: list[int | None] = []
+    for k, block in enumerate(blocks):
+        if k:
+            order.append(None)
+        order.extend(block)
+    new_number = {old: new for new, old in enumerate(order, 1) if old is not None}
+    numbered = [f"{n} {body[old] if old is not None else ''}" for n, old in enumerate(order, 1)]
+    new_lines = lines[:listing[0]] + numbered + lines[listing[-1] + 1:]
+    answer = []
+    for line in actions.split("\n"):
+        m = _REPLACE.match(line)
+        if m and int(m.group(2)) - 1 in new_number:
+            line = f"replace {m.group(1)}:{new_number[int(m.group(2)) - 1]} {m.group(3)}"
+        answer.append(line)
+    return "\n".join(new_lines), "\n".join(answer)
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
@@ -95,7 +166,7 @@ def _examples(tokenizer, demos: list[tuple[str, str]]) -> list[tuple[list[int], 
     return out
 
 
-def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec, log_every: int = 50) -> list[dict]:
+def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec, log_every: int = 25) -> list[dict]:
     """Supervised steps on the action tokens; returns the loss curve."""
     rng = random.Random(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
@@ -122,10 +193,27 @@ def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
         opt.step()
         sched.step()
         if step % log_every == 0 or step == spec.sft_steps:
-            curve.append({"step": step, "loss": float(loss)})
-            print(f"sft step {step}/{spec.sft_steps} loss {float(loss):.4f}", flush=True)
+            curve.append({"step": step, "loss": float(loss.detach())})
+            print(f"sft step {step}/{spec.sft_steps} loss {float(loss.detach()):.4f}", flush=True)
     model.eval()
     return curve
+
+
+@torch.no_grad()
+def demonstration_loss(model_dir: Path, demos: list[tuple[str, str]]) -> float:
+    """Mean per-token loss on the action tokens of ``demos`` of the model saved at ``model_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    total, count = 0.0, 0
+    for ids, mask in _examples(tokenizer, demos):
+        x = torch.tensor([ids])
+        nll = torch.nn.functional.cross_entropy(model(input_ids=x).logits[0, :-1], x[0, 1:], reduction="none")
+        m = torch.tensor(mask[1:], dtype=torch.float32)
+        total += float((nll * m).sum())
+        count += int(m.sum())
+    return total / max(count, 1)
 
 
 def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec = BaseModelSpec()) -> Path:
@@ -140,7 +228,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         return out
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    tokenizer = train_tokenizer([p + a for p, a in demos], spec.vocab_size)
+    tokenizer = train_tokenizer([p + a for p, a in augment(demos, spec.augment_copies, spec.seed)], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -148,7 +236,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
     model = AutoModelForCausalLM.from_config(config)
-    examples = _examples(tokenizer, demos)
+    examples = _examples(tokenizer, augment(demos, spec.augment_copies, spec.seed))
     curve = sft(model, examples, spec)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     if tmp.exists():
@@ -157,10 +245,13 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     tokenizer.save_pretrained(tmp)
     (tmp / "build.json").write_text(json.dumps({
         "fingerprint": fingerprint, "spec": asdict(spec), "demonstrations": len(demos),
-        "parameters": sum(p.numel() for p in model.parameters()), "sft_curve": curve,
+        "sft_examples": len(examples), "parameters": sum(p.numel() for p in model.parameters()), "sft_curve": curve,
         "build_s": time.perf_counter() - started,
         "max_demo_tokens": max(len(e[0]) for e in examples),
+        "reload_demo_loss": reload_loss,
     }, indent=1))
+    # Check what was saved: the reloaded tokenizer and model must give the trained loss.
+    reload_loss = demonstration_loss(tmp, demos)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
