@@ -62,6 +62,7 @@ PXD_SOURCE = Path(__file__).with_name("pxd.py")
 PXD_IN_SANDBOX = "/opt/pxd/pxd.py"
 SANDBOX_HOME = "/home/sandbox"
 READY_TIMEOUT_S = 30.0
+GVISOR_OVERHEAD_MIB = 128  # memory for the gVisor sentry and gofer, added to a sandbox's limit
 
 
 @dataclass(frozen=True)
@@ -376,7 +377,8 @@ class GvisorRuntime:
                 "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
                 "cgroupsPath": f"/posttrain/{sb.id}",
                 "resources": {
-                    "memory": {"limit": limits.memory_mib * 1024 * 1024},
+                    # the limit covers gVisor's own kernel too; give it room on top of the task's
+                    "memory": {"limit": (limits.memory_mib + GVISOR_OVERHEAD_MIB) * 1024 * 1024},
                     "cpu": {"quota": max(1000, int(limits.cpus * 100_000)), "period": 100_000},
                     # gVisor's own threads and, on ptrace, its stub processes count as host pids
                     "pids": {"limit": limits.pids + 128},
