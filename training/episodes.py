@@ -70,7 +70,7 @@ class HarnessRunner:
     """Groups of episodes through the evals harness against an engine URL."""
 
     def __init__(self, tasks: dict[str, Any], engine_url: str, tokenizer: Any, sandbox_factory: Any,
-                 cfg: TrainConfig, episode_workers: int = 2) -> None:
+                 cfg: TrainConfig, episode_workers: int = 4) -> None:
         from evals.harness import HttpClient
 
         self.tasks = tasks
@@ -157,9 +157,19 @@ def load_curriculum(cfg: TrainConfig, task_ids: list[str]) -> Curriculum:
 
 
 def training_tasks(source: str) -> dict[str, Any]:
-    from evals.bundled import load_suite
+    """The ``train`` split of ``source``: a built bundled suite folder is read as it is (the
+    ``task_dataset`` asset built it); anything else goes through the evals loaders."""
+    from evals.bundled import default_suite_dir
+    from evals.tasks import load_bundled, load_tasks
 
-    tasks = {t.id: t for t in load_suite(source or None) if t.split == "train"}
+    path = Path(source) if source else default_suite_dir()
+    if (path / "suite.json").is_file():
+        task_set = load_bundled(path)
+    elif not path.exists():
+        raise FileNotFoundError(f"trainer config key 'tasks': {path} does not exist (materialize task_dataset first)")
+    else:
+        task_set = load_tasks(path)
+    tasks = {t.id: t for t in task_set.tasks if t.split == "train"}
     if not tasks:
         raise ValueError(f"task source {source or 'bundled suite'}: no task with split 'train'")
     return tasks
