@@ -86,19 +86,21 @@ class Image:
 # building tars
 
 
-def _tarinfo(name: str, st: os.stat_result | None = None, *, kind=tarfile.REGTYPE, mode=0o755) -> tarfile.TarInfo:
+def _tarinfo(name: str, st: os.stat_result | None = None, *, kind=tarfile.REGTYPE, mode=0o755,
+             owner: int = 0) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = kind
     # no setuid/setgid bits in images: nothing in a sandbox may gain rights by running a file
     info.mode = (stat.S_IMODE(st.st_mode) & 0o1777) if st is not None else mode
     info.mtime = 0  # content addressing: the same files give the same digest
-    info.uid = info.gid = 0
+    info.uid = info.gid = owner
     info.uname = info.gname = ""
     return info
 
 
-def tar_directory(src: Path, prefix: str) -> bytes:
-    """A deterministic tar of ``src`` placed under ``prefix`` (sorted names, zeroed times and owners).
+def tar_directory(src: Path, prefix: str, owner: int = SANDBOX_UID) -> bytes:
+    """A deterministic tar of ``src`` placed under ``prefix`` (sorted names, zeroed times, every
+    entry owned by ``owner``: by default the sandbox user, whose workspace it becomes).
 
     Regular files, folders and symlinks are kept; sockets, devices and fifos are refused."""
     src = Path(src)
@@ -106,7 +108,7 @@ def tar_directory(src: Path, prefix: str) -> bytes:
         raise ImageError(f"{src}: not a folder")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        tar.addfile(_tarinfo(prefix, kind=tarfile.DIRTYPE, mode=0o755))
+        tar.addfile(_tarinfo(prefix, kind=tarfile.DIRTYPE, mode=0o755, owner=owner))
         for dirpath, dirnames, filenames in os.walk(src):
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, src)
@@ -115,13 +117,13 @@ def tar_directory(src: Path, prefix: str) -> bytes:
                 arc = os.path.normpath(os.path.join(prefix, rel_dir, name))
                 st = os.lstat(path)
                 if stat.S_ISDIR(st.st_mode):
-                    tar.addfile(_tarinfo(arc, st, kind=tarfile.DIRTYPE))
+                    tar.addfile(_tarinfo(arc, st, kind=tarfile.DIRTYPE, owner=owner))
                 elif stat.S_ISLNK(st.st_mode):
-                    info = _tarinfo(arc, st, kind=tarfile.SYMTYPE)
+                    info = _tarinfo(arc, st, kind=tarfile.SYMTYPE, owner=owner)
                     info.linkname = os.readlink(path)
                     tar.addfile(info)
                 elif stat.S_ISREG(st.st_mode):
-                    info = _tarinfo(arc, st)
+                    info = _tarinfo(arc, st, owner=owner)
                     info.size = st.st_size
                     with open(path, "rb") as f:
                         tar.addfile(info, f)
@@ -157,7 +159,8 @@ def base_layer_tar() -> bytes:
         entries = [(d, "dir") for d in BASE_DIRS] + [(n, "link") for n in BASE_LINKS] + [(f, "file") for f in BASE_FILES]
         for name, kind in sorted(entries):
             if kind == "dir":
-                info = _tarinfo(name, kind=tarfile.DIRTYPE, mode=0o1777 if name == "tmp" else 0o755)
+                info = _tarinfo(name, kind=tarfile.DIRTYPE, mode=0o1777 if name == "tmp" else 0o755,
+                                owner=SANDBOX_UID if name in ("workspace", "home/sandbox") else 0)
                 tar.addfile(info)
             elif kind == "link":
                 info = _tarinfo(name, kind=tarfile.SYMTYPE, mode=0o777)

@@ -5,7 +5,8 @@ Every runtime starts the same way:
 1. the image's layers are taken from the node-local :class:`~sandboxes.cache.LayerCache`
    (unpacked from the store on a miss);
 2. the sandbox's root is an overlay of those read-only layers under a per-sandbox writable layer,
-   which lives on a tmpfs of ``Limits.disk_mib`` (the disk limit) in ``<cache>/run/<id>/``;
+   which lives on a tmpfs of ``Limits.disk_mib`` (the disk limit) in the sandbox's run folder
+   (:func:`run_root`);
 3. the host toolchain is bound read-only into it: ``/usr`` (git, coreutils, ``python3``) and the
    project's Python (``sys.base_prefix`` and the virtual environment, so ``python -m pytest`` works);
 4. ``pxd`` starts as the sandbox's first process, speaking HTTP over its stdin/stdout pipes;
@@ -13,18 +14,18 @@ Every runtime starts the same way:
    that ends the sandbox.
 
 bubblewrap: ``bwrap --unshare-all`` (no network but a private loopback, own PID/IPC/UTS/user
-namespaces), the sandbox user is uid 1000 with no capabilities (and no new privileges), the root is
-read-only except ``/workspace``, ``/tmp`` and ``$HOME``. bwrap runs as the caller, so when that is
-root the sandbox user is host uid 0 *without capabilities* outside its namespaces. Mapping it to an
-unprivileged host uid needs a prepared user namespace handed to ``bwrap --userns`` (running bwrap
-itself as an unprivileged user fails here: once it is non-dumpable it cannot follow the
-``/proc/self/fd`` bind sources it needs for paths under ``/root``); not done yet.
+namespaces, no further user namespaces), the root is read-only except ``/workspace``, ``/tmp`` and
+``$HOME``. When the harness is root, bwrap itself runs as the sandbox user (uid 1000, no
+capabilities, via ``setpriv``), so the sandbox's processes are an unprivileged host user even
+outside their namespaces; their run folders live under ``/tmp/posttrain-sandboxes`` (mode 0711)
+and a toolchain folder that user cannot reach (a Python under ``/root``) is bind-mounted read-only
+there once. The task layer's files belong to uid 1000, so the workspace is the sandbox user's own.
 
 gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none run``: the sandbox's system
 calls go to gVisor's user-space kernel, not the host's. The image root is read-only with
 ``/workspace`` bound writable. The ptrace platform is the one that works on these machines
-(``--platform=kvm`` hangs), and pxd's output is read through a pipe (gVisor can lose output written
-to a regular file). Known limit of runsc 20221219 with newer coreutils: ``ls PATH`` fails with
+(``--platform=kvm`` hangs), the sandbox user is uid 1000 too, and pxd's output is read through a
+pipe (gVisor can lose output written to a regular file). Known limit of runsc 20221219 with newer coreutils: ``ls PATH`` fails with
 "Invalid argument" (its statx call is refused); ``ls`` without a path, ``find`` and Python work.
 
 unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
@@ -55,7 +56,7 @@ from typing import Protocol
 from sandboxes.cache import LayerCache, Lease
 from sandboxes.errors import SandboxError
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
-from sandboxes.images import WORKDIR, Image, ImageError, ImageStore, build_image, image_name
+from sandboxes.images import SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, build_image, image_name
 
 RUNTIMES = ("bwrap", "gvisor", "unisolated")
 PXD_SOURCE = Path(__file__).with_name("pxd.py")
@@ -239,6 +240,65 @@ class Cgroup:
 
 
 # ---------------------------------------------------------------------------------------------
+# where sandboxes live on the host, and what the sandbox user can reach
+
+
+def run_root(cache: LayerCache) -> Path:
+    """The folder of this cache's running sandboxes: ``$POSTTRAIN_SANDBOX_RUN_DIR`` (default
+    ``/tmp/posttrain-sandboxes``) ``/<hash of the cache folder>``, mode 0711, so that bwrap, which runs
+    as the sandbox user, can reach a sandbox's root wherever the cache itself lives."""
+    import hashlib
+
+    base = Path(os.environ.get("POSTTRAIN_SANDBOX_RUN_DIR", "/tmp/posttrain-sandboxes"))
+    root = base / hashlib.sha256(str(cache.root.resolve()).encode()).hexdigest()[:12]
+    for d in (base, root):
+        d.mkdir(exist_ok=True, parents=True)
+        if os.geteuid() == 0:
+            os.chmod(d, 0o711)
+    return root
+
+
+def reachable_by(uid: int, path: Path) -> bool:
+    """Whether ``uid`` (not in any group that matters) can walk down to ``path``."""
+    p = Path(path).resolve()
+    for d in [*reversed(p.parents), p] if p.is_dir() else reversed(p.parents):
+        st = os.stat(d)
+        bit = 0o100 if st.st_uid == uid else 0o001
+        if not st.st_mode & bit:
+            return False
+    return True
+
+
+_toolchain_lock = threading.Lock()
+
+
+def reachable_toolchain_source(path: str) -> str:
+    """``path`` itself when the sandbox user can reach it, else a read-only bind mount of it under
+    the run root's ``toolchain/`` folder (made once, kept for later sandboxes); e.g. a Python
+    installed under ``/root``."""
+    if os.geteuid() != 0 or reachable_by(SANDBOX_UID, Path(path)):
+        return path
+    import hashlib
+
+    base = Path(os.environ.get("POSTTRAIN_SANDBOX_RUN_DIR", "/tmp/posttrain-sandboxes"))
+    target = base / "toolchain" / hashlib.sha256(path.encode()).hexdigest()[:12]
+    with _toolchain_lock:
+        mounts = Path("/proc/self/mounts").read_text().split("\n")
+        if not any(line.split(" ")[1:2] == [str(target)] for line in mounts):
+            base.mkdir(parents=True, exist_ok=True)
+            os.chmod(base, 0o711)
+            target.parent.mkdir(exist_ok=True)
+            os.chmod(target.parent, 0o711)
+            target.mkdir(exist_ok=True)
+            MS_BIND, MS_REMOUNT, MS_RDONLY = 4096, 32, 1
+            if _libc.mount(path.encode(), str(target).encode(), None, MS_BIND, None) != 0:
+                raise SandboxError(f"cannot bind {path} at {target}: {os.strerror(ctypes.get_errno())}")
+            if _libc.mount(b"none", str(target).encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None) != 0:
+                raise SandboxError(f"cannot make {target} read-only: {os.strerror(ctypes.get_errno())}")
+    return str(target)
+
+
+# ---------------------------------------------------------------------------------------------
 # the toolchain seen inside
 
 
@@ -308,13 +368,16 @@ class BwrapRuntime:
     def command(self, sb: "Sandbox") -> list[str]:
         if shutil.which("bwrap") is None:
             raise SandboxError("bwrap is not installed (Debian package 'bubblewrap'; scripts/setup.sh installs it)")
+        as_root = os.geteuid() == 0
         root = sb.rootfs.merged
-        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000",
-                "--hostname", "sandbox", "--new-session", "--cap-drop", "ALL",
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                "--hostname", "sandbox", "--new-session", "--disable-userns",
                 "--bind", str(root), "/", "--bind", str(sb.rootfs.workspace), WORKDIR]
         for path in host_toolchain():
-            argv += ["--ro-bind", path, path]
-        argv += ["--ro-bind", str(PXD_SOURCE), PXD_IN_SANDBOX,
+            # mount points made here, in the sandbox's own layer: the sandbox user may not write there
+            (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+            argv += ["--ro-bind", reachable_toolchain_source(path), path]
+        argv += ["--ro-bind", reachable_toolchain_source(str(PXD_SOURCE)), PXD_IN_SANDBOX,
                  "--proc", "/proc", "--dev", "/dev",
                  "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
                  "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", SANDBOX_HOME,
@@ -322,6 +385,11 @@ class BwrapRuntime:
         for key, value in sb.env.items():
             argv += ["--setenv", key, value]
         argv += ["--chdir", WORKDIR, "--", *pxd_argv(os.path.realpath(sys.executable))]
+        if as_root:
+            # bwrap runs as the sandbox user, so the sandbox's processes are an unprivileged host
+            # user too (uid 1000 inside maps to uid 1000 outside), not root without capabilities
+            argv = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
+                    "--inh-caps=-all", "--bounding-set=-all", "--", *argv]
         return argv
 
     def stop(self, sb: "Sandbox") -> None:
@@ -362,7 +430,7 @@ class GvisorRuntime:
         return {
             "ociVersion": "1.0.2",
             "process": {
-                "terminal": False, "user": {"uid": 0, "gid": 0},
+                "terminal": False, "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
                 "args": pxd_argv(os.path.realpath(sys.executable)),
                 "env": [f"{k}={v}" for k, v in sb.env.items()], "cwd": WORKDIR,
                 "noNewPrivileges": True,
@@ -440,7 +508,7 @@ class Sandbox:
         self.limits = limits
         self.runtime = RUNTIME_CLASSES[runtime]()
         self.env = sandbox_env(env)
-        self.run_dir = cache.root / "run" / self.id
+        self.run_dir = run_root(cache) / self.id
         self.proc: subprocess.Popen | None = None
         self.cgroup: Cgroup | None = None
         self.rootfs: Rootfs | None = None
@@ -601,10 +669,7 @@ def reap_stale_sandboxes(cache: LayerCache, min_age_s: float = 60.0) -> list[str
     their processes (by cgroup), mounts and run folders. A live sandbox holds the lock in its run
     folder, so this is safe while other processes run sandboxes from the same cache."""
     reaped = []
-    run_root = cache.root / "run"
-    if not run_root.is_dir():
-        return reaped
-    for run_dir in run_root.iterdir():
+    for run_dir in run_root(cache).iterdir():
         lock = run_dir / "lock"
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)

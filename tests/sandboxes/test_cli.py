@@ -30,7 +30,9 @@ def test_exec_prints_the_result_as_json(suite, runtime, capsys, posttrain_home):
     assert code == 0 and out["exit_code"] == 0
     assert set(out) == {"exit_code", "stdout", "stderr", "truncated", "timed_out", "duration_s"}
     assert "1 passed" in out["stdout"] and not out["truncated"]
-    assert not any((posttrain_home / "sandboxes" / "cache" / "run").iterdir())  # the sandbox is gone
+    from sandboxes.runtimes import default_cache, run_root
+
+    assert not any(run_root(default_cache()).iterdir())  # the sandbox is gone
 
 
 def test_exec_exit_code_and_errors(suite, capsys, posttrain_home):

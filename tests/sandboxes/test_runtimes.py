@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import sandboxes
-from sandboxes.runtimes import Cgroup
+from sandboxes.runtimes import Cgroup, run_root
 
 from .conftest import runtime_params
 
@@ -44,7 +44,7 @@ def test_second_start_is_a_cache_hit_and_sandboxes_are_separate(runtime, repo, s
         with sandboxes.start(image, runtime=runtime, store=store, cache=cache) as b:
             assert b.cache_hit
             assert b.exec("ls -A").output.split() == [".git", ".gitignore", "calc.py", "test_calc.py"]
-    assert not any((cache.root / "run").iterdir())
+    assert not any(run_root(cache).iterdir())
 
 
 def test_bwrap_user_has_no_capabilities_and_limits_are_a_cgroup(repo, store, cache):
@@ -54,6 +54,10 @@ def test_bwrap_user_has_no_capabilities_and_limits_are_a_cgroup(repo, store, cac
         assert out == ["1000", "CapEff:", "0000000000000000"]
         cg = sb.cgroup
         assert cg is not None and len(cg.pids()) >= 2  # bwrap and pxd at least
+        if os.geteuid() == 0:  # outside its namespaces too, the sandbox is an unprivileged user
+            for pid in cg.pids():
+                uids = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("Uid:"))
+                assert uids.split()[1:] == ["1000"] * 4
         memory = [p for p in cg.paths if "memory" in str(p)] or cg.paths
         limit_file = next(f for f in ("memory.limit_in_bytes", "memory.max") if (memory[0] / f).exists())
         assert int((memory[0] / limit_file).read_text()) == 300 * 1024 * 1024
@@ -107,7 +111,7 @@ def test_debris_of_a_killed_harness_is_reaped(repo, store, cache):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     dead_id = out.stdout.strip()
     assert out.returncode == -9 and dead_id.startswith("pt-"), out.stderr
-    run_dir = cache.root / "run" / dead_id
+    run_dir = run_root(cache) / dead_id
     assert run_dir.exists() and str(run_dir) in Path("/proc/mounts").read_text()
     with sandboxes.start(repo, runtime="bwrap", store=store, cache=cache) as alive:
         assert reap_stale_sandboxes(cache) in ([], [dead_id])  # start() reaps once per process and cache
