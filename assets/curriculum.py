@@ -18,10 +18,12 @@ EMBEDDED_MODEL_NAME = "embedded-base"
 
 class RunFileConfig(dg.Config):
     """``run_file``: the run TOML (default: the embedded default, ``examples/embedded.toml``).
-    ``attempts_per_task``: base-model attempts per training task (0: the run file's value, else 4)."""
+    ``attempts_per_task``: base-model attempts per training task (0: the run file's value, else 4).
+    ``sft_steps``: supervised steps when the embedded base model is built here (0: its default)."""
 
     run_file: str = ""
     attempts_per_task: int = 0
+    sft_steps: int = 0
     max_turns: int = 2
     max_new_tokens: int = 48
     temperature: float = 1.0
@@ -45,16 +47,19 @@ def run_file_dict(storage: PosttrainStorage, run_file: str) -> tuple[dict[str, A
     return data, str(path)
 
 
-def ensure_embedded_base(context: dg.AssetExecutionContext, storage: PosttrainStorage, data: dict[str, Any]) -> Path:
-    """The base model folder; the embedded default's is built from the training split when missing."""
+def ensure_embedded_base(context: dg.AssetExecutionContext, storage: PosttrainStorage, data: dict[str, Any],
+                         *, sft_steps: int = 0, reuse_any: bool = False) -> Path:
+    """The base model folder. The embedded default's is built from the training split unless a build
+    of the same settings and data is there (``reuse_any``: any complete build is used as is)."""
     model = Path(data["model"].get("path") or "")
-    if data["model"].get("name") == EMBEDDED_MODEL_NAME:
+    if data["model"].get("name") == EMBEDDED_MODEL_NAME and not (reuse_any and (model / "build.json").is_file()):
         from evals.bundled import load_suite
-        from training.base_model import build_base_model
+        from training.base_model import BaseModelSpec, build_base_model
 
         tasks = [t for t in load_suite(data["curriculum"]["tasks"]) if t.split == "train"]
+        spec = BaseModelSpec(sft_steps=sft_steps) if sft_steps else BaseModelSpec()
         context.log.info(f"building (or reusing) the embedded base model at {model} from {len(tasks)} demonstrations")
-        build_base_model(model, tasks)
+        build_base_model(model, tasks, spec)
     if not (model / "config.json").is_file():
         raise FileNotFoundError(f"run file key model.path: {model} is not a Hugging Face model folder")
     return model
@@ -77,7 +82,7 @@ def difficulty_curriculum(
     from training.episodes import start_engine
 
     data, source = run_file_dict(storage, config.run_file)
-    model = ensure_embedded_base(context, storage, data)
+    model = ensure_embedded_base(context, storage, data, sft_steps=config.sft_steps)
     attempts = config.attempts_per_task or data["curriculum"].get("attempts_per_task") or 4
     tasks = [t for t in load_suite(data["curriculum"]["tasks"]) if t.split == "train"]
     out_dir = storage.curriculum_dir()

@@ -43,7 +43,7 @@ def rl_run(
     curriculum_file = storage.curriculum_dir() / "curriculum.json"
     if curriculum_file.is_file():
         data["curriculum"]["curriculum_file"] = str(curriculum_file)
-    ensure_embedded_base(context, storage, data)
+    ensure_embedded_base(context, storage, data, reuse_any=True)
     plan = resolve(data, source=source)
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)

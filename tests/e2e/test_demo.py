@@ -1,0 +1,42 @@
+"""``posttrain demo`` end to end, in a reduced configuration: the real asset graph in a real Dagster
+instance, the bundled suite built and validated in sandboxes, the base model built and SFT'd briefly,
+its curriculum from one attempt per training task, a 2-step asynchronous GRPO run launched through the
+launcher (trainer process, engine replica, sandboxed episodes), the base and final checkpoints
+evaluated on the held-out split, and the report. The full demo is the same with the defaults of
+``dagster_project.demo`` (see docs/benchmarks.md for its figures)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+
+@pytest.mark.slow
+def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    from dagster_project.instance import ensure_dagster_home
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path))
+    ensure_dagster_home(str(tmp_path))
+    from dagster_project.demo import run_demo
+
+    rl = {"overrides": {"trainer": {"steps": 2, "checkpoint_every": 1},
+                        "async": {"group_size": 4, "collection_size": 8, "max_policy_lag": 1}}}
+    assert run_demo("e2e", rl, curriculum_config={"attempts_per_task": 1, "sft_steps": 40},
+                    eval_config={"attempts": 1}) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "e2e"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000", "step_000001", "step_000002"]
+    steps = pd.read_parquet(run / "metrics" / "steps.parquet")
+    assert steps["step"].tolist() == [1, 2] and (steps["samples"] == 8).all()
+    assert (run / "adapters" / "step_000002" / "adapter_model.safetensors").is_file()
+    for key in ("e2e-step_000000", "e2e-step_000002"):
+        rows = pd.read_parquet(tmp_path / "evals" / "deepswe" / f"{key}.parquet")
+        assert len(rows) == 45
+        assert f"{key}: held-out pass@1" in out
+    assert (tmp_path / "curriculum" / "curriculum.json").is_file()
+    assert "pass@1 change over the base model" in out
+    assert os.environ["POSTTRAIN_HOME"] == str(tmp_path)
