@@ -243,7 +243,7 @@ class Cgroup:
 # where sandboxes live on the host, and what the sandbox user can reach
 
 
-def run_root(cache: LayerCache) -> Path:
+def run_root(cache: LayerCache, create: bool = True) -> Path:
     """The folder of this cache's running sandboxes: ``$POSTTRAIN_SANDBOX_RUN_DIR`` (default
     ``/tmp/posttrain-sandboxes``) ``/<hash of the cache folder>``, mode 0711, so that bwrap, which runs
     as the sandbox user, can reach a sandbox's root wherever the cache itself lives."""
@@ -251,6 +251,8 @@ def run_root(cache: LayerCache) -> Path:
 
     base = Path(os.environ.get("POSTTRAIN_SANDBOX_RUN_DIR", "/tmp/posttrain-sandboxes"))
     root = base / hashlib.sha256(str(cache.root.resolve()).encode()).hexdigest()[:12]
+    if not create:
+        return root
     for d in (base, root):
         d.mkdir(exist_ok=True, parents=True)
         if os.geteuid() == 0:
@@ -652,6 +654,10 @@ class Sandbox:
         if self.lease is not None:
             self.lease.release()
         os.close(self._run_lock)
+        try:
+            self.run_dir.parent.rmdir()  # the cache's run folder, when this was its last sandbox
+        except OSError:
+            pass
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -669,7 +675,8 @@ def reap_stale_sandboxes(cache: LayerCache, min_age_s: float = 60.0) -> list[str
     their processes (by cgroup), mounts and run folders. A live sandbox holds the lock in its run
     folder, so this is safe while other processes run sandboxes from the same cache."""
     reaped = []
-    for run_dir in run_root(cache).iterdir():
+    root = run_root(cache, create=False)
+    for run_dir in (root.iterdir() if root.is_dir() else ()):
         lock = run_dir / "lock"
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)

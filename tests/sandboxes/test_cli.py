@@ -32,7 +32,7 @@ def test_exec_prints_the_result_as_json(suite, runtime, capsys, posttrain_home):
     assert "1 passed" in out["stdout"] and not out["truncated"]
     from sandboxes.runtimes import default_cache, run_root
 
-    assert not any(run_root(default_cache()).iterdir())  # the sandbox is gone
+    assert not run_root(default_cache(), create=False).exists()  # the sandbox is gone
 
 
 def test_exec_exit_code_and_errors(suite, capsys, posttrain_home):
