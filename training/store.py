@@ -14,6 +14,11 @@ its rollouts are stored. Status moves ``ready -> consumed`` (used by step N) or 
 (too stale when the trainer looked). :meth:`RolloutStore.rewind_to` undoes the status changes of steps
 after a checkpoint, so a resumed run sees exactly the rollouts that were unused at that checkpoint,
 plus every rollout finished since.
+
+A damaged file (truncated or overwritten by something other than SQLite) is refused when the store
+opens, with :class:`StoreDamagedError` naming the file; :func:`salvage` copies every whole group
+and rollout that can still be read into a new store. A truncated WAL needs nothing: SQLite
+checksums its frames and keeps every transaction up to the last whole one.
 """
 
 from __future__ import annotations
@@ -96,6 +101,10 @@ def _unpack(blob: bytes, code: str) -> list:
     return out.tolist()
 
 
+class StoreDamagedError(RuntimeError):
+    """The store's file is not a whole SQLite database (e.g. truncated); see :func:`salvage`."""
+
+
 class RolloutStore:
     """A SQLite database at ``path``; safe to use from several threads (one connection each)."""
 
@@ -103,8 +112,18 @@ class RolloutStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        with self._conn() as conn:
-            conn.executescript(SCHEMA)
+        try:
+            with self._conn() as conn:
+                conn.executescript(SCHEMA)
+                problems = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise StoreDamagedError(f"rollout store {self.path}: the file is damaged ({exc}); recover it with "
+                                    "training.store.salvage(path, new_path) or a checkpoint's store.sqlite") from exc
+        if problems != ["ok"]:
+            self.close()
+            raise StoreDamagedError(f"rollout store {self.path}: the file is damaged ({problems[0]}); recover it with "
+                                    "training.store.salvage(path, new_path) or a checkpoint's store.sqlite")
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -230,6 +249,70 @@ class RolloutStore:
                 conn.backup(target)
         finally:
             target.close()
+
+
+def salvage(damaged: str | Path, dest: str | Path, max_gap: int = 10_000) -> dict[str, int]:
+    """Copy every group and rollout row of a damaged store that SQLite can still read, one row at a
+    time by rowid, into a new store at ``dest``; returns how many of each. A group whose rollouts are
+    not all recovered stays incomplete there, so it is never trained on."""
+    dest = Path(dest)
+    copy = dest.with_name(f".damaged-{dest.name}")
+    data = bytearray(Path(damaged).read_bytes())
+    if len(data) >= 100 and data.startswith(b"SQLite format 3\x00"):
+        # A truncated file reads as malformed as a whole; padded back to the size its header
+        # records, only the rows on the lost pages are unreadable.
+        page_size = int.from_bytes(data[16:18], "big") or 65536
+        pages = int.from_bytes(data[28:32], "big")
+        data.extend(b"\x00" * max(0, page_size * pages - len(data)))
+    copy.write_bytes(bytes(data))
+    src = sqlite3.connect(f"file:{copy}?mode=ro", uri=True)
+    out = RolloutStore(dest)
+    counts = {"groups": 0, "rollouts": 0, "damaged_rows": 0}
+    try:
+        for table, key in (("groups", "groups"), ("rollouts", "rollouts")):
+            columns = SCHEMA_COLUMNS[table]
+            rowid, gap = 0, 0
+            while gap < max_gap:
+                rowid += 1
+                try:
+                    row = src.execute(f"SELECT {', '.join(columns)} FROM {table} WHERE rowid=?", (rowid,)).fetchone()
+                except sqlite3.DatabaseError:  # on a lost page
+                    gap += 1
+                    continue
+                if row is None:
+                    gap += 1
+                    continue
+                gap = 0
+                if table == "rollouts" and not _whole_rollout_row(row):
+                    counts["damaged_rows"] += 1
+                    continue
+                with out._conn() as conn:
+                    conn.execute(f"INSERT OR IGNORE INTO {table}({', '.join(columns)}) VALUES ({','.join('?' * len(columns))})", row)
+                counts[key] += 1
+    finally:
+        src.close()
+        out.close()
+        copy.unlink()
+    return counts
+
+
+def _whole_rollout_row(row: tuple) -> bool:
+    """A salvaged row whose tail was on a lost page reads as zeros: check it is self-consistent."""
+    total, generated, ids, mask, logprobs, info, status = row[5], row[6], row[7], row[8], row[9], row[10], row[12]
+    try:
+        json.loads(info)
+    except (TypeError, ValueError):
+        return False
+    return (status in ("ready", "consumed", "discarded") and isinstance(ids, bytes) and isinstance(mask, bytes)
+            and isinstance(logprobs, bytes) and len(ids) == 4 * total and len(mask) == total
+            and len(logprobs) == 4 * total and sum(_unpack(mask, "b")) == generated)
+
+
+SCHEMA_COLUMNS = {
+    "groups": ("group_id", "task_id", "adapter_version", "group_size", "created_s"),
+    "rollouts": ("rollout_id", "group_id", "task_id", "adapter_version", "reward", "total_tokens", "generated_tokens",
+                 "input_ids", "loss_mask", "serving_logprobs", "info", "created_s", "status", "status_step"),
+}
 
 
 class _Tx:
