@@ -47,7 +47,7 @@ def free_port() -> int:
 
 def start_fleet(args) -> tuple[subprocess.Popen, list[tuple[str, int]]]:
     cmd = [sys.executable, "-m", "serving.sim", "--max-total-tokens-per-gpu", str(args.tokens_per_gpu),
-           "--decode-step-ms", str(args.decode_step_ms)]
+           "--decode-step-ms", str(args.decode_step_ms), "--prefill-us-per-token", str(args.prefill_us_per_token)]
     for spec in args.replicas:
         cmd += ["--replicas", spec]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -186,6 +186,7 @@ def main() -> int:
     p.add_argument("--replicas", action="append", default=None, help="COUNTxGPUS (default: 56x1 and 8x8 = 64 replicas)")
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="KV budget per GPU in tokens")
     p.add_argument("--decode-step-ms", type=float, default=20.0)
+    p.add_argument("--prefill-us-per-token", type=float, default=20.0, help="prefill time per uncached token on one GPU")
     p.add_argument("--sessions", type=int, default=1024)
     p.add_argument("--live-sessions", type=int, default=128, help="sessions running at once (closed loop)")
     p.add_argument("--group-size", type=int, default=8)
@@ -212,7 +213,8 @@ def main() -> int:
     sessions = make_workload(args)
     n_calls = sum(len(s["obs"]) for s in sessions)
     print(f"SIMULATED engines (serving.sim: engine HTTP API, KV-cache accounting, service-time model, no model compute)")
-    print(f"fleet {'+'.join(args.replicas)} replicas, {args.tokens_per_gpu} KV tokens/GPU; {len(sessions)} sessions "
+    print(f"fleet {'+'.join(args.replicas)} replicas, {args.tokens_per_gpu} KV tokens/GPU, prefill {args.prefill_us_per_token} us/token, "
+          f"decode step {args.decode_step_ms} ms; {len(sessions)} sessions "
           f"(groups of {args.group_size}), {args.live_sessions} live, {n_calls} calls", flush=True)
     results = {}
     for kind in routers:
