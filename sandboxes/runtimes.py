@@ -272,13 +272,17 @@ def reachable_by(uid: int, path: Path) -> bool:
 
 
 _toolchain_lock = threading.Lock()
+_toolchain_sources: dict[str, str] = {}  # host path -> where bwrap binds it from (this process)
 
 
 def reachable_toolchain_source(path: str) -> str:
     """``path`` itself when the sandbox user can reach it, else a read-only bind mount of it under
     the run root's ``toolchain/`` folder (made once, kept for later sandboxes); e.g. a Python
     installed under ``/root``."""
+    if path in _toolchain_sources:
+        return _toolchain_sources[path]
     if os.geteuid() != 0 or reachable_by(SANDBOX_UID, Path(path)):
+        _toolchain_sources[path] = path
         return path
     import hashlib
 
@@ -297,6 +301,7 @@ def reachable_toolchain_source(path: str) -> str:
                 raise SandboxError(f"cannot bind {path} at {target}: {os.strerror(ctypes.get_errno())}")
             if _libc.mount(b"none", str(target).encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None) != 0:
                 raise SandboxError(f"cannot make {target} read-only: {os.strerror(ctypes.get_errno())}")
+    _toolchain_sources[path] = str(target)
     return str(target)
 
 
@@ -379,6 +384,10 @@ class BwrapRuntime:
             # mount points made here, in the sandbox's own layer: the sandbox user may not write there
             (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
             argv += ["--ro-bind", reachable_toolchain_source(path), path]
+        pxd_point = root / PXD_IN_SANDBOX.lstrip("/")
+        if not pxd_point.exists():  # an image built before pxd was part of the base layer
+            pxd_point.parent.mkdir(parents=True, exist_ok=True)
+            pxd_point.touch()
         argv += ["--ro-bind", reachable_toolchain_source(str(PXD_SOURCE)), PXD_IN_SANDBOX,
                  "--proc", "/proc", "--dev", "/dev",
                  "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
