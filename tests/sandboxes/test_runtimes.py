@@ -29,7 +29,7 @@ def test_task_tests_run_for_real(runtime, repo, store, cache):
         # the root is read-only, the workspace and /tmp are not
         assert sb.exec("touch /usr/x || touch /etc/x || touch /x").exit_code != 0
         assert sb.exec("touch /tmp/x $HOME/y && echo ok > new.txt").exit_code == 0
-        assert sb.exec("pwd").output == "/workspace\n"
+        assert sb.exec("pwd; id -u").output == "/workspace\n1000\n"  # the sandbox user, in both runtimes
         run_dir = sb.run_dir
     assert not run_dir.exists()
     assert repo.joinpath("calc.py").read_text().endswith("a + b\n")  # the source repository is untouched
