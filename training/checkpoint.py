@@ -8,6 +8,7 @@ makes the whole folder appear at once. Step 0 is the base model: only ``metadata
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -19,6 +20,10 @@ from typing import Any, Callable
 import torch
 
 STEP_PREFIX = "step_"
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (e.g. the disk is full); nothing of it was left behind."""
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -51,13 +56,25 @@ def write_checkpoint(
     written and the folder renamed into place. An existing checkpoint of that step is replaced."""
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a trainer killed while writing it
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
-    fill(tmp)
-    meta = {"step": step, "created_s": time.time(), **metadata}
-    (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    _fsync_tree(tmp)
+    try:
+        fill(tmp)
+        meta = {"step": step, "created_s": time.time(), **metadata}
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _fsync_tree(tmp)
+    except Exception as exc:
+        # torch.save on a full disk says only "unexpected pos N vs M": name the cause when it is that.
+        cause = f"{type(exc).__name__}: {exc}"
+        free = shutil.disk_usage(tmp).free
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < 1024 * 1024:
+            cause = f"no space left on the disk, {free} bytes free; {cause}"
+        # A full disk (or any failure) leaves no half-written folder behind to fill it further.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"checkpoint {final} could not be written ({cause}); the earlier checkpoints in {final.parent} are untouched"
+        ) from exc
     if final.exists():
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         final.rename(old)
