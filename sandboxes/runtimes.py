@@ -727,6 +727,15 @@ def reap_stale_sandboxes(cache: LayerCache, min_age_s: float = 60.0) -> list[str
         finally:
             if fd is not None:
                 os.close(fd)
+    # sandbox cgroups left empty (a cgroup of a live sandbox always holds its processes, except
+    # for the instant between its creation and the runtime's start: hence the age)
+    base = Path("/sys/fs/cgroup")
+    for group in [*base.glob("posttrain/pt-*"), *base.glob("*/posttrain/pt-*")]:
+        try:
+            if not (group / "cgroup.procs").read_text().strip() and time.time() - group.stat().st_mtime > min_age_s:
+                group.rmdir()
+        except OSError:
+            pass
     return reaped
 
 
