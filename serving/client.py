@@ -64,7 +64,7 @@ class HttpPool:
                 resp = conn.getresponse()
                 data = resp.read()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.CannotSendRequest,
-                    http.client.BadStatusLine) as exc:
+                    http.client.BadStatusLine, http.client.IncompleteRead) as exc:  # IncompleteRead: died mid-answer
                 conn.close()
                 # A kept-alive connection the server closed: retry once on a fresh one. A request
                 # that reached a dead server fails the same way twice and raises.
