@@ -42,6 +42,9 @@ class HttpPool:
             idle = self._idle.get(netloc)
             if idle:
                 return idle.pop()
+        return self._fresh(netloc)
+
+    def _fresh(self, netloc: str) -> http.client.HTTPConnection:
         host, _, port = netloc.partition(":")
         return http.client.HTTPConnection(host, int(port or 80), timeout=self.timeout_s)
 
@@ -58,7 +61,8 @@ class HttpPool:
         hdrs = {"Content-Type": "application/json"} if body is not None else {}
         hdrs.update(headers or {})
         for attempt in (0, 1):
-            conn = self._checkout(parts.netloc)
+            # The retry takes a new connection: the other idle ones may be as stale as the first.
+            conn = self._checkout(parts.netloc) if attempt == 0 else self._fresh(parts.netloc)
             try:
                 conn.request(method, path or "/", body=body, headers=hdrs)
                 resp = conn.getresponse()
