@@ -26,7 +26,8 @@ fresh sandbox (:func:`evals.grading.grade_patch`); uncommitted edits are never g
 logprobs are the ones the serving side returned for the call, never re-tokenized text: the context of
 turn ``t+1`` is the exact ``input_ids + output_ids`` of turn ``t`` followed by the observation's tokens.
 
-A sandbox failure (:class:`evals.sandbox.InfraError`) ends the episode with ``stop_reason
+A sandbox failure (:class:`evals.sandbox.InfraError`), or a model server that cannot be reached or
+answers 5xx (a router restarting, a replica gone), ends the episode with ``stop_reason
 "infra_error"`` and no reward: callers retry such episodes and never count them as failures.
 """
 
@@ -46,6 +47,7 @@ from evals.grading import GRADED, INFRA_ERROR, GradeResult, committed_patch, gra
 from evals.sandbox import InfraError, Sandbox, SandboxFactory
 from evals.tasks import Task
 from serving.client import EngineClient as HttpClient  # the HTTP ModelClient (replica, sidecar or router)
+from serving.client import EngineError
 
 __all__ = ["HttpClient", "InProcessClient", "ModelCall", "ModelClient", "Step", "Trajectory", "run_episode"]
 
@@ -235,8 +237,15 @@ def run_episode(
                 if seed is not None:
                     params["sampling_seed"] = seed + turn
                 t0 = time.monotonic()
-                response = model.generate(list(context_ids), params, return_logprob=True, lora_path=adapter_version,
-                                          rid=session_id)
+                try:
+                    response = model.generate(list(context_ids), params, return_logprob=True,
+                                              lora_path=adapter_version, rid=session_id)
+                except OSError as exc:  # the router or replica is gone (restarting): not the model's failure
+                    raise InfraError(f"model server unreachable: {exc}") from exc
+                except EngineError as exc:
+                    if exc.status < 500:
+                        raise
+                    raise InfraError(f"model server failed: {exc}") from exc
                 output_ids = list(response["output_ids"])
                 meta = dict(response.get("meta_info", {}))
                 logprobs = [float(entry[0]) for entry in meta.pop("output_token_logprobs", [])]
