@@ -33,6 +33,7 @@ from training.loop import AdapterRef, GroupRunner
 from training.rollout import Rollout
 
 INFRA_RETRIES = 2
+INFRA_RETRY_WAIT_S = 2.0
 
 
 @dataclass
@@ -85,6 +86,8 @@ class HarnessRunner:
 
         task = self.tasks[task_id]
         for retry in range(INFRA_RETRIES + 1):
+            if retry:
+                time.sleep(INFRA_RETRY_WAIT_S * retry)  # give a restarting router or a dead sandbox's node time
             traj = run_episode(
                 task, self.client, self.tokenizer, self.sandbox_factory, adapter_version=adapter.name,
                 session_id=f"{group_id}/{index}", action_format="compact", max_turns=self.cfg.max_turns,
