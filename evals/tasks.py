@@ -341,6 +341,8 @@ def load_bundled(root: str | Path) -> TaskSet:
     if not index.is_file():
         raise TaskLoadError(f"{root}: no suite.json; build the bundled suite with `posttrain tasks build OUT`")
     suite = _read_json(index)
+    if not isinstance(suite, dict) or not isinstance(suite.get("tasks", []), list):
+        raise TaskLoadError(f"{index}: expected an object with a list 'tasks'")
     tasks = []
     for task_id in suite.get("tasks", []):
         path = root / "tasks" / task_id / "task.json"
@@ -352,20 +354,25 @@ def load_bundled(root: str | Path) -> TaskSet:
 
 def task_from_json(data: Mapping[str, Any], task_dir: Path, where: str) -> Task:
     """A bundled task from its ``task.json``; ``repo`` is resolved relative to ``task_dir``."""
+    if not isinstance(data, dict):
+        raise TaskLoadError(f"{where}: expected a JSON object, got {type(data).__name__}")
     try:
         limits = ResourceLimits(**data.get("limits", {}))
+        repo = (task_dir / data["repo"]).resolve()
+        if not repo.is_relative_to(Path(task_dir).resolve()):
+            raise TaskLoadError(f"{where}: key 'repo' must be a folder inside {task_dir}, got {data['repo']!r}")
         return Task(
             id=data["id"],
             source=data.get("source", "bundled"),
             language=data["language"],
             instruction=data["instruction"],
-            target_tests=tuple(data["target_tests"]),
-            existing_tests=tuple(data["existing_tests"]),
+            target_tests=_str_list(data["target_tests"], f"{where}: key 'target_tests'"),
+            existing_tests=_str_list(data["existing_tests"], f"{where}: key 'existing_tests'"),
             test_command=data["test_command"],
             report_format=data["report_format"],
             report_paths=tuple(data["report_paths"]),
             base_commit=data["base_commit"],
-            repo_path=str((task_dir / data["repo"]).resolve()),
+            repo_path=str(repo),
             workdir=data.get("workdir", "."),
             protected_paths=tuple(data.get("protected_paths", ())),
             editable_paths=tuple(data.get("editable_paths", ())),
@@ -376,7 +383,9 @@ def task_from_json(data: Mapping[str, Any], task_dir: Path, where: str) -> Task:
         )
     except KeyError as exc:
         raise TaskLoadError(f"{where}: missing key {exc.args[0]!r}") from exc
-    except TypeError as exc:
+    except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
+        if isinstance(exc, TaskLoadError):
+            raise
         raise TaskLoadError(f"{where}: {exc}") from exc
 
 
