@@ -178,6 +178,7 @@ class LocalEngine:
         adapter_dir = Path(path)
         if not (adapter_dir / "adapter_config.json").is_file():
             raise BadRequest(f"lora_path {path!r} is not a peft adapter directory (no adapter_config.json)")
+        _check_adapter_files(adapter_dir)  # before peft touches the model: a bad file must not half-load
         with self._model_lock, self._lock:
             if name in self._adapters:
                 raise BadRequest(f"lora_name {name!r} is already loaded; unload it first or pick a new name")
@@ -535,6 +536,32 @@ class LocalEngine:
                 req.done.set()
         if in_batch:
             self._remove_rows(rows)
+
+
+def _check_adapter_files(adapter_dir: Path) -> None:
+    """Refuse an adapter folder whose files are not whole (truncated, garbage) with a clear error."""
+    import json
+
+    from safetensors import safe_open
+
+    config_path = adapter_dir / "adapter_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or "peft_type" not in config:
+        raise BadRequest(f"{config_path} must be a peft adapter config (an object with peft_type)")
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        if (adapter_dir / "adapter_model.bin").is_file():
+            return
+        raise BadRequest(f"lora_path {str(adapter_dir)!r} has no adapter_model.safetensors")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key)
+    except Exception as exc:  # safetensors raises its own error types for a bad header or size
+        raise BadRequest(f"{weights} is not a whole safetensors file: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
