@@ -537,6 +537,8 @@ class RouterServer(JsonServer):
 
     def _add_worker(self, req: Request) -> Any:
         body = req.json()
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
         url = body.get("url") or (req.query.get("url") or [None])[0]
         if not isinstance(url, str) or not url.startswith("http"):
             raise BadRequest(f"url must be the replica's http:// address, got {url!r}")
@@ -548,6 +550,8 @@ class RouterServer(JsonServer):
 
     def _remove_worker(self, req: Request) -> Any:
         body = req.json()
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
         url = body.get("url") or (req.query.get("url") or [None])[0]
         if not isinstance(url, str):
             raise BadRequest("url must be the replica's address")
