@@ -218,7 +218,7 @@ def demonstration_loss(model_dir: Path, demos: list[tuple[str, str]]) -> float:
 
 def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec = BaseModelSpec()) -> Path:
     """Build (or reuse) the base model at ``out`` from the demonstrations of ``tasks``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     out = Path(out)
     demos = demonstrations(tasks)
@@ -235,14 +235,21 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
-    model = AutoModelForCausalLM.from_config(config)
-    examples = _examples(tokenizer, augment(demos, spec.augment_copies, spec.seed))
-    curve = sft(model, examples, spec)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True)
+    # Every reader (engine, harness, trainer) loads the tokenizer with AutoTokenizer from the model
+    # folder, where the model's config picks the tokenizer class and its pre-tokenizer; train on
+    # exactly the ids that load gives.
+    config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    model = AutoModelForCausalLM.from_config(config)
+    examples = _examples(tokenizer, augment(demos, spec.augment_copies, spec.seed))
+    curve = sft(model, examples, spec)
+    model.save_pretrained(tmp, safe_serialization=True)
+    reload_loss = demonstration_loss(tmp, demos)  # what was saved, reloaded, on the original demonstrations
     (tmp / "build.json").write_text(json.dumps({
         "fingerprint": fingerprint, "spec": asdict(spec), "demonstrations": len(demos),
         "sft_examples": len(examples), "parameters": sum(p.numel() for p in model.parameters()), "sft_curve": curve,
@@ -250,8 +257,6 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         "max_demo_tokens": max(len(e[0]) for e in examples),
         "reload_demo_loss": reload_loss,
     }, indent=1))
-    # Check what was saved: the reloaded tokenizer and model must give the trained loss.
-    reload_loss = demonstration_loss(tmp, demos)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
