@@ -541,7 +541,9 @@ class Sandbox:
             if runtime != "gvisor":  # runsc makes its own cgroup from the OCI spec
                 self.cgroup = Cgroup(self.id, limits)
                 argv = self.cgroup.wrap(argv)
-            host_env = None
+            # bwrap stays in the sandbox as its pid 1, whose /proc/1/environ the sandbox can read:
+            # start it with the sandbox's variables only, never the host's (tokens, keys).
+            host_env = dict(self.env) if runtime == "bwrap" else None
             if runtime == "unisolated":  # the sandbox's variables, with a home folder of its own
                 home = self.run_dir / "home"
                 home.mkdir()
