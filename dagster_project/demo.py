@@ -28,7 +28,7 @@ QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 # 22 steps; the curriculum from 2 base-model attempts per training task.
 DEMO_RUN: dict[str, Any] = {
     "overrides": {
-        "trainer": {"steps": 44, "checkpoint_every": 22},
+        "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 0.004},
         "async": {"group_size": 8, "collection_size": 32, "max_policy_lag": 1},
     },
 }
