@@ -46,7 +46,7 @@ class BaseModelSpec:
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 2048
-    sft_steps: int = 300
+    sft_steps: int = 400
     batch_size: int = 16
     augment_copies: int = 4  # renamed variants per demonstration
     learning_rate: float = 3e-3
