@@ -19,7 +19,7 @@ class TrainConfig:
     groups_per_step: int = 6  # whole groups the trainer takes per step
     group_size: int = 8  # samples per task per group
     max_policy_lag: int = 1  # a group sampled by adapter version v is used at steps <= v + 1 + lag
-    producer_workers: int = 1  # threads running groups; 0 = synchronous (deterministic, for tests)
+    producer_workers: int = 2  # threads running groups; 0 = synchronous (deterministic, for tests)
     checkpoint_every: int = 11
     lora_rank: int = 16
     lora_alpha: int = 32
