@@ -10,7 +10,6 @@ import hashlib
 import json
 import socket
 import string
-import subprocess
 import tomllib
 from pathlib import Path
 

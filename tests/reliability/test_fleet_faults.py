@@ -10,13 +10,11 @@ import importlib.util
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from serving.client import EngineClient
-from serving.router import Router, serve_router
 from tests.reliability.conftest import REPO
 
 
@@ -48,37 +46,41 @@ def _sim() -> tuple[subprocess.Popen, str]:
     return proc, urls
 
 
-def test_router_restarted_mid_session_serves_the_same_sessions_again(tmp_path: Path):
-    """The router is stopped between two turns of live sessions and a new one starts on the same port
-    with the same replicas: the client sees the gap as a connection error (not an HTTP answer, so the
-    harness records an infrastructure failure, never a model failure), then every session continues
-    on the new router with its full context, and captured calls are still on the replicas."""
+def _router(port: int, urls: list[str]) -> tuple[subprocess.Popen, str]:
+    workers = [arg for url in urls for arg in ("--worker", url)]
+    proc = subprocess.Popen([sys.executable, "-m", "serving.router", "--port", str(port), *workers], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert " on http" in line, line
+    return proc, line.split(" on ")[1].split()[0]
+
+
+def test_router_process_sigkilled_mid_session_and_restarted_serves_the_same_sessions(tmp_path: Path):
+    """The router process is SIGKILLed between two turns of live sessions and started again on the same
+    port with the same replicas: meanwhile the client sees a connection error (``OSError``, which the
+    harness records as an infrastructure failure, never a model failure), then every session continues
+    through the new router with its full context."""
     proc, urls = _sim()
+    router, url = _router(0, urls)
     try:
-        router = Router("kv_headroom")
-        for url in urls:
-            router.add_replica(url)
-        server = serve_router(router, port=0)
-        port = server.port
-        client = EngineClient(server.url, timeout_s=30)
+        client = EngineClient(url, timeout_s=30)
         contexts = {f"s{i}": [3 + i] * 32 for i in range(12)}
         for rid, ctx in contexts.items():
             contexts[rid] = ctx + client.generate(ctx, {"max_new_tokens": 8}, rid=rid)["output_ids"]
-        server.shutdown()
+        router.send_signal(signal.SIGKILL)
+        router.wait()
         with pytest.raises(OSError):
             client.generate(contexts["s0"], {"max_new_tokens": 8}, rid="s0")
-        router2 = Router("kv_headroom")
-        for url in urls:
-            router2.add_replica(url)
-        server2 = serve_router(router2, port=port)
-        try:
-            for rid, ctx in contexts.items():
-                out = client.generate(ctx, {"max_new_tokens": 8}, rid=rid)
-                assert len(out["output_ids"]) == 8 and out["meta_info"]["prompt_tokens"] == len(ctx)
-            assert router2.metrics()["router_live_sessions"] == len(contexts)
-        finally:
-            server2.shutdown()
+        router, url2 = _router(int(url.rsplit(":", 1)[1]), urls)
+        assert url2 == url
+        for rid, ctx in contexts.items():
+            out = client.generate(ctx, {"max_new_tokens": 8}, rid=rid)
+            assert len(out["output_ids"]) == 8 and out["meta_info"]["prompt_tokens"] == len(ctx)
+        live = client.pool.request("GET", f"{url}/metrics")[1].decode()
+        assert f"posttrain:router_live_sessions {float(len(contexts))!r}" in live
     finally:
+        router.send_signal(signal.SIGKILL)
+        router.wait()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 

@@ -11,7 +11,6 @@ import shutil
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
