@@ -2,9 +2,11 @@
 
     .venv/bin/python bench/load_fleet_faults.py                 # 5 replicas, 6 steps, ~1 minute on 2 cores
     .venv/bin/python bench/load_fleet_faults.py --replicas 10 --sessions 200
+    .venv/bin/python bench/load_fleet_faults.py --tiny-model --sessions 24 --max-new-tokens 8 --steps 4
 
 The replicas are ``serving.sim`` engines, each its own process (the engine HTTP API, KV accounting,
-a service-time model, no model compute), behind the real router (``serving.router``, ``kv_headroom``)
+a service-time model, no model compute), or with ``--tiny-model`` real local engines (``python -m
+serving.engine`` on a tiny random Qwen2, real LoRA adapters loaded by peft), behind the real router (``serving.router``, ``kv_headroom``)
 with a shared adapters volume. A "step" is what the producer does between two weight publications:
 ``--sessions`` multi-turn sessions (``lora_path: "latest"``, each turn sends the whole context)
 run at once, then the next adapter version is published (volume copy + ``/publish_adapter``).
@@ -12,7 +14,7 @@ run at once, then the next adapter version is published (volume copy + ``/publis
 In step ``--fault-step``, once 40% of the step's calls are answered, 40% of the replicas are killed
 with SIGKILL (calls in flight see a reset) and as many fresh replica processes are started and
 added to the router, which makes each load the newest adapter from the volume before it takes
-traffic. Printed: each step's wall time, the fault step against the mean of the steps before and
+traffic; the run does not wait for them (later steps run on the survivors until they join). Printed: each step's wall time, the fault step against the mean of the steps before and
 after (as a ratio), calls retried by the router, sessions moved, and the checks: every session
 answered every turn (none lost, none answered twice), every session kept one adapter version, and
 every replacement joined with the newest version loaded.
@@ -40,29 +42,43 @@ from serving.client import EngineClient  # noqa: E402
 from serving.router import Router, serve_router  # noqa: E402
 
 
-def start_replica(decode_step_ms: float) -> tuple[subprocess.Popen, str]:
-    """One simulated replica in its own process; returns it and its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "serving.sim", "--replicas", "1x1", "--decode-step-ms",
-                             str(decode_step_ms)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+def start_replica(decode_step_ms: float, model_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """One replica in its own process: simulated, or the local engine on ``model_dir``; returns it and its URL."""
+    if model_dir is None:
+        cmd = [sys.executable, "-m", "serving.sim", "--replicas", "1x1", "--decode-step-ms", str(decode_step_ms)]
+    else:
+        cmd = [sys.executable, "-m", "serving.engine", "--model", str(model_dir), "--port", "0", "--torch-threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
-    url = proc.stdout.readline().split()[0]
-    assert proc.stdout.readline().strip() == "ready"
+    line = proc.stdout.readline()
+    if model_dir is None:
+        url = line.split()[0]
+        assert proc.stdout.readline().strip() == "ready"
+    else:
+        assert " on http" in line, line
+        url = line.rsplit(" on ", 1)[1].strip()
     return proc, url
 
 
-def publish(volume: Path, router: Router, version: str) -> None:
-    """A version on the volume (the files a late joiner looks for; the simulated engine reads none)."""
+def publish(volume: Path, router: Router, version: str, model_dir: Path | None = None) -> None:
+    """A new version on the volume, then announced to the router (which loads it on every replica).
+    With a real model it is a real LoRA adapter; the simulated engine reads no file."""
     tmp = volume / f".tmp-{version}"
-    tmp.mkdir(parents=True)
-    (tmp / "adapter_config.json").write_text(json.dumps({"r": 4}))
-    (tmp / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    if model_dir is None:
+        tmp.mkdir(parents=True)
+        (tmp / "adapter_config.json").write_text(json.dumps({"r": 4}))
+        (tmp / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    else:
+        from serving.tiny import build_tiny_lora_adapter
+
+        build_tiny_lora_adapter(model_dir, tmp, seed=int(version.rsplit("_", 1)[1]) + 1)
     tmp.rename(volume / version)
     router.publish_adapter(version, str(volume / version))
 
 
 def run(*, replicas: int = 5, steps: int = 6, sessions: int = 96, turns: int = 4, fault_step: int = 3,
         kill_fraction: float = 0.4, max_new_tokens: int = 48, decode_step_ms: float = 10.0,
-        workdir: Path | None = None) -> dict:
+        workdir: Path | None = None, model_dir: Path | None = None) -> dict:
     workdir = Path(workdir or tempfile.mkdtemp(prefix="fleet-faults-"))
     volume = workdir / "adapters"
     volume.mkdir(parents=True, exist_ok=True)
@@ -71,12 +87,13 @@ def run(*, replicas: int = 5, steps: int = 6, sessions: int = 96, turns: int = 4
     server = serve_router(router, port=0)
     client = EngineClient(server.url, timeout_s=120)
     result: dict = {"step_s": [], "lost": 0, "duplicated": 0, "mixed_versions": 0, "replacements": []}
+    faulter: threading.Thread | None = None
     try:
         for _ in range(replicas):
-            proc, url = start_replica(decode_step_ms)
+            proc, url = start_replica(decode_step_ms, model_dir)
             procs[url] = proc
             router.add_replica(url)
-        publish(volume, router, "step_000000")
+        publish(volume, router, "step_000000", model_dir)
         for step in range(1, steps + 1):
             answered = [0]
             lock = threading.Lock()
@@ -85,13 +102,14 @@ def run(*, replicas: int = 5, steps: int = 6, sessions: int = 96, turns: int = 4
 
             def session(i: int) -> list[dict]:
                 rid = f"s{step:03d}-{i:04d}"
-                context = [1 + (i // 8) % 50] * 64  # GRPO groups of 8 share a prompt
+                context = [1 + (i // 8) % 50] * (64 if model_dir is None else 8)  # GRPO groups of 8 share a prompt
                 metas = []
                 try:
                     for _turn in range(turns):
-                        out = client.generate(context, {"max_new_tokens": max_new_tokens}, lora_path="latest", rid=rid)
+                        out = client.generate(context, {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+                                              lora_path="latest", rid=rid)
                         metas.append(out["meta_info"])
-                        context = context + out["output_ids"] + [7] * 16  # the tool's observation
+                        context = context + out["output_ids"] + [7] * (16 if model_dir is None else 2)  # tool output
                         with lock:
                             answered[0] += 1
                     client.pool.json("POST", f"{server.url}/end_session", {"rid": rid})
@@ -105,30 +123,32 @@ def run(*, replicas: int = 5, steps: int = 6, sessions: int = 96, turns: int = 4
                 victims = list(procs)[: max(1, round(kill_fraction * replicas))]
                 for url in victims:
                     procs.pop(url).send_signal(signal.SIGKILL)
-                newest = router.newest_ready_version()
+                killed_at = time.perf_counter()
                 for _ in victims:
-                    proc, url = start_replica(decode_step_ms)
+                    proc, url = start_replica(decode_step_ms, model_dir)
                     procs[url] = proc
+                    newest = router.newest_ready_version()
                     replica = router.add_replica(url)  # loads the newest version before any traffic
-                    result["replacements"].append({"url": url, "newest": newest, "adapters": sorted(replica.adapters)})
+                    result["replacements"].append({"url": url, "newest": newest, "adapters": sorted(replica.adapters),
+                                                   "joined_after_s": time.perf_counter() - killed_at})
                 result["killed"] = victims
                 fault_done.set()
 
             started = time.perf_counter()
-            faulter = threading.Thread(target=fault) if step == fault_step else None
-            if faulter:
+            if step == fault_step:  # replacements join whenever they are up; the run does not wait for them
+                faulter = threading.Thread(target=fault)
                 faulter.start()
             with ThreadPoolExecutor(max_workers=sessions) as pool:
                 answers = list(pool.map(session, range(sessions)))
-            if faulter:
-                faulter.join()
             result["step_s"].append(time.perf_counter() - started)
             for metas in answers:
                 result["lost"] += turns - len(metas) if len(metas) < turns else 0
                 result["duplicated"] += len(metas) - turns if len(metas) > turns else 0
                 if len({m["weight_version"] for m in metas}) != 1:
                     result["mixed_versions"] += 1
-            publish(volume, router, f"step_{step:06d}")
+            publish(volume, router, f"step_{step:06d}", model_dir)
+        if faulter is not None:
+            faulter.join()
         m = router.metrics()
         result["retried_calls"] = m["router_retried_calls_total"]
         result["moved_sessions"] = m["router_moved_sessions_total"]
@@ -155,11 +175,19 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--fault-step", type=int, default=3)
     parser.add_argument("--decode-step-ms", type=float, default=10.0)
+    parser.add_argument("--tiny-model", action="store_true",
+                        help="real local engines (transformers on CPU) on serving.tiny's model, real LoRA adapters")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model_dir = None
+    if args.tiny_model:
+        from serving.tiny import build_tiny_model
+
+        model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="fleet-faults-model-")) / "model")
     r = run(replicas=args.replicas, steps=args.steps, sessions=args.sessions, turns=args.turns, fault_step=args.fault_step,
-            decode_step_ms=args.decode_step_ms)
-    print(f"replicas {args.replicas}, {args.sessions} sessions x {args.turns} turns per step, {args.steps} steps; "
+            decode_step_ms=args.decode_step_ms, model_dir=model_dir, max_new_tokens=args.max_new_tokens)
+    print(f"{'local engines (tiny model)' if model_dir else 'simulated'} replicas {args.replicas}, {args.sessions} sessions x {args.turns} turns per step, {args.steps} steps; "
           f"step {args.fault_step}: {len(r['killed'])} replicas SIGKILLed mid-step and replaced")
     for n, t in enumerate(r["step_s"], 1):
         print(f"  step {n}: {t:6.2f} s" + ("   <- fault" if n == args.fault_step else ""))
@@ -170,7 +198,8 @@ def main() -> int:
         print(f"first lost call: {r['errors'][0]}")
     print(f"lost {r['lost']}, duplicated {r['duplicated']}, sessions with mixed adapter versions {r['mixed_versions']}")
     for rep in r["replacements"]:
-        print(f"  replacement {rep['url']}: joined with {rep['adapters']} (newest published: {rep['newest']})")
+        print(f"  replacement {rep['url']}: joined {rep['joined_after_s']:.1f} s after the kill with {rep['adapters']} "
+              f"(newest published then: {rep['newest']})")
     return 0
 
 
