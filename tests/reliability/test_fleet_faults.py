@@ -38,6 +38,23 @@ def test_forty_percent_of_replicas_sigkilled_mid_step_loses_no_call(tmp_path: Pa
     assert r["moved_sessions"] > 0  # the killed replicas had live sessions; they moved on
 
 
+@pytest.mark.slow
+def test_forty_percent_of_real_engine_replicas_sigkilled_replacements_load_the_newest_adapter(tmp_path: Path):
+    """The same with real local engines (``python -m serving.engine``, a tiny random Qwen2) and real LoRA
+    adapters published on the volume: 2 of 5 SIGKILLed mid-step, no call lost, and each replacement has
+    the newest version loaded by peft before it takes traffic (over a minute: seven engine processes)."""
+    from serving.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    r = _bench().run(replicas=5, steps=3, sessions=16, turns=3, fault_step=2, max_new_tokens=8,
+                     workdir=tmp_path / "run", model_dir=model)
+    assert r.get("errors") is None, r["errors"][:3]
+    assert r["lost"] == r["duplicated"] == r["mixed_versions"] == 0
+    assert len(r["replacements"]) == 2
+    for rep in r["replacements"]:
+        assert rep["newest"] in rep["adapters"], rep
+
+
 def _sim() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "serving.sim", "--replicas", "2x1"], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
