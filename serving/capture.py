@@ -111,14 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from serving.http import serve_sidecar
 
     server = serve_sidecar(args.upstream, host=args.host, port=args.port, staging_dir=args.staging_dir)
-    print(f"capture sidecar for {args.upstream} on {server.url}", flush=True)
-    try:
-        server.serve_until_stopped()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
-    return 0
+    return server.run_in_foreground(f"capture sidecar for {args.upstream} on {server.url}")
 
 
 if __name__ == "__main__":

@@ -598,14 +598,7 @@ def run(args: argparse.Namespace) -> int:
         if newest is not None and newest[0] not in engine.adapters():
             engine.load_lora_adapter(*newest)
     server = serve(engine, host=args.host, port=args.port)
-    print(f"engine serving {args.model} on {server.url}", flush=True)
-    try:
-        server.serve_until_stopped()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
-    return 0
+    return server.run_in_foreground(f"engine serving {args.model} on {server.url}")
 
 
 if __name__ == "__main__":

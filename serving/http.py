@@ -169,6 +169,17 @@ class JsonServer:
         else:
             self._thread.join()
 
+    def run_in_foreground(self, banner: str) -> int:
+        """Print ``banner``, serve until interrupted, then shut down: the body of a server's ``__main__``."""
+        print(banner, flush=True)
+        try:
+            self.serve_until_stopped()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.shutdown()
+        return 0
+
     def shutdown(self) -> None:
         """Stop listening and cut every open connection (calls in flight see a reset, as from a crash)."""
         self.httpd.shutdown()

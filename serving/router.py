@@ -596,14 +596,7 @@ def run(args: argparse.Namespace) -> int:
         pool, _, gpus = rest.partition(":")
         router.add_replica_when_up(url, pool or "on_demand", int(gpus or 1))
     server = serve_router(router, args.host, args.port)
-    print(f"router ({args.policy}) on {server.url} over {len(router.replicas)} replicas", flush=True)
-    try:
-        server.serve_until_stopped()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.shutdown()
-    return 0
+    return server.run_in_foreground(f"router ({args.policy}) on {server.url} over {len(router.replicas)} replicas")
 
 
 if __name__ == "__main__":
