@@ -53,8 +53,10 @@ def per_task(rows: pd.DataFrame, k: int) -> pd.DataFrame:
             "strict_target_score": float(group["strict_target_score"].mean()),
             "partial": float(group["partial"].mean()),
         })
-    return pd.DataFrame(out, columns=["task_id", "n", "c", "pass@1", f"pass@{k}", "target_score",
-                                      "strict_target_score", "partial"])
+    # with k == 1 the two pass columns are one (a repeated name would make a two-column selection)
+    pass_columns = list(dict.fromkeys(["pass@1", f"pass@{k}"]))
+    return pd.DataFrame(out, columns=["task_id", "n", "c", *pass_columns, "target_score", "strict_target_score",
+                                      "partial"])
 
 
 @dataclass
@@ -80,7 +82,7 @@ def score_checkpoint(rows: pd.DataFrame, *, k: int = 8, resamples: int = 2000, s
                               int((rows["status"] == INFRA_ERROR).sum()))
     if table.empty:
         return result
-    for metric in (*METRICS, f"pass@{k}"):
+    for metric in dict.fromkeys((*METRICS, f"pass@{k}")):
         values = table[metric].dropna()
         if len(values):
             result.estimates[metric] = bootstrap(values.to_numpy(), resamples=resamples, seed=seed)

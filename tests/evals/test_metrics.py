@@ -56,3 +56,19 @@ def test_paired_difference_uses_common_tasks_only():
     assert est.n_tasks == 3
     with pytest.raises(ValueError, match="share no task"):
         paired_difference({"x": 1.0}, {"y": 1.0})
+
+
+def test_per_task_with_one_attempt_has_one_pass_column():
+    import pandas as pd
+
+    from evals.report import per_task, score_checkpoint
+
+    rows = pd.DataFrame({
+        "checkpoint": ["r-step_000001"] * 3, "task_id": ["a", "b", "c"], "status": ["ok", "ok", "ok"],
+        "reward": [1.0, 0.0, 1.0], "target_score": [1.0, 0.5, 1.0], "strict_target_score": [1.0, 0.0, 1.0],
+        "partial": [1.0, 0.5, 1.0],
+    })
+    table = per_task(rows, 1)
+    assert list(table.columns).count("pass@1") == 1
+    assert table["pass@1"].tolist() == [1.0, 0.0, 1.0]
+    assert score_checkpoint(rows, k=1, resamples=50).estimates["pass@1"].value == pytest.approx(2 / 3)
