@@ -3,7 +3,7 @@
     .venv/bin/python bench/planner_local_engine.py [--rounds 2] [--threads 1]
 
 Builds a random Qwen2 with ``serving.tiny`` in the geometry of the embedded default's base model
-(``training.base_model.BaseModelSpec``: hidden 128, 4 layers, 4 heads, 2 KV heads), serves it with the local
+(``training.base_model.BaseModelSpec``), serves it with the local
 engine in this process, and replays one GRPO-shaped workload (16 prompts x 8 samples, 64-token
 prompts, 32 new tokens each, EOS ignored so every request is the same length) at each admission,
 rounds interleaved so that load from other processes falls on every setting alike. It prints output
@@ -21,8 +21,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-GEOMETRY = dict(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=352,
-                max_position_embeddings=2048)
+from training.base_model import BaseModelSpec
+
+# The embedded default's base model geometry, read from its spec so the preset cannot drift from it.
+_SPEC = BaseModelSpec()
+GEOMETRY = dict(vocab_size=_SPEC.vocab_size, hidden_size=_SPEC.hidden_size, num_layers=_SPEC.num_layers,
+                num_heads=_SPEC.num_heads, num_kv_heads=_SPEC.num_kv_heads,
+                intermediate_size=_SPEC.intermediate_size, max_position_embeddings=_SPEC.max_position_embeddings)
 PROMPTS, SAMPLES, PROMPT_TOKENS, NEW_TOKENS = 16, 8, 64, 32
 ADMISSIONS = (1, 4, 16, 32, 64, 128)
 

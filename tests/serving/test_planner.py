@@ -296,11 +296,11 @@ def test_invalid_geometry_and_missing_context_are_errors() -> None:
         resolve(run(DENSE, inference={"profile": "fast", "max_context_length": 8}))
 
 
-def _tiny_checkpoint(path: Path, layers: int = 4) -> Path:
+def _tiny_checkpoint(path: Path, layers: int = 3) -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "hidden_size": 128, "torch_dtype": "float32", "max_position_embeddings": 4096,
+        "hidden_size": 96, "torch_dtype": "float32", "max_position_embeddings": 4096,
     }))  # fmt: skip
     (path / "model.safetensors").write_bytes(b"\0" * 2**20)
     return path
@@ -313,10 +313,11 @@ def test_measured_local_preset_checks_the_geometry(tmp_path: Path) -> None:
     # The preset owns only the admission (R = 32, measured); the rest follows the generic rules.
     assert plan.resolved["sglang_max_running_requests"] == 32
     assert plan.resolved["sglang_server_concurrency"] == 64
-    # C = 4096 from config.json: 32 x 4096 = 131,072 tokens x (2 x 4 x 2 x 32 x 4 = 2,048 bytes) = 0.25 GiB.
+    # C = 4096 from config.json: 32 x 4096 = 131,072 tokens x (2 x 3 x 2 x 24 x 4 = 1,152 bytes)
+    # = 150,994,944 bytes = 0.140625 GiB.
     assert plan.resolved["sglang_max_total_tokens"] == 131_072
-    assert plan.memory["kv_bytes_per_token"] == 2048 and plan.memory["kv_pool_gib"] == 0.25
-    assert plan.throughput["decode_tokens_per_s_per_engine"] == 1487.9
+    assert plan.memory["kv_bytes_per_token"] == 1152 and plan.memory["kv_pool_gib"] == 0.1406
+    assert plan.throughput["decode_tokens_per_s_per_engine"] == 3576.9
     assert "inference_model_guard_deferred" not in plan.warning_codes()
     assert plan.local_engine_args() == ["--max-running-requests", "32", "--max-total-tokens", "131072"]
     # Another geometry is refused, naming the key.
@@ -327,7 +328,7 @@ def test_measured_local_preset_checks_the_geometry(tmp_path: Path) -> None:
     assert "inference_model_guard_deferred" in deferred.warning_codes()
     # Two engines: the fleet rate is extrapolated from one engine, and says so.
     fleet = resolve({"model": {"path": str(tmp_path / "tiny")}, "inference": {**inference, "engines": 2}})
-    assert fleet.throughput["fleet_decode_tokens_per_s"] == pytest.approx(2975.8)
+    assert fleet.throughput["fleet_decode_tokens_per_s"] == pytest.approx(7153.8)
     assert "inference_fleet_extrapolation" in fleet.warning_codes()
 
 

@@ -198,19 +198,25 @@ def test_embedded_example_with_its_base_model_geometry(tmp_path: Path) -> None:
     """The embedded example, planned against a config.json in training.base_model's geometry."""
     import tomllib
 
+    from training.base_model import BaseModelSpec
+
+    spec = BaseModelSpec()
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "hidden_size": 128, "torch_dtype": "float32", "max_position_embeddings": 2048,
+        "model_type": "qwen2", "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "hidden_size": spec.hidden_size, "torch_dtype": "float32",
+        "max_position_embeddings": spec.max_position_embeddings,
     }))  # fmt: skip
     (base / "model.safetensors").write_bytes(b"\0" * (4 * 2**20))
     data = tomllib.loads((EXAMPLES / "embedded.toml").read_text())
     data["model"]["path"] = str(base)
     plan = resolve(data, source="embedded.toml")
-    # R = 32 (measured preset); tokens 32 x 2048 = 65,536 x 2,048 bytes (2 x 4 x 2 x 32 x 4) = 0.125 GiB.
+    # R = 32 (measured preset); tokens 32 x 2048 = 65,536 x 1,152 bytes (2 x 3 x 2 x 24 x 4)
+    # = 75,497,472 bytes = 0.0703 GiB.
+    assert (spec.num_layers, spec.num_kv_heads, spec.hidden_size // spec.num_heads) == (3, 2, 24)
     assert plan.resolved["sglang_max_total_tokens"] == 65_536
-    assert plan.memory["kv_pool_gib"] == 0.125
+    assert plan.memory["kv_pool_gib"] == 0.0703
     assert plan.memory["fits"] is True
     assert plan.warning_codes() == []
 
