@@ -30,9 +30,6 @@ DEMO_RUN: dict[str, Any] = {
     "overrides": {
         "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 0.004},
         "async": {"group_size": 8, "collection_size": 32, "max_policy_lag": 1},
-        # The local-cpu-tiny-v1 preset pins the geometry it was measured on (4 layers, head_dim 32);
-        # the embedded base model is smaller now (3 layers, head_dim 24): generic admission rules.
-        "inference": {"profile": "generic"},
     },
 }
 DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2}

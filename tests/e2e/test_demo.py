@@ -24,10 +24,9 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
     from dagster_project.demo import run_demo
 
     rl = {"overrides": {"trainer": {"steps": 2, "checkpoint_every": 1},
-                        "async": {"group_size": 4, "collection_size": 8, "max_policy_lag": 1},
-                        "inference": {"profile": "generic"}}}
+                        "async": {"group_size": 4, "collection_size": 8, "max_policy_lag": 1}}}
     assert run_demo("e2e", rl, curriculum_config={"attempts_per_task": 1, "sft_steps": 40},
-                    eval_config={"attempts": 2}) == 0  # attempts=1 trips deepswe_eval (pass@1 twice)
+                    eval_config={"attempts": 2}) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "e2e"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000", "step_000001", "step_000002"]
