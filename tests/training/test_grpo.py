@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from training.backends import TrainBatch
+from training.backends import TrainBatch, micro_batches
 from training.backends.torch_peft import TorchPeftBackend
 from training.grpo import group_advantages, grpo_loss
 
@@ -90,7 +90,7 @@ def test_backend_step_does_not_depend_on_micro_batching(tiny_model_dir):
     loss and the same adapter: the loss is normalized by the whole batch's generated tokens."""
     whole = TorchPeftBackend(tiny_model_dir, lora_rank=4, micro_batch_tokens=10_000, seed=3)
     split = TorchPeftBackend(tiny_model_dir, lora_rank=4, micro_batch_tokens=7, seed=3)
-    assert len(split._micro_batches(_batch())) == 4
+    assert len(micro_batches(_batch().input_ids, split.micro_batch_tokens)) == 4
     a, b = whole.train_step(_batch()), split.train_step(_batch())
     assert a.tokens == b.tokens == 8
     assert a.loss == pytest.approx(b.loss, abs=1e-6)

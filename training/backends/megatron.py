@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.backends import StepResult, TrainBatch
+from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
 from training.grpo import grpo_loss
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -462,24 +462,6 @@ class MegatronBackend:
         ).transpose(0, 1)
         return F.pad(lp, (1, 0))
 
-    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
-        order = sorted(range(len(batch.input_ids)), key=lambda i: len(batch.input_ids[i]))
-        groups: list[list[int]] = []
-        current: list[int] = []
-        for i in order:
-            longest = max([len(batch.input_ids[j]) for j in current] + [len(batch.input_ids[i])])
-            if current and longest * (len(current) + 1) > self.micro_batch_tokens:
-                groups.append(current)
-                current = []
-            current.append(i)
-        if current:
-            groups.append(current)
-        return groups
-
-    def _pad(self, rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype, device=self.device)
-
     def _set_lora(self, enabled: bool) -> None:
         for _, m in self.lora_modules:
             m.enabled = enabled
@@ -505,10 +487,10 @@ class MegatronBackend:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = max(batch.generated_tokens, 1)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "w": 0.0, "clip": 0.0}
-        for idx in self._micro_batches(batch):
-            ids = self._pad([batch.input_ids[i] for i in idx], 0, torch.long)
-            mask = self._pad([batch.loss_mask[i] for i in idx], 0, torch.float32)
-            serving = self._pad([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32)
+        for idx in micro_batches(batch.input_ids, self.micro_batch_tokens):
+            ids = pad_rows([batch.input_ids[i] for i in idx], 0, torch.long, self.device)
+            mask = pad_rows([batch.loss_mask[i] for i in idx], 0, torch.float32, self.device)
+            serving = pad_rows([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32, self.device)
             adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=self.device)
             logprobs = self.token_logprobs(ids)
             ref = None

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from training.backends import StepResult, TrainBatch
+from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
 from training.grpo import grpo_loss
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,40 +60,22 @@ class TorchPeftBackend:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
-        order = sorted(range(len(batch.input_ids)), key=lambda i: len(batch.input_ids[i]))
-        groups: list[list[int]] = []
-        current: list[int] = []
-        for i in order:
-            longest = max([len(batch.input_ids[j]) for j in current] + [len(batch.input_ids[i])])
-            if current and longest * (len(current) + 1) > self.micro_batch_tokens:
-                groups.append(current)
-                current = []
-            current.append(i)
-        if current:
-            groups.append(current)
-        return groups
-
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """log π(token_t | tokens_<t) for t >= 1, aligned so column t is token t (column 0 is 0)."""
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         return torch.nn.functional.pad(lp, (1, 0))
 
-    def _pad(self, rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype, device=self.device)
-
     def train_step(self, batch: TrainBatch) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = max(batch.generated_tokens, 1)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "w": 0.0, "clip": 0.0}
-        for idx in self._micro_batches(batch):
-            ids = self._pad([batch.input_ids[i] for i in idx], 0, torch.long)
-            attn = self._pad([[1] * len(batch.input_ids[i]) for i in idx], 0, torch.long)
-            mask = self._pad([batch.loss_mask[i] for i in idx], 0, torch.float32)
-            serving = self._pad([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32)
+        for idx in micro_batches(batch.input_ids, self.micro_batch_tokens):
+            ids = pad_rows([batch.input_ids[i] for i in idx], 0, torch.long, self.device)
+            attn = pad_rows([[1] * len(batch.input_ids[i]) for i in idx], 0, torch.long, self.device)
+            mask = pad_rows([batch.loss_mask[i] for i in idx], 0, torch.float32, self.device)
+            serving = pad_rows([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32, self.device)
             adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=self.device)
             logprobs = self.token_logprobs(ids, attn)
             ref = None
