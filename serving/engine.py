@@ -262,11 +262,7 @@ class LocalEngine:
         return self.cache.locked_tokens + sum(r.private_tokens(bs) for r in self._running)
 
     def _make_room(self, need_tokens: int) -> bool:
-        free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
-        if free < need_tokens:
-            self.cache.evict(need_tokens - free)
-            free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
-        return free >= need_tokens
+        return self.cache.make_room(need_tokens, self.max_total_tokens, self._used_tokens())
 
     # --- the scheduler ----------------------------------------------------------------------
 

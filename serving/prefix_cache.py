@@ -130,6 +130,15 @@ class PrefixCache:
         self.stats.evicted_tokens += freed
         return freed
 
+    def make_room(self, need_tokens: int, capacity_tokens: int, used_tokens: int) -> bool:
+        """Whether ``need_tokens`` fit in a pool of ``capacity_tokens`` of which running requests hold
+        ``used_tokens`` (besides this cache's locked and evictable blocks), evicting what it must."""
+        free = capacity_tokens - used_tokens - self.evictable_tokens
+        if free < need_tokens:
+            self.evict(need_tokens - free)
+            free = capacity_tokens - used_tokens - self.evictable_tokens
+        return free >= need_tokens
+
     def drop_adapter(self, adapter: str | None) -> None:
         """Forget every unlocked block computed under ``adapter`` (its weights are gone)."""
         for block in sorted(self._blocks.values(), key=lambda b: -b.depth):

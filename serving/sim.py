@@ -151,11 +151,7 @@ class SimEngine:
         return self.cache.locked_tokens + sum(self._private(r) for r in self._running)
 
     def _make_room(self, need: int) -> bool:
-        free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
-        if free < need:
-            self.cache.evict(need - free)
-            free = self.max_total_tokens - self._used_tokens() - self.cache.evictable_tokens
-        return free >= need
+        return self.cache.make_room(need, self.max_total_tokens, self._used_tokens())
 
     def _loop(self) -> None:
         svc = self.service
