@@ -1,14 +1,21 @@
 """Router benchmark: multi-turn agent sessions replayed against a fleet of SIMULATED engines.
 
-    .venv/bin/python bench/router.py                       # defaults below, about 6-8 minutes on 2 cores
-    .venv/bin/python bench/router.py --sessions 2048 --turns 100   # closer to production, much longer
+    .venv/bin/python bench/router.py                       # the issue's shape: ~100 calls per session
+    .venv/bin/python bench/router.py --shape short         # the earlier, lighter shape: ~16 calls per session
+    .venv/bin/python bench/router.py --sessions 128 --routers kv_headroom,sglang-router   # a quick look
 
 The replicas are ``serving.sim`` engines: the same HTTP API and KV-cache accounting as a replica
 (block prefix cache, LRU eviction, token budget, retraction), a service-time model, and no model
 compute. The fleet mixes 8-GPU "reserved" and 1-GPU "on-demand" replicas. Sessions come in GRPO
 groups of 8 sharing a prompt; each turn sends the whole context (prompt + every earlier output and
 tool observation), so the context grows every turn, then "runs a tool" (think time) before the
-next turn.
+next turn. ``--shape agent`` (the default) is the issue's shape, about 100 calls per session;
+``--shape short`` is the lighter one measured first (about 16 calls, a quarter of the KV per GPU).
+Every other option overrides the shape's value.
+
+The most any router could hit is a property of the workload: every call's new tokens (its tool
+observation; the group's prompt for the first sibling to start) must be computed somewhere. That
+ceiling is printed with the workload and next to each router's hit rate.
 
 The same workload (same seed) runs through each router, each against a freshly started fleet:
 ours (``kv_headroom``), ``round_robin``, ``least_loaded`` (both ours too, sticky per session), and
@@ -86,6 +93,14 @@ def start_router(kind: str, workers, port: int) -> subprocess.Popen | None:
     return proc
 
 
+SHAPES = {
+    # ~100 calls per rollout as in the issue; 16384 KV tokens per GPU so that the longest session
+    # (about 12k tokens at 180 calls) still fits a 1-GPU replica.
+    "agent": {"turns": 100, "tokens_per_gpu": 16384, "sessions": 256},
+    "short": {"turns": 16, "tokens_per_gpu": 4096, "sessions": 1024},
+}
+
+
 def make_workload(args) -> list[dict]:
     rng = random.Random(args.seed)
     sessions = []
@@ -97,6 +112,25 @@ def make_workload(args) -> list[dict]:
                    for _ in range(turns)]
             sessions.append({"rid": f"g{g:05d}-s{k}", "prompt": prompt, "obs": obs})
     return sessions
+
+
+def workload_ceiling(sessions, output_tokens: int) -> tuple[int, int]:
+    """(prompt tokens over all calls, the most of them any cache could hold): a call can hit its
+    session's whole earlier context (every earlier output and observation), and a first call its
+    group's prompt once a sibling has started (sessions start in list order)."""
+    prompt_total = cacheable = 0
+    started = set()
+    for session in sessions:
+        group = session["rid"].split("-")[0]
+        context = len(session["prompt"])
+        before = context if group in started else 0
+        started.add(group)
+        for obs in session["obs"]:
+            prompt_total += context
+            cacheable += before
+            before = context + output_tokens
+            context += output_tokens + len(obs)
+    return prompt_total, cacheable
 
 
 def run_workload(url: str | None, sessions, args, workers=None) -> dict:
@@ -184,13 +218,15 @@ def retractions(workers) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", action="append", default=None, help="COUNTxGPUS (default: 56x1 and 8x8 = 64 replicas)")
-    p.add_argument("--tokens-per-gpu", type=int, default=4096, help="KV budget per GPU in tokens")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="agent",
+                   help="agent: ~100 calls per session (the issue's); short: ~16 (the shape measured first)")
+    p.add_argument("--tokens-per-gpu", type=int, default=None, help="KV budget per GPU in tokens (agent 16384, short 4096)")
     p.add_argument("--decode-step-ms", type=float, default=20.0)
     p.add_argument("--prefill-us-per-token", type=float, default=20.0, help="prefill time per uncached token on one GPU")
-    p.add_argument("--sessions", type=int, default=1024)
+    p.add_argument("--sessions", type=int, default=None, help="sessions in all (agent 256, short 1024)")
     p.add_argument("--live-sessions", type=int, default=128, help="sessions running at once (closed loop)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--turns", type=int, default=16, help="mean calls per session")
+    p.add_argument("--turns", type=int, default=None, help="mean calls per session (agent 100, short 16)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--obs-tokens", type=int, default=48, help="mean tool-observation tokens per turn")
     p.add_argument("--output-tokens", type=int, default=16)
@@ -203,6 +239,9 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     args.replicas = args.replicas or ["56x1", "8x8"]
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     routers = [r for r in args.routers.split(",") if r]
     if "sglang-router" in routers:
         try:
@@ -212,10 +251,16 @@ def main() -> int:
             routers.remove("sglang-router")
     sessions = make_workload(args)
     n_calls = sum(len(s["obs"]) for s in sessions)
+    prompt_total, cacheable = workload_ceiling(sessions, args.output_tokens)
+    ceiling = cacheable / prompt_total
     print(f"SIMULATED engines (serving.sim: engine HTTP API, KV-cache accounting, service-time model, no model compute)")
     print(f"fleet {'+'.join(args.replicas)} replicas, {args.tokens_per_gpu} KV tokens/GPU, prefill {args.prefill_us_per_token} us/token, "
           f"decode step {args.decode_step_ms} ms; {len(sessions)} sessions "
-          f"(groups of {args.group_size}), {args.live_sessions} live, {n_calls} calls", flush=True)
+          f"(groups of {args.group_size}), {args.live_sessions} live, {n_calls} calls ({args.shape} shape: "
+          f"{args.turns} calls/session mean, {args.prompt_tokens}-token prompt, +{args.output_tokens} out "
+          f"+{args.obs_tokens} observation tokens per turn)", flush=True)
+    print(f"workload ceiling: at most {ceiling:.4f} of prompt tokens can be cache hits "
+          f"({prompt_total - cacheable} of {prompt_total} must be computed)", flush=True)
     results = {}
     for kind in routers:
         fleet, workers = start_fleet(args)
@@ -226,21 +271,26 @@ def main() -> int:
             url = None if kind == "direct" else f"http://127.0.0.1:{port}"
             res = run_workload(url, sessions, args, workers)
             res["retractions"] = retractions(workers)
+            res["ceiling"] = ceiling
             res["in_router_p50_ms"] = float("nan")
+            moved = ""
             if kind in ("kv_headroom", "round_robin", "least_loaded"):
                 # our router's own timing, upstream time excluded
-
                 _, text, _ = HttpPool().request("GET", f"{url}/metrics")
-                res["in_router_p50_ms"] = {k.split(":")[-1]: v for k, v in _parse_plain(text.decode()).items()}["router_overhead_p50_ms"]
+                metrics = {k.split(":")[-1]: v for k, v in _parse_plain(text.decode()).items()}
+                res["in_router_p50_ms"] = metrics["router_overhead_p50_ms"]
+                res["rehomed_sessions"] = metrics.get("router_rehomed_sessions_total", 0.0)
+                moved = f", sessions moved off an overfull replica {res['rehomed_sessions']:.0f}"
             results[kind] = res
-            print(f"  {kind}: {res['calls']} calls in {res['wall_s']:.1f}s, errors {res['errors']} {res['first_error'][:120]}", flush=True)
+            print(f"  {kind}: {res['calls']} calls in {res['wall_s']:.1f}s, errors {res['errors']}{moved} "
+                  f"{res['first_error'][:120]}", flush=True)
         finally:
             for proc in (router, fleet):
                 if proc is not None:
                     proc.terminate()
                     proc.wait()
     base = "sglang-router" if "sglang-router" in results else "round_robin"
-    cols = [("cache_hit_rate", "cache hit", "{:.4f}"), ("hit_of_ceiling", "hit / ceiling", "{:.4f}"), ("retractions", "retractions", "{:.0f}"),
+    cols = [("cache_hit_rate", "cache hit", "{:.4f}"), ("ceiling", "ceiling", "{:.4f}"), ("hit_of_ceiling", "hit / ceiling", "{:.4f}"), ("retractions", "retractions", "{:.0f}"),
             ("throughput_tok_s", "tok/s", "{:.0f}"), ("p50_ms", "p50 ms", "{:.1f}"), ("p99_ms", "p99 ms", "{:.1f}"),
             ("overhead_p50_ms", "hop p50 ms", "{:.2f}"), ("overhead_p99_ms", "hop p99 ms", "{:.2f}"),
             ("in_router_p50_ms", "in-router p50 ms", "{:.3f}")]
@@ -249,6 +299,8 @@ def main() -> int:
     print("|---" * (len(cols) + 1) + "|")
     for kind, res in results.items():
         print(f"| {kind} | " + " | ".join(c[2].format(res[c[0]]) for c in cols) + " |")
+    if base not in results:
+        return 0
     print()
     print(f"ratios to {base} (same workload, same run):")
     print("| router | " + " | ".join(c[1] for c in cols) + " |")

@@ -14,9 +14,15 @@ later call goes to the same replica with the same version, until the session end
 
 - ``kv_headroom`` (ours): sample K replicas (weighted by GPU count), read each one's KV headroom
   (from its ``/metrics``, corrected by the tokens routed since), subtract the projected growth of its
-  live sessions (each session's context grows by about the same amount every turn), subtract the new
-  session's own footprint (less the prompt prefix it shares with a GRPO sibling already there) and
-  pick the most room. Big replicas have more KV, so absolute room already weighs replica size.
+  live sessions (each session's context grows by about the same amount every turn, for as many more
+  turns as sessions that long have lasted: learned from the sessions that ended), subtract the new
+  session's own projected footprint (less the prompt prefix it shares with a GRPO sibling already
+  there; a sibling's replica is preferred while the projection fits) and pick the most room. Big
+  replicas have more KV, so absolute room already weighs replica size. When a replica's live
+  sessions have outgrown it anyway (sessions longer than projected), a session whose cached context
+  has most likely been evicted there (the replica's LRU order, from the sessions' last calls) is
+  moved, on its next call, to a replica with projected room: it recomputes its prefix once instead
+  of every turn.
 - ``round_robin`` and ``least_loaded`` (fewest in-flight calls), for comparison.
 
 ``lora_path: "latest"`` asks for the newest adapter version that one replica in each pool
@@ -79,6 +85,7 @@ class Session:
     replica: Replica
     adapter: str | None
     group_key: int
+    prompt_tokens: int = 0  # the first call's input: the part a GRPO sibling on the same replica shares
     context_tokens: int = 0
     growth_per_turn_tokens: float = 0.0
     turns: int = 0
@@ -86,13 +93,55 @@ class Session:
     replicas_seen: list[str] = field(default_factory=list)
 
 
+class SessionLengths:
+    """Calls per ended session (the last ``window`` of them), and from them how many more calls a
+    live session that has made ``t`` is expected to make: the mean of ``n - t`` over ended sessions
+    with ``n > t``, or None while fewer than ``min_samples`` such sessions were seen."""
+
+    def __init__(self, window: int = 4096, min_samples: int = 16):
+        self.window = window
+        self.min_samples = min_samples
+        self._turns: deque[int] = deque(maxlen=window)
+        self._remaining: list[float | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def add(self, turns: int) -> None:
+        if turns > 0:
+            self._turns.append(turns)
+            self._remaining = None
+
+    def mean_remaining(self, turns_done: int) -> float | None:
+        if len(self._turns) < self.min_samples:
+            return None
+        if self._remaining is None:  # suffix counts and sums over the session lengths, rebuilt after an end
+            top = max(self._turns)
+            count, total = [0] * (top + 2), [0] * (top + 2)
+            for n in self._turns:
+                count[n] += 1
+                total[n] += n
+            table: list[float | None] = [None] * (top + 1)
+            longer, longer_sum = 0, 0
+            for t in range(top, -1, -1):
+                longer, longer_sum = longer + count[t + 1], longer_sum + total[t + 1]
+                table[t] = longer_sum / longer - t if longer >= self.min_samples else None
+            self._remaining = table
+        return self._remaining[turns_done] if turns_done < len(self._remaining) else None
+
+
 class Policy:
-    """Picks a replica for a new session: ``choose(candidates, session_prompt_tokens, group_key, router)``."""
+    """Picks a replica for a new session: ``choose(candidates, prompt_tokens, group_key, router)``;
+    ``rehome(session, candidates, router)`` may move a live session before its next call (None: stay)."""
 
     name = "policy"
 
-    def choose(self, candidates: list[Replica], prompt_tokens: int, group_key: int, router: "Router") -> Replica:
+    def choose(self, candidates: list[Replica], prompt_tokens: int, group_key: int | None, router: "Router",
+               turns_done: int = 0) -> Replica:
         raise NotImplementedError
+
+    def rehome(self, session: Session, candidates: list[Replica], router: "Router") -> Replica | None:
+        return None
 
 
 class RoundRobin(Policy):
@@ -101,24 +150,30 @@ class RoundRobin(Policy):
     def __init__(self):
         self._counter = itertools.count()
 
-    def choose(self, candidates, prompt_tokens, group_key, router):
+    def choose(self, candidates, prompt_tokens, group_key, router, turns_done=0):
         return candidates[next(self._counter) % len(candidates)]
 
 
 class LeastLoaded(Policy):
     name = "least_loaded"
 
-    def choose(self, candidates, prompt_tokens, group_key, router):
+    def choose(self, candidates, prompt_tokens, group_key, router, turns_done=0):
         return min(candidates, key=lambda r: (r.in_flight + r.queued_reqs, len(r.sessions)))
 
 
 class KvHeadroom(Policy):
-    """See the module docstring. ``lookahead_turns``: how many turns of growth to reserve per live
-    session; ``expected_growth_tokens``: the growth assumed for a session not yet seen twice."""
+    """See the module docstring. ``lookahead_turns``: the turns of growth reserved for a session
+    before any session of its length has ended (a session that has made ``t`` calls is then expected
+    to make ``max(t, lookahead_turns)`` more); ``expected_growth_tokens``: the growth per turn assumed
+    before any session has been seen growing. A live session is moved when the tokens its replica
+    has most likely evicted, times its expected remaining calls plus this one, exceed its context:
+    staying would recompute them every call (its replica is overfull), moving recomputes the context
+    once."""
 
     name = "kv_headroom"
 
-    def __init__(self, sample_k: int = 4, lookahead_turns: float = 8.0, expected_growth_tokens: float = 256.0, seed: int = 0):
+    def __init__(self, sample_k: int = 4, lookahead_turns: float = 8.0, expected_growth_tokens: float = 256.0,
+                 seed: int = 0):
         self.sample_k = sample_k
         self.lookahead_turns = lookahead_turns
         self.expected_growth_tokens = expected_growth_tokens
@@ -128,39 +183,80 @@ class KvHeadroom(Policy):
         # Learned across the fleet once sessions have been seen growing; the default before that.
         return getattr(router, "mean_growth_per_turn_tokens", 0.0) or self.expected_growth_tokens
 
+    def remaining_turns(self, turns_done: int, router: "Router") -> float:
+        lengths: SessionLengths | None = getattr(router, "session_lengths", None)
+        learned = lengths.mean_remaining(turns_done) if lengths is not None else None
+        if learned is not None:
+            return learned
+        if lengths is not None and len(lengths) >= lengths.min_samples:
+            return self.lookahead_turns  # longer than nearly every session that ended: near its end
+        return max(self.lookahead_turns, float(turns_done))
+
     def projected_room_tokens(self, replica: Replica, router: "Router") -> float:
         live = [router.sessions[rid] for rid in replica.sessions if rid in router.sessions]
         context = sum(s.context_tokens for s in live)
         used = max(replica.polled_used_tokens + replica.routed_since_poll_tokens, context)
         default = self._expected_growth(router)
-        growth = sum((s.growth_per_turn_tokens or default) for s in live) * self.lookahead_turns
+        growth = sum((s.growth_per_turn_tokens or default) * self.remaining_turns(getattr(s, "turns", 0), router)
+                     for s in live)
         return replica.max_total_tokens - used - growth
 
-    def choose(self, candidates, prompt_tokens, group_key, router):
+    def _sample(self, candidates: list[Replica]) -> list[Replica]:
         if len(candidates) <= self.sample_k:
-            sample = list(candidates)
-        else:
-            weights = [r.size_gpus for r in candidates]
-            sample = []
-            pool, w = list(candidates), list(weights)
-            for _ in range(self.sample_k):
-                i = self._rng.choices(range(len(pool)), weights=w)[0]
-                sample.append(pool.pop(i))
-                w.pop(i)
-        siblings = router.group_replicas.get(group_key, {})
+            return list(candidates)
+        sample = []
+        pool, w = list(candidates), [r.size_gpus for r in candidates]
+        for _ in range(self.sample_k):
+            i = self._rng.choices(range(len(pool)), weights=w)[0]
+            sample.append(pool.pop(i))
+            w.pop(i)
+        return sample
+
+    def _room_after(self, candidates, prompt_tokens, group_key, router, turns_done):
+        sample = self._sample(candidates)
+        siblings = router.group_replicas.get(group_key, {}) if group_key is not None else {}
         for replica in candidates:
             if replica in siblings and replica not in sample:
                 sample.append(replica)
-        footprint = prompt_tokens + self._expected_growth(router) * self.lookahead_turns
+        footprint = prompt_tokens + self._expected_growth(router) * self.remaining_turns(turns_done, router)
+        room = {r: self.projected_room_tokens(r, router) - (footprint - (prompt_tokens if r in siblings else 0))
+                for r in sample}
+        return sample, siblings, room
 
-        def room_after(replica: Replica) -> float:
-            shared = prompt_tokens if replica in siblings else 0
-            return self.projected_room_tokens(replica, router) - (footprint - shared)
-
+    def choose(self, candidates, prompt_tokens, group_key, router, turns_done=0):
+        sample, siblings, room = self._room_after(candidates, prompt_tokens, group_key, router, turns_done)
         # A GRPO sibling's replica already holds the prompt: go there while the projection fits.
-        fitting_siblings = [r for r in sample if r in siblings and room_after(r) >= 0]
+        fitting_siblings = [r for r in sample if r in siblings and room[r] >= 0]
         pool = fitting_siblings or sample
-        return max(pool, key=lambda r: (room_after(r), -len(r.sessions) / r.size_gpus))
+        return max(pool, key=lambda r: (room[r], -len(r.sessions) / r.size_gpus))
+
+    def evicted_tokens(self, session: Session, router: "Router") -> float:
+        """How much of ``session``'s context its replica has most likely evicted: the replica's LRU
+        cache keeps the sessions used since this one's last call first (a GRPO group's prompt once)."""
+        replica = session.replica
+        newer, groups = 0, {session.group_key}
+        for rid in replica.sessions:
+            other = router.sessions.get(rid)
+            if other is None or other is session or other.last_call_s < session.last_call_s:
+                continue
+            shared = other.prompt_tokens if other.group_key in groups else 0
+            groups.add(other.group_key)
+            newer += other.context_tokens - shared
+        return max(0.0, newer + session.context_tokens - replica.max_total_tokens)
+
+    def rehome(self, session, candidates, router):
+        if not session.turns or not session.replica.max_total_tokens:
+            return None
+        evicted = self.evicted_tokens(session, router)
+        if evicted * (1.0 + self.remaining_turns(session.turns, router)) <= session.context_tokens:
+            return None
+        others = [r for r in candidates if r is not session.replica]
+        if not others:
+            return None
+        # Its prefix is recomputed wherever it goes: no sibling credit, the whole context is the prompt.
+        sample, _, room = self._room_after(others, session.context_tokens, None, router, session.turns)
+        best = max(sample, key=lambda r: (room[r], -len(r.sessions) / r.size_gpus))
+        return best if room[best] >= 0 else None
 
 
 POLICIES = {"kv_headroom": KvHeadroom, "round_robin": RoundRobin, "least_loaded": LeastLoaded}
@@ -189,6 +285,8 @@ class Router:
         self.lock = threading.RLock()
         self.overhead_s: deque[float] = deque(maxlen=100_000)
         self.mean_growth_per_turn_tokens = 0.0  # EWMA over every session's turns
+        self.session_lengths = SessionLengths()  # calls per ended session
+        self.rehomed_sessions = 0
         self.retried_calls = 0
         self.moved_sessions = 0
         self._stop = threading.Event()
@@ -332,21 +430,26 @@ class Router:
             raise BadRequest("lora_path 'latest': no adapter version is served by a replica of every pool yet")
         return version
 
-    def _place(self, rid: str, input_ids: list[int], adapter: str | None, avoid: Replica | None = None) -> Replica:
+    def _candidates(self, adapter: str | None, avoid: Replica | None = None) -> tuple[list[Replica], tuple[str, str] | None]:
+        """Healthy replicas serving ``adapter``; when none does, every healthy one and the published
+        version to load on the chosen one."""
+        healthy = [r for r in self.replicas.values() if r.healthy and r is not avoid]
+        if not healthy:
+            raise HttpError(503, "no healthy replica")
+        candidates = [r for r in healthy if adapter is None or adapter in r.adapters]
+        if candidates:
+            return candidates, None
+        path = self.published.get(adapter) if adapter else None
+        if path is None:
+            raise BadRequest(f"lora_path {adapter!r} is not served by any replica")
+        return healthy, (adapter, path)
+
+    def _place(self, rid: str, input_ids: list[int], adapter: str | None, avoid: Replica | None = None,
+               turns_done: int = 0) -> Replica:
         with self.lock:
-            healthy = [r for r in self.replicas.values() if r.healthy and r is not avoid]
-            if not healthy:
-                raise HttpError(503, "no healthy replica")
-            candidates = [r for r in healthy if adapter is None or adapter in r.adapters]
-            loadable = None
-            if not candidates:
-                path = self.published.get(adapter) if adapter else None
-                if path is None:
-                    raise BadRequest(f"lora_path {adapter!r} is not served by any replica")
-                loadable = (adapter, path)
-                candidates = healthy
-            key = self._group_key(input_ids, adapter)
-            replica = self.policy.choose(candidates, len(input_ids), key, self)
+            candidates, loadable = self._candidates(adapter, avoid)
+            key = self._group_key(input_ids, adapter) if not turns_done else None
+            replica = self.policy.choose(candidates, len(input_ids), key, self, turns_done)
         if loadable is not None:  # a moved session whose version only dead replicas had
             self.pool.json("POST", f"{replica.url}/load_lora_adapter", {"lora_name": loadable[0], "lora_path": loadable[1]})
             replica.adapters.add(loadable[0])
@@ -376,6 +479,7 @@ class Router:
             if session is None:
                 return False
             self._detach(session)
+            self.session_lengths.add(session.turns)
             return True
 
     def end_session(self, rid: str) -> bool:
@@ -398,13 +502,18 @@ class Router:
         if session is None:
             adapter = self._resolve_adapter(request.lora_path)
             replica = self._place(rid or "", request.input_ids, adapter)
-            session = Session(rid or "", replica, adapter, self._group_key(request.input_ids, adapter))
+            session = Session(rid or "", replica, adapter, self._group_key(request.input_ids, adapter),
+                              prompt_tokens=len(request.input_ids))
             if rid is not None:  # a call without a session id is routed once and not tracked
                 with self.lock:
                     self._attach(session, replica)
                     self.sessions[rid] = session
         elif request.lora_path not in (None, LATEST, session.adapter):
             raise BadRequest(f"lora_path {request.lora_path!r} differs from session {rid!r}'s adapter version {session.adapter!r}")
+        else:
+            self._maybe_rehome(session)
+        with self.lock:
+            session.last_call_s = time.monotonic()  # in flight: at the recent end of its replica's LRU order
         if raw is not None and body.get("lora_path") == session.adapter:
             payload = raw
         else:
@@ -415,7 +524,7 @@ class Router:
         while True:
             replica = session.replica
             if not replica.healthy:
-                new = self._place(session.rid, request.input_ids, session.adapter, avoid=replica)
+                new = self._place(session.rid, request.input_ids, session.adapter, avoid=replica, turns_done=session.turns)
                 with self.lock:
                     if rid is not None:
                         self._detach(session)
@@ -466,6 +575,21 @@ class Router:
             self.overhead_s.append(time.perf_counter() - t_start - upstream_s)
         return answer
 
+    def _maybe_rehome(self, session: Session) -> None:
+        """Before a live session's next call: let the policy move it (its prefix is recomputed there,
+        as it would have been where its cache was evicted)."""
+        with self.lock:
+            if not session.replica.healthy or session.rid not in self.sessions:
+                return  # a dead replica's sessions move in the call loop
+            candidates = [r for r in self.replicas.values()
+                          if r.healthy and (session.adapter is None or session.adapter in r.adapters)]
+            target = self.policy.rehome(session, candidates, self)
+            if target is None or target is session.replica:
+                return
+            self._detach(session)
+            self._attach(session, target)
+            self.rehomed_sessions += 1
+
     def session_record(self, rid: str) -> list[dict[str, Any]]:
         """The captured calls of a session from every replica it used (still alive), in order."""
         with self.lock:
@@ -496,7 +620,7 @@ class Router:
             return {
                 "router_live_sessions": len(self.sessions), "router_healthy_replicas": healthy,
                 "router_replicas": len(self.replicas), "router_retried_calls_total": self.retried_calls,
-                "router_moved_sessions_total": self.moved_sessions,
+                "router_moved_sessions_total": self.moved_sessions, "router_rehomed_sessions_total": self.rehomed_sessions,
                 "router_overhead_p50_ms": q["p50"], "router_overhead_p99_ms": q["p99"],
             }
 
