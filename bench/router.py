@@ -93,6 +93,8 @@ def start_router(kind: str, workers, port: int) -> subprocess.Popen | None:
     return proc
 
 
+SIM_BLOCK_TOKENS = 16  # serving.sim's prefix-cache block
+
 SHAPES = {
     # ~100 calls per rollout as in the issue; 16384 KV tokens per GPU so that the longest session
     # (about 12k tokens at 180 calls) still fits a 1-GPU replica.
@@ -114,10 +116,11 @@ def make_workload(args) -> list[dict]:
     return sessions
 
 
-def workload_ceiling(sessions, output_tokens: int) -> tuple[int, int]:
+def workload_ceiling(sessions, output_tokens: int, block_size: int = 1) -> tuple[int, int]:
     """(prompt tokens over all calls, the most of them any cache could hold): a call can hit its
     session's whole earlier context (every earlier output and observation), and a first call its
-    group's prompt once a sibling has started (sessions start in list order)."""
+    group's prompt once a sibling has started (sessions start in list order). With ``block_size``
+    > 1, in whole blocks as a block cache holds them (the last input token is always computed)."""
     prompt_total = cacheable = 0
     started = set()
     for session in sessions:
@@ -127,7 +130,7 @@ def workload_ceiling(sessions, output_tokens: int) -> tuple[int, int]:
         started.add(group)
         for obs in session["obs"]:
             prompt_total += context
-            cacheable += before
+            cacheable += min(before, context - 1) // block_size * block_size
             before = context + output_tokens
             context += output_tokens + len(obs)
     return prompt_total, cacheable
@@ -253,6 +256,7 @@ def main() -> int:
     n_calls = sum(len(s["obs"]) for s in sessions)
     prompt_total, cacheable = workload_ceiling(sessions, args.output_tokens)
     ceiling = cacheable / prompt_total
+    block_ceiling = workload_ceiling(sessions, args.output_tokens, SIM_BLOCK_TOKENS)[1] / prompt_total
     print(f"SIMULATED engines (serving.sim: engine HTTP API, KV-cache accounting, service-time model, no model compute)")
     print(f"fleet {'+'.join(args.replicas)} replicas, {args.tokens_per_gpu} KV tokens/GPU, prefill {args.prefill_us_per_token} us/token, "
           f"decode step {args.decode_step_ms} ms; {len(sessions)} sessions "
@@ -260,7 +264,8 @@ def main() -> int:
           f"{args.turns} calls/session mean, {args.prompt_tokens}-token prompt, +{args.output_tokens} out "
           f"+{args.obs_tokens} observation tokens per turn)", flush=True)
     print(f"workload ceiling: at most {ceiling:.4f} of prompt tokens can be cache hits "
-          f"({prompt_total - cacheable} of {prompt_total} must be computed)", flush=True)
+          f"({prompt_total - cacheable} of {prompt_total} must be computed); {block_ceiling:.4f} in the "
+          f"simulated engines' whole {SIM_BLOCK_TOKENS}-token blocks", flush=True)
     results = {}
     for kind in routers:
         fleet, workers = start_fleet(args)
