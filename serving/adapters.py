@@ -44,11 +44,13 @@ def newest_version(names) -> str | None:
 
 
 def newest_adapter(volume: str | Path) -> tuple[str, str] | None:
-    """(version, path) of the newest complete adapter under ``volume`` (``<volume>/<version>/``)."""
+    """(version, path) of the newest complete adapter under ``volume`` (``<volume>/<version>/``).
+    Dot folders are copies still being written (``publish_to_volume``'s, the trainer's): never a version."""
     root = Path(volume)
     if not root.is_dir():
         return None
-    complete = [p.name for p in root.iterdir() if (p / ADAPTER_CONFIG).is_file() and (p / ADAPTER_WEIGHTS).is_file()]
+    complete = [p.name for p in root.iterdir() if not p.name.startswith(".")
+                and (p / ADAPTER_CONFIG).is_file() and (p / ADAPTER_WEIGHTS).is_file()]
     version = newest_version(complete)
     return (version, str(root / version)) if version else None
 

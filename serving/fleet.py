@@ -5,6 +5,7 @@
     fleet.scale_up(2)                          # one call: start 2 replicas, load the newest adapter, route to them
     fleet.scale_up(1, pool="reserved", size_gpus=8)
     fleet.kill(url)                            # a replica dying: its sessions move on their next call
+    fleet.replace_exited()                     # replicas whose process died: out of the router, fresh ones in
 
 On Kubernetes the replicas are SGLang pods (``serving.sglang.sglang_launch_spec``) and scale-up is
 the launcher's; the router side (``Router.add_replica``) is the same.
@@ -12,18 +13,30 @@ the launcher's; the router side (``Router.add_replica``) is the same.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serving.router import Router
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """A replica process that exited (``returncode``, -9 for SIGKILL) and the replica started in its place."""
+
+    dead_url: str
+    returncode: int | None
+    url: str
+
+
 class LocalFleet:
     def __init__(self, model_path: str | Path, router: Router, *, mode: str = "thread",
-                 engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1"):
+                 engine_kwargs: dict[str, Any] | None = None, host: str = "127.0.0.1",
+                 log_dir: str | Path | None = None):
         if mode not in ("thread", "process"):
             raise ValueError(f"mode must be 'thread' or 'process', got {mode!r}")
         self.model_path = str(model_path)
@@ -31,8 +44,11 @@ class LocalFleet:
         self.mode = mode
         self.engine_kwargs = dict(engine_kwargs or {})
         self.host = host
+        self.log_dir = Path(log_dir) if log_dir is not None else None  # replica processes' stderr, one file each
         self.members: dict[str, Any] = {}  # url -> server (thread) or Popen (process)
         self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._unreplaced: list[tuple[str, int | None, tuple[str, int]]] = []  # (url, exit status, (pool, size))
 
     def _start_thread(self):
         from serving.engine import LocalEngine
@@ -41,7 +57,7 @@ class LocalFleet:
         server = serve(LocalEngine(self.model_path, **self.engine_kwargs), host=self.host, port=0)
         return server.url, server
 
-    def _start_process(self):
+    def _spawn_process(self) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "serving.engine", "--model", self.model_path, "--host", self.host, "--port", "0"]
         flags = {"max_total_tokens": "--max-total-tokens", "max_running_requests": "--max-running-requests",
                  "block_size": "--block-size", "torch_threads": "--torch-threads"}
@@ -51,23 +67,75 @@ class LocalFleet:
             cmd += [flags[key], str(value)]
         if self.router.adapters_volume:
             cmd += ["--adapters-dir", str(self.router.adapters_volume)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stderr: Any = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = open(self.log_dir / f"replica-{next(self._seq):03d}.log", "ab")
+        try:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        finally:
+            if stderr is not subprocess.DEVNULL:
+                stderr.close()  # the child has its own copy
+
+    @staticmethod
+    def _process_url(proc: subprocess.Popen) -> str:
         line = proc.stdout.readline()
         if " on http" not in line:
             proc.kill()
             raise RuntimeError(f"replica process did not start: {line!r} (exit {proc.poll()})")
-        return line.rsplit(" on ", 1)[1].strip(), proc
+        return line.rsplit(" on ", 1)[1].strip()
 
     def scale_up(self, n: int = 1, pool: str = "on_demand", size_gpus: int = 1) -> list[str]:
-        """Start ``n`` replicas; each loads the newest adapter before the router sends it traffic."""
+        """Start ``n`` replicas; each loads the newest adapter before the router sends it traffic.
+        Replica processes start side by side (model loading overlaps) and join as each comes up."""
+        if self.mode == "thread":
+            started = [self._start_thread() for _ in range(n)]
+        else:
+            procs = [self._spawn_process() for _ in range(n)]
+            started = []
+            try:
+                for proc in procs:
+                    started.append((self._process_url(proc), proc))
+            except BaseException:
+                for proc in procs:
+                    proc.kill()
+                raise
         urls = []
-        for _ in range(n):
-            url, handle = self._start_thread() if self.mode == "thread" else self._start_process()
+        for url, handle in started:
             with self._lock:
                 self.members[url] = handle
             self.router.add_replica(url, pool, size_gpus)
             urls.append(url)
         return urls
+
+    def live_urls(self) -> list[str]:
+        """The members still running (a replica process that died and is not replaced yet is left out)."""
+        with self._lock:
+            return [url for url, handle in self.members.items() if self.mode == "thread" or handle.poll() is None]
+
+    def replace_exited(self) -> list[Replacement]:
+        """Process mode: each member whose process has exited (crashed, SIGKILLed) leaves the router and
+        the fleet, and a fresh replica joins in its pool, loading the newest adapter before traffic.
+        A replacement that fails to start raises; the next call tries it again."""
+        if self.mode != "process":
+            return []
+        with self._lock:
+            dead = {url: proc.returncode for url, proc in self.members.items() if proc.poll() is not None}
+            for url in dead:
+                del self.members[url]
+        for url, returncode in dead.items():
+            replica = self.router.replicas.get(url)
+            key = (replica.pool, replica.size_gpus) if replica is not None else ("on_demand", 1)
+            self._unreplaced.append((url, returncode, key))
+            if replica is not None:
+                self.router.remove_replica(url)
+        replacements = []
+        for key in dict.fromkeys(k for _, _, k in self._unreplaced):  # one pool's replacements start side by side
+            waiting = [(url, rc) for url, rc, k in self._unreplaced if k == key]
+            new_urls = self.scale_up(len(waiting), *key)
+            self._unreplaced = [entry for entry in self._unreplaced if entry[2] != key]
+            replacements += [Replacement(url, rc, new) for (url, rc), new in zip(waiting, new_urls)]
+        return replacements
 
     def kill(self, url: str) -> None:
         """Stop a replica abruptly, without telling the router (as a crash would)."""

@@ -36,6 +36,9 @@ class TrainConfig:
     tasks: str = ""  # the bundled suite folder (or any task source evals can load)
     curriculum: str = ""  # curriculum.json from the difficulty_curriculum asset
     environment: str = "harness"  # the group runner: harness (evals agent harness) or a registered name
+    replicas: int = 1  # local engine replicas; more than 1 run behind the router, and one that dies is replaced
+    engine_max_total_tokens: int = 0  # each local replica's KV token budget (0: the engine's default)
+    engine_max_running_requests: int = 0  # each local replica's admission (0: the engine's default)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "trainer config") -> "TrainConfig":
@@ -59,7 +62,9 @@ class TrainConfig:
         for key in ("steps", "groups_per_step", "group_size", "checkpoint_every", "lora_rank", "max_new_tokens", "max_turns"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{source}: key {key!r} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_policy_lag", "producer_workers"):
+        if self.replicas < 1:
+            raise ValueError(f"{source}: key 'replicas' must be >= 1, got {self.replicas}")
+        for key in ("max_policy_lag", "producer_workers", "engine_max_total_tokens", "engine_max_running_requests"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{source}: key {key!r} must be >= 0, got {getattr(self, key)}")
         if self.group_size < 2:
@@ -77,8 +82,26 @@ class TrainConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"trainer config {path}: not valid JSON: {exc}") from exc
         if isinstance(data, dict) and "trainer" in data and isinstance(data["trainer"], dict):
-            data = data["trainer"]
+            data = {**_local_engine_keys(data.get("inference")), **data["trainer"]}
         return cls.from_mapping(data, str(path))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+LOCAL_ENGINE_FLAGS = {"--max-total-tokens": "engine_max_total_tokens", "--max-running-requests": "engine_max_running_requests"}
+
+
+def _local_engine_keys(inference: Any) -> dict[str, Any]:
+    """A resolved plan's local engines as trainer keys: ``inference.engines`` replicas, each started
+    with ``inference.local_engine_args`` (set only for ``gpu = "cpu"`` plans, which the local engine serves)."""
+    if not isinstance(inference, dict) or not isinstance(inference.get("local_engine_args"), list):
+        return {}
+    args = inference["local_engine_args"]
+    keys: dict[str, Any] = {}
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag in LOCAL_ENGINE_FLAGS and str(value).isdigit():
+            keys[LOCAL_ENGINE_FLAGS[flag]] = int(value)
+    if isinstance(inference.get("engines"), int) and not isinstance(inference["engines"], bool):
+        keys["replicas"] = inference["engines"]
+    return keys

@@ -8,6 +8,14 @@ adapter versions), and a :class:`HarnessRunner` that runs each episode through t
 task's tests). ``environment = "module:function"`` names another factory with the same signature
 (tests use one).
 
+One replica is called directly. With ``replicas > 1`` they are a :class:`ReplicaFleet`: the
+project's router (:mod:`serving.router`, sessions sticky to a replica, moved and retried when one
+dies) in the trainer process, the replica processes behind it (:class:`serving.fleet.LocalFleet`),
+and a watcher that replaces a replica whose process exits; the replacement loads the newest adapter
+from the run's volume before it takes traffic. Weight publication pushes to the live replicas of the
+moment (``Environment.receivers`` is then a function), and each group announces its adapter version
+to the router first (:class:`FleetRunner`), so a replica that joined during a publication loads it too.
+
 A trajectory becomes a :class:`~training.rollout.Rollout` from the exact token ids the engine returned:
 the sequence is the last call's input plus its output (each call's context extends the previous one
 by its output and the observation's tokens), the loss mask covers every call's output tokens, and the
@@ -21,6 +29,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -30,6 +39,7 @@ from typing import Any, Callable, Iterator
 from training.config import TrainConfig
 from training.curriculum import Curriculum
 from training.loop import AdapterRef, GroupRunner
+from training.publish import newest_version
 from training.rollout import Rollout
 
 INFRA_RETRIES = 2
@@ -40,7 +50,8 @@ INFRA_RETRY_WAIT_S = 2.0
 class Environment:
     runner: GroupRunner
     curriculum: Curriculum
-    receivers: list[str] = field(default_factory=list)  # replica URLs the publisher pushes to
+    # replica URLs the publisher pushes to, or a function giving the live ones at each publication
+    receivers: list[str] | Callable[[], list[str]] = field(default_factory=list)
     close: Callable[[], None] = lambda: None
 
 
@@ -113,19 +124,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engine(model: str, log_path: Path, torch_threads: int = 1,
-                 timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+def engine_kwargs(cfg: TrainConfig) -> dict[str, int]:
+    """The settings of each local replica that the config (or the run plan's local engine args) sets."""
+    kwargs = {"torch_threads": 1}
+    if cfg.engine_max_total_tokens:
+        kwargs["max_total_tokens"] = cfg.engine_max_total_tokens
+    if cfg.engine_max_running_requests:
+        kwargs["max_running_requests"] = cfg.engine_max_running_requests
+    return kwargs
+
+
+def start_engine(model: str, log_path: Path, torch_threads: int = 1, timeout_s: float = 180.0,
+                 max_total_tokens: int = 0, max_running_requests: int = 0) -> tuple[subprocess.Popen, str]:
     """One engine replica as a local process; returns it and its URL once it answers /health.
 
     It starts on the base model alone: the trainer pushes the adapter version it resumes from."""
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "serving.engine", "--model", model, "--port", str(port),
-         "--torch-threads", str(torch_threads)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    cmd = [sys.executable, "-m", "serving.engine", "--model", model, "--port", str(port), "--torch-threads", str(torch_threads)]
+    if max_total_tokens:
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
+    if max_running_requests:
+        cmd += ["--max-running-requests", str(max_running_requests)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     from serving.client import EngineClient
 
@@ -178,14 +200,136 @@ def training_tasks(source: str) -> dict[str, Any]:
     return tasks
 
 
+class ReplicaFleet:
+    """``cfg.replicas`` local engine processes behind the router, in the trainer process; a replica
+    whose process exits is replaced (see the module docstring). ``url`` is the router's."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, watch_interval_s: float = 0.5, log=print) -> None:
+        from serving.fleet import LocalFleet
+        from serving.router import Router, serve_router
+
+        self.volume = Path(run_dir) / "adapters"
+        self.volume.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self.router = Router("kv_headroom", adapters_volume=str(self.volume))
+        self.server = serve_router(self.router)
+        self.url = self.server.url
+        self.fleet = LocalFleet(cfg.base_model, self.router, mode="process", engine_kwargs=engine_kwargs(cfg),
+                                log_dir=Path(run_dir) / "logs")
+        self._announced: set[str] = set()
+        self._announce_lock = threading.Lock()
+        self._stop = threading.Event()
+        try:
+            self.fleet.scale_up(cfg.replicas)
+        except BaseException:
+            self.close()
+            raise
+        self.log(f"engine replicas behind the router {self.url}: "
+                 + ", ".join(f"{url} (pid {proc.pid})" for url, proc in self.fleet.members.items()))
+        self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), name="replica-watch", daemon=True)
+        self._watcher.start()
+
+    def receivers(self) -> list[str]:
+        return self.fleet.live_urls()
+
+    def announce(self, adapter: AdapterRef) -> None:
+        """Tell the router that ``adapter`` is published (the replicas that got it by HTTP keep it; any
+        other live replica loads it from the volume), once per version."""
+        if adapter.name is None or adapter.path is None:
+            return
+        with self._announce_lock:
+            if adapter.name not in self._announced:
+                self.router.publish_adapter(adapter.name, str(adapter.path))
+                self._announced.add(adapter.name)
+
+    def end_session(self, rid: str) -> None:
+        self.router.end_session(rid)
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                replaced = self.fleet.replace_exited()
+            except Exception as exc:  # a replacement that fails to start is tried again on the next look
+                self.log(f"replica replacement failed, retrying: {exc!r}")
+                continue
+            newest = newest_version(self.volume)
+            for r in replaced:
+                replica = self.router.replicas.get(r.url)
+                serving = sorted(replica.adapters) if replica is not None else []
+                pid = self.fleet.members[r.url].pid if r.url in self.fleet.members else None
+                self.log(f"replica {r.dead_url} exited ({r.returncode}); replacement {r.url} (pid {pid}) joined "
+                         f"serving {serving} (newest published: {newest[0] if newest else None})")
+
+    def close(self) -> None:
+        self._stop.set()
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.join(timeout=120)  # a replacement still starting joins first, then stops with the rest
+        m = self.router.metrics()
+        self.log(f"router: calls retried {m['router_retried_calls_total']:.0f}, "
+                 f"sessions moved {m['router_moved_sessions_total']:.0f}")
+        self.fleet.shutdown()
+        self.server.shutdown()
+
+
+class FleetRunner:
+    """A group runner in front of a :class:`ReplicaFleet`: announces each group's adapter version to
+    the router first, and ends the group's router sessions (``{group_id}/{index}``) once it is done."""
+
+    def __init__(self, runner: GroupRunner, fleet: ReplicaFleet) -> None:
+        self.runner = runner
+        self.fleet = fleet
+
+    def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterator[Rollout]:
+        self.fleet.announce(adapter)
+        try:
+            yield from self.runner.run_group(task_id, adapter, group_id, size, seed)
+        finally:
+            for i in range(size):
+                self.fleet.end_session(f"{group_id}/{i}")
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+
+def fleet_environment(cfg: TrainConfig, run_dir: Path, make_runner: Callable[[str], GroupRunner],
+                      curriculum: Curriculum) -> Environment:
+    """An environment on ``cfg.replicas`` replicas behind the router; ``make_runner(router_url)``
+    builds the group runner (the harness, or a test's)."""
+    fleet = ReplicaFleet(cfg, run_dir)
+    try:
+        runner = FleetRunner(make_runner(fleet.url), fleet)
+    except BaseException:
+        fleet.close()
+        raise
+
+    def close() -> None:
+        runner.close()
+        fleet.close()
+
+    return Environment(runner=runner, curriculum=curriculum, receivers=fleet.receivers, close=close)
+
+
 def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
     from transformers import AutoTokenizer
 
     from evals.bundled import default_sandbox_factory
 
     tasks = training_tasks(cfg.tasks)
-    proc, url = start_engine(cfg.base_model, run_dir / "logs" / "engine-0.log")
-    runner = HarnessRunner(tasks, url, AutoTokenizer.from_pretrained(cfg.base_model), default_sandbox_factory(), cfg)
+    curriculum = load_curriculum(cfg, sorted(tasks))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+
+    def make_runner(url: str) -> HarnessRunner:
+        return HarnessRunner(tasks, url, tokenizer, default_sandbox_factory(), cfg)
+
+    if cfg.replicas > 1:
+        return fleet_environment(cfg, run_dir, make_runner, curriculum)
+    proc, url = start_engine(cfg.base_model, run_dir / "logs" / "engine-0.log",
+                             max_total_tokens=cfg.engine_max_total_tokens,
+                             max_running_requests=cfg.engine_max_running_requests)
+    runner = make_runner(url)
 
     def close() -> None:
         runner.close()
@@ -195,7 +339,7 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
         except subprocess.TimeoutExpired:
             proc.kill()
 
-    return Environment(runner=runner, curriculum=load_curriculum(cfg, sorted(tasks)), receivers=[url], close=close)
+    return Environment(runner=runner, curriculum=curriculum, receivers=[url], close=close)
 
 
 def make_environment(cfg: TrainConfig, run_dir: Path) -> Environment:

@@ -7,6 +7,11 @@ replica assembles, checks and loads the version), and copies it to ``<run>/adapt
 (temporary name, then rename) for replicas that join later. Versions are named by step
 (``step_000012``); each replica keeps the newest ``keep_versions`` and unloads older ones that no
 running request uses (rollouts in flight finish on the version they started with).
+
+The replicas are a list of URLs, or a function that returns the live ones at each publication (a
+fleet whose members die and are replaced: ``LocalFleet.live_urls``). With a function, a replica that
+fails its push and has left the fleet by then is skipped: it is gone, and its replacement loads the
+version from the volume.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from serving.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, newest_adapter, publish_to_volume, push_adapter
 from serving.client import EngineError, HttpPool
@@ -35,10 +40,12 @@ class PublishResult:
 
 
 class AdapterPublisher:
-    def __init__(self, adapters_dir: str | Path | None, replicas: Sequence[str] = (), *, streams: int = 4,
-                 keep_versions: int = 3) -> None:
+    def __init__(self, adapters_dir: str | Path | None, replicas: Sequence[str] | Callable[[], Sequence[str]] = (), *,
+                 streams: int = 4, keep_versions: int = 3, gone_wait_s: float = 2.0) -> None:
         self.adapters_dir = Path(adapters_dir) if adapters_dir is not None else None
-        self.replicas = [u.rstrip("/") for u in replicas]
+        self._live_replicas = replicas if callable(replicas) else None
+        self.replicas = [] if callable(replicas) else [u.rstrip("/") for u in replicas]
+        self.gone_wait_s = gone_wait_s
         self.streams = streams
         self.keep_versions = keep_versions
         self._pool = HttpPool()
@@ -51,16 +58,36 @@ class AdapterPublisher:
                 raise FileNotFoundError(f"adapter {adapter_dir}: {name} is missing")
         version = version_name(step)
         started = time.perf_counter()
+        if self._live_replicas is not None:
+            self.replicas = [u.rstrip("/") for u in self._live_replicas()]
+        pushed = self.replicas
         if self.replicas:
             with ThreadPoolExecutor(max_workers=len(self.replicas)) as pool:
-                list(pool.map(lambda url: self._push(url, version, adapter_dir), self.replicas))
+                done = list(pool.map(lambda url: self._push_or_gone(url, version, adapter_dir), self.replicas))
+            pushed = [url for url, ok in zip(self.replicas, done) if ok]
         http_s = time.perf_counter() - started
         started = time.perf_counter()
         if self.adapters_dir is not None and not (self.adapters_dir / version).exists():
             publish_to_volume(adapter_dir, self.adapters_dir, version)
         volume_s = time.perf_counter() - started
         size = (adapter_dir / ADAPTER_WEIGHTS).stat().st_size
-        return PublishResult(version, size, len(self.replicas), http_s, volume_s)
+        return PublishResult(version, size, len(pushed), http_s, volume_s)
+
+    def _push_or_gone(self, url: str, version: str, adapter_dir: Path) -> bool:
+        """Push; False when the push failed because the replica left a live fleet meanwhile."""
+        try:
+            self._push(url, version, adapter_dir)
+            return True
+        except (OSError, RuntimeError):  # RuntimeError: EngineError, a refused shard
+            if self._live_replicas is None:
+                raise
+            deadline = time.monotonic() + self.gone_wait_s  # a killed process is seen dead a moment after its sockets close
+            while time.monotonic() < deadline:
+                if url not in {u.rstrip("/") for u in self._live_replicas()}:
+                    self._live.pop(url, None)
+                    return False
+                time.sleep(0.05)
+            raise
 
     def _push(self, url: str, version: str, adapter_dir: Path) -> None:
         push_adapter(url, version, adapter_dir, num_shards=self.streams, pool=self._pool)
