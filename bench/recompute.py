@@ -10,12 +10,20 @@ length, once for each mode, side by side in this one run:
 - ``none``: every activation kept;
 - ``full``: each layer under ``torch.utils.checkpoint`` (only its input kept; backward repeats the
   whole layer, attention included);
-- ``attention``: ``training.recompute`` (layer input, attention output and log-sum-exp kept;
-  backward repeats norms, projections and MLP and feeds the attention backward kernel with the
-  saved output and log-sum-exp).
+- ``attention_output``: ``training.recompute`` (layer input, attention output and log-sum-exp kept;
+  backward repeats norms, projections and MLP but not the frozen down product, whose result it never
+  reads, and feeds the attention backward kernel with the saved output and log-sum-exp).
 
-Before timing it checks on the device that the attention kernels match a float32 reference and
-that the three modes give the same adapter gradients on a small model. It measures the bf16 matrix
+At the ``--ablate`` contexts it also times variants that undo this module's two speed-ups, so each
+is measured in the same run: ``+down-replayed`` (ours replays the down projection's frozen product
+too, as a full recomputation does) and ``+unfused-lora`` (the LoRA update scaled and added in
+separate passes instead of in the frozen GEMM's epilogue; it applies to every mode).
+``attention_output+unfused-lora+down-replayed`` is the scheme as it was before both.
+
+Before timing it checks on the device that the attention kernels match a float32 reference, that
+the three modes give the same adapter gradients on a small model, and that the torch/peft trainer
+backend's ``recompute`` option gives the step of ``recompute="none"`` on a small random Hugging
+Face Qwen3 (bf16, right-padded rows in two micro-batches). It measures the bf16 matrix
 peak with a large random matmul and reports model FLOPs utilisation against it (model FLOPs as
 ``DecoderShape.train_flops_per_token`` counts them: recomputation is not counted as useful work).
 ``--probe`` runs one untimed-warmup-free step at a longer context for the recomputing modes to show
@@ -28,10 +36,13 @@ import argparse
 import gc
 import json
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +50,7 @@ from training.grpo import grpo_loss  # noqa: E402
 from training.recompute import (  # noqa: E402
     RECOMPUTE_MODES,
     DecoderShape,
+    LoRALinear,
     Qwen3Decoder,
     attention_kernels,
 )
@@ -133,11 +145,74 @@ def check_modes(kernels, seq_len: int = 2048) -> None:
         hidden = model(ids[:, :-1], recompute=mode)
         model.token_logprobs(hidden, ids[:, 1:]).mean().backward()
         grads[mode] = torch.cat([p.grad.float().flatten() for p in model.lora_parameters()])
-    errs = {m: _rel(grads[m], grads["none"]) for m in ("full", "attention")}
+    errs = {m: _rel(grads[m], grads["none"]) for m in ("full", "attention_output")}
     log("mode check, adapter gradients vs no recomputation (relative error, bf16): "
         + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     if not all(e < 2e-2 for e in errs.values()):
         raise SystemExit(f"recomputation modes disagree: {errs}")
+
+
+def check_backend(small: bool) -> None:
+    """The torch/peft trainer backend's ``recompute`` modes give the same step on a small random HF Qwen3."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from training.backends import TrainBatch
+    from training.backends.torch_peft import TorchPeftBackend
+
+    config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, head_dim=128,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    lengths = [20, 40, 30] if small else [700, 1500, 1100]
+    gen = torch.Generator().manual_seed(5)
+    batch = TrainBatch(
+        input_ids=[torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths],
+        loss_mask=[[0] * (n // 4) + [1] * (n - n // 4) for n in lengths],
+        serving_logprobs=[[-3.0] * n for n in lengths],
+        advantages=[0.5, -0.25, 1.0],
+    )
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(4)
+        Qwen3ForCausalLM(config).save_pretrained(folder)
+        for mode in RECOMPUTE_MODES:
+            backend = TorchPeftBackend(folder, lora_rank=16, lora_alpha=32, seed=6, device=DEVICE, recompute=mode,
+                                       dtype="float32" if small else "bfloat16", micro_batch_tokens=2 * max(lengths),
+                                       max_grad_norm=1e9)
+            b_gen = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for name, p in backend.model.named_parameters():
+                    if "lora_B" in name:  # a fresh adapter's B is zero, which would hide A's gradient
+                        p.copy_(torch.randn(p.shape, generator=b_gen) * 0.05)
+            step = backend.train_step(batch)
+            grads = torch.cat([p.grad.float().flatten() for p in backend.model.parameters() if p.requires_grad])
+            results[mode] = (step.loss, grads)
+            del backend
+    errs = {m: (abs(results[m][0] - results["none"][0]), _rel(results[m][1], results["none"][1]))
+            for m in ("full", "attention_output")}
+    log("backend check, torch/peft recompute vs none on a random HF Qwen3 (loss absolute, LoRA gradients relative): "
+        + ", ".join(f"{m} {a:.1e} / {r:.1e}" for m, (a, r) in errs.items()))
+    if not all(r < 3e-2 and a < 1e-2 for a, r in errs.values()):
+        raise SystemExit(f"the backend's recompute modes disagree: {errs}")
+
+
+def _unfused_lora_forward(self, x):
+    return F.linear(x, self.weight) + self.lora_delta(x)
+
+
+@contextmanager
+def variant(model: Qwen3Decoder, label: str):
+    """Run ``label``'s ablations: ``+unfused-lora`` and ``+down-replayed`` (see the module docstring)."""
+    fused = LoRALinear.forward
+    try:
+        if "+unfused-lora" in label:
+            LoRALinear.forward = _unfused_lora_forward
+        if "+down-replayed" in label:
+            for layer in model.layers:
+                layer.mlp_input = None  # an instance attribute: backward replays the whole half
+        yield
+    finally:
+        LoRALinear.forward = fused
+        for layer in model.layers:
+            layer.__dict__.pop("mlp_input", None)
 
 
 def train_step(model: Qwen3Decoder, optimizer, ids, serving_logprobs, loss_mask, advantages, mode: str) -> float:
@@ -151,8 +226,10 @@ def train_step(model: Qwen3Decoder, optimizer, ids, serving_logprobs, loss_mask,
     return float(loss.detach())
 
 
-def measure(model, optimizer, seq_len: int, mode: str, warmup: int, steps: int) -> dict:
-    """Median step time and peak memory of ``steps`` steps after ``warmup`` steps; OOM is a result."""
+def measure(model, optimizer, seq_len: int, label: str, warmup: int, steps: int) -> dict:
+    """Median step time and peak memory of ``steps`` steps after ``warmup`` steps; OOM is a result.
+    ``label`` is a mode, possibly with ablations (``attention_output+down-replayed``)."""
+    mode = label.split("+")[0]
     gen = torch.Generator(device=DEVICE).manual_seed(seq_len)
     ids = torch.randint(0, model.shape.vocab_size, (1, seq_len + 1), device=DEVICE, generator=gen)
     serving = -torch.rand(1, seq_len, device=DEVICE, generator=gen) * 3
@@ -168,17 +245,18 @@ def measure(model, optimizer, seq_len: int, mode: str, warmup: int, steps: int) 
         for i in range(warmup + steps):
             sync()
             t0 = time.perf_counter()
-            train_step(model, optimizer, ids, serving, mask, adv, mode)
+            with variant(model, label):
+                train_step(model, optimizer, ids, serving, mask, adv, mode)
             sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError:
         optimizer.zero_grad(set_to_none=True)
-        return {"seq_len": seq_len, "mode": mode, "oom": True}
+        return {"seq_len": seq_len, "mode": label, "oom": True}
     times.sort()
     step_s = times[len(times) // 2]
     return {
-        "seq_len": seq_len, "mode": mode, "oom": False, "steps": steps, "step_s": step_s,
+        "seq_len": seq_len, "mode": label, "oom": False, "steps": steps, "step_s": step_s,
         "step_s_all": times, "peak_gib": torch.cuda.max_memory_allocated() / GIB if DEVICE == "cuda" else float("nan"),
         "tokens_per_s": seq_len / step_s,
         "model_tflops": seq_len * model.shape.train_flops_per_token(seq_len) / step_s / 1e12,
@@ -191,6 +269,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     parser.add_argument("--contexts", default="8192,32768,65536")
     parser.add_argument("--probe", default="131072", help="longer contexts to try once (comma list, or empty)")
+    parser.add_argument("--ablate", default="8192", help="contexts (of --contexts) that also time the ablations")
+    parser.add_argument("--no-backend-check", action="store_true", help="skip the torch/peft backend check")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=480, help="skip what would start after this")
@@ -212,6 +292,11 @@ def main() -> None:
 
     kernels = checked_kernels(small)
     check_modes(kernels, seq_len=64 if small else 2048)
+    if not args.no_backend_check:
+        try:  # a failure here is reported and does not cost the timings below
+            check_backend(small)
+        except (Exception, SystemExit) as e:  # noqa: BLE001
+            log(f"backend check FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     peak = matmul_peak_tflops(n=512 if small else 8192, reps=3 if small else 20)
     log(f"measured bf16 matmul peak (8192^3, median of 20 samples of 5): {peak:.0f} TFLOP/s")
 
@@ -227,26 +312,29 @@ def main() -> None:
         f"weights {torch.cuda.memory_allocated() / GIB if DEVICE == 'cuda' else float('nan'):.1f} GiB")
 
     results = []
-    plan = [(int(s), args.warmup, args.steps, RECOMPUTE_MODES) for s in args.contexts.split(",") if s]
-    plan += [(int(s), 0, 1, ("full", "attention")) for s in args.probe.split(",") if s]
+    ablations = ("full+unfused-lora", "attention_output+down-replayed", "attention_output+unfused-lora+down-replayed")
+    ablate = {int(s) for s in args.ablate.split(",") if s}
+    plan = [(int(s), args.warmup, args.steps, RECOMPUTE_MODES + (ablations if int(s) in ablate else ()))
+            for s in args.contexts.split(",") if s]
+    plan += [(int(s), 0, 1, ("full", "attention_output")) for s in args.probe.split(",") if s]
     none_oom_at = None
     for seq_len, warmup, steps, modes in plan:
         for mode in modes:
             if time.perf_counter() - started > args.budget_s:
-                log(f"{seq_len:>7} {mode:>9}: skipped (time budget {args.budget_s:.0f} s spent)")
+                log(f"{seq_len:>7} {mode:>16}: skipped (time budget {args.budget_s:.0f} s spent)")
                 results.append({"seq_len": seq_len, "mode": mode, "skipped": True})
                 continue
             if mode == "none" and none_oom_at is not None and seq_len > none_oom_at:
-                log(f"{seq_len:>7} {mode:>9}: skipped (out of memory at {none_oom_at})")
+                log(f"{seq_len:>7} {mode:>16}: skipped (out of memory at {none_oom_at})")
                 results.append({"seq_len": seq_len, "mode": mode, "oom": True, "skipped": True})
                 continue
             r = measure(model, optimizer, seq_len, mode, warmup, steps)
             results.append(r)
             if r["oom"]:
                 none_oom_at = seq_len if mode == "none" else none_oom_at
-                log(f"{seq_len:>7} {mode:>9}: out of memory")
+                log(f"{seq_len:>7} {mode:>16}: out of memory")
             else:
-                log(f"{seq_len:>7} {mode:>9}: step {r['step_s']:.3f} s (all {', '.join(f'{t:.3f}' for t in r['step_s_all'])}), "
+                log(f"{seq_len:>7} {mode:>16}: step {r['step_s']:.3f} s (all {', '.join(f'{t:.3f}' for t in r['step_s_all'])}), "
                     f"peak {r['peak_gib']:.1f} GiB, {r['tokens_per_s']:.0f} tok/s, MFU {r['model_tflops'] / peak:.1%}")
 
     if args.json:
@@ -264,7 +352,8 @@ def main() -> None:
         if r.get("oom"):
             log(f"| {r['seq_len']} | {r['mode']} | out of memory | | | | | |")
             continue
-        full = by_key.get((r["seq_len"], "full"))
+        # an ablation of the LoRA path is compared with full recomputation on the same path
+        full = by_key.get((r["seq_len"], "full+unfused-lora" if "+unfused-lora" in r["mode"] else "full"))
         vs = ("", "")
         if full and not full.get("oom") and not full.get("skipped"):
             vs = (f"{r['step_s'] / full['step_s'] - 1:+.1%}", f"{r['peak_gib'] / full['peak_gib']:.2f}x")

@@ -15,6 +15,7 @@ class TrainConfig:
     run_name: str = "demo"
     base_model: str = ""  # a Hugging Face model folder
     backend: str = "torch_peft"
+    recompute: str = "none"  # what backward recomputes: none, full, attention_output (training.recompute)
     steps: int = 44
     groups_per_step: int = 6  # whole groups the trainer takes per step
     group_size: int = 8  # samples per task per group
@@ -71,6 +72,10 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'group_size' must be >= 2 (advantages are relative within a group)")
         if not self.base_model:
             raise ValueError(f"{source}: key 'base_model' is required (a Hugging Face model folder)")
+        from training.recompute import RECOMPUTE_MODES
+
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"{source}: key 'recompute' must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
 
     @classmethod
     def load(cls, path: str | Path) -> "TrainConfig":

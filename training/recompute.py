@@ -7,6 +7,9 @@ layer, the layer input, the attention output and the attention's log-sum-exp. Ba
 the cheap parts (RMSNorms, q/k/v projections with q/k norm and RoPE, the output projection, the
 SwiGLU MLP, all with their LoRA adapters) and feeds the attention backward kernel directly with the
 saved output and log-sum-exp, the two things a flash-attention backward needs besides q, k and v.
+It also leaves out the one product of the layer whose result backward never reads: the frozen down
+projection's (its input gradient is ``grad @ W``; only its LoRA branch is rebuilt). A full
+recomputation cannot skip it, since it replays the layer's forward as written.
 
 The decoder is Qwen3-shaped (RMSNorm, q/k/v/o projections with per-head q/k RMSNorm, grouped-query
 attention, rotary embeddings, SwiGLU MLP) with frozen base weights and LoRA on the seven
@@ -14,8 +17,12 @@ projections. Three recomputation modes share every kernel, so a benchmark compar
 kept::
 
     model = Qwen3Decoder(DecoderShape.qwen3("4b"), dtype=torch.bfloat16, device="cuda")
-    hidden = model(input_ids, recompute="attention")   # or "none", "full"
+    hidden = model(input_ids, recompute="attention_output")   # or "none", "full"
     logprobs = model.token_logprobs(hidden, target_ids)
+
+The same recomputation runs on Hugging Face Qwen2/Qwen3 decoder layers with peft LoRA adapters
+(:func:`keep_attention_output_in_hf_layers`, what the torch/peft trainer backend's
+``recompute="attention_output"`` installs).
 
 Attention kernels, chosen by :func:`attention_kernels`: flash-attn's ``_flash_attn_forward`` /
 ``_flash_attn_backward`` where flash-attn is installed on a CUDA device, else PyTorch's own flash
@@ -35,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-RecomputeMode = Literal["none", "full", "attention"]
-RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "full", "attention")
+RecomputeMode = Literal["none", "full", "attention_output"]
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "full", "attention_output")
 
 
 @dataclass(frozen=True)
@@ -270,8 +277,17 @@ class LoRALinear(nn.Module):
         nn.init.normal_(self.weight, std=in_features**-0.5)
         nn.init.normal_(self.lora_a, std=in_features**-0.5)
 
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's part of the output, ``scale * B(A(x))``."""
+        return F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+        # The rank-r product is added in the GEMM's epilogue (``addmm``'s alpha and beta): no
+        # separate scaling and sum passes over the (tokens, out_features) output.
+        base = F.linear(x, self.weight)
+        xa = F.linear(x, self.lora_a)
+        out = torch.addmm(base.reshape(-1, base.shape[-1]), xa.reshape(-1, xa.shape[-1]), self.lora_b.t(), alpha=self.scale)
+        return out.view(base.shape)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -328,10 +344,22 @@ class Qwen3DecoderLayer(nn.Module):
 
     def attention_outputs(self, x, attn) -> torch.Tensor:
         """The layer output from its input and the attention output (batch, heads, seq, head_dim)."""
+        y, act = self._mlp_input(x, attn)
+        return y + self.down_proj(act)
+
+    def mlp_input(self, x, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual after attention and the input of the down projection."""
+        return self._mlp_input(x, attn)
+
+    def _mlp_input(self, x, attn) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = x.shape
         y = x + self.o_proj(attn.transpose(1, 2).reshape(b, s, self.shape.q_size))
         h = self._rms(y, self.post_attention_norm)
-        return y + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return y, F.silu(self.gate_proj(h)) * self.up_proj(h)
+
+    def down_parts(self, act) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The down projection's frozen weight and its LoRA part of the output on ``act``."""
+        return self.down_proj.weight, self.down_proj.lora_delta(act)
 
     def forward(self, x, cos, sin) -> torch.Tensor:
         q, k, v = self.attention_inputs(x, cos, sin)
@@ -342,37 +370,45 @@ class Qwen3DecoderLayer(nn.Module):
 class _KeepAttentionOutput(torch.autograd.Function):
     """A decoder layer that keeps only its input, the attention output and the log-sum-exp.
 
-    Forward runs without building a graph. Backward rebuilds the graph of the two halves around
-    attention, the post-attention half from the saved output, backpropagates it to get the
-    gradient of the attention output, runs the attention backward kernel on the saved output and
-    log-sum-exp, and backpropagates the resulting q/k/v gradients through the rebuilt
+    ``layer`` is split at attention (:class:`Qwen3DecoderLayer`, or :class:`HFDecoderSplit` for a
+    Hugging Face layer): ``attention_inputs(x, cos, sin) -> q, k, v``, ``attention_outputs(x, attn)
+    -> layer output``, ``mlp_input(x, attn) -> (residual after attention, down projection input)``,
+    ``down_parts(act) -> (frozen down weight, LoRA part of the output or None)``, and ``kernels``,
+    ``softmax_scale``. ``mlp_input`` and ``down_parts`` may be None (then the whole post-attention
+    half is replayed).
+
+    Forward runs without building a graph. Backward rebuilds the post-attention half from the saved
+    output up to the down projection's input ``act``; the frozen down product is not redone, since
+    backward reads only its input gradient ``grad @ W_down``, which is fed to ``act`` directly. The
+    graph gives the gradient of the attention output, the attention backward kernel turns it into
+    q/k/v gradients with the saved output and log-sum-exp, and those flow back through the rebuilt
     pre-attention half. Attention itself runs once, in forward.
     """
 
     @staticmethod
-    def forward(ctx, layer: Qwen3DecoderLayer, x, cos, sin, *trainable):
+    def forward(ctx, layer, x, cos, sin, *trainable):
         with torch.no_grad():
             q, k, v = layer.attention_inputs(x, cos, sin)
             attn, lse, state = layer.kernels.forward(q, k, v, layer.softmax_scale)
             del q, k, v
             y = layer.attention_outputs(x, attn)
         ctx.save_for_backward(x, cos, sin, attn, lse)
-        ctx.layer, ctx.state = layer, state
+        ctx.layer, ctx.state, ctx.trainable = layer, state, trainable
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, cos, sin, attn, lse = ctx.saved_tensors
-        layer: Qwen3DecoderLayer = ctx.layer
-        trainable = [p for p in layer.parameters() if p.requires_grad]
+        layer = ctx.layer
+        trainable = list(ctx.trainable)
         want_x = ctx.needs_input_grad[1]
         with torch.enable_grad():
             x_in = x.detach().requires_grad_(want_x)
             attn_in = attn.detach().requires_grad_(True)
-            y = layer.attention_outputs(x_in, attn_in)
+            outputs, grads_out = _post_attention_for_backward(layer, x_in, attn_in, grad_y)
             post_inputs = [attn_in] + ([x_in] if want_x else []) + trainable
-            post_grads = torch.autograd.grad(y, post_inputs, grad_y, allow_unused=True)
-            del y
+            post_grads = torch.autograd.grad(outputs, post_inputs, grads_out, allow_unused=True)
+            del outputs, grads_out
             grad_attn = post_grads[0]
             grad_x_post = post_grads[1] if want_x else None
             grad_params = list(post_grads[2 if want_x else 1 :])
@@ -395,16 +431,175 @@ class _KeepAttentionOutput(torch.autograd.Function):
         return (None, grad_x, None, None, *grad_params)
 
 
+def _post_attention_for_backward(layer, x, attn, grad_y):
+    """Outputs of the rebuilt post-attention half and the gradients to feed them.
+
+    The layer output is ``y + act @ W_down.T + delta(act)`` (``delta``: the LoRA part). Its gradient
+    reaches ``y`` as it is, ``delta`` as it is, and ``act`` through the frozen product as
+    ``grad_y @ W_down``, so the rebuilt graph stops at ``act`` and the product is never recomputed.
+    That gradient (tokens × intermediate size) is made before the graph is walked and held until
+    the walk ends, so peak memory at long contexts is higher by about its size than when autograd
+    makes and frees it (docs/benchmarks.md).
+    """
+    mlp_input = getattr(layer, "mlp_input", None)
+    parts = mlp_input(x, attn) if mlp_input is not None else None
+    if parts is None:
+        return (layer.attention_outputs(x, attn),), (grad_y,)
+    y, act = parts
+    weight, delta = layer.down_parts(act)
+    grad_act = torch.matmul(grad_y, weight.to(grad_y.dtype))
+    outputs, grads = [y, act], [grad_y, grad_act]
+    if delta is not None:
+        outputs.append(delta)
+        grads.append(grad_y)
+    return tuple(outputs), tuple(grads)
+
+
 def layer_forward(layer: Qwen3DecoderLayer, x, cos, sin, recompute: RecomputeMode) -> torch.Tensor:
     """Run one layer with the given recomputation mode."""
     if recompute == "none":
         return layer(x, cos, sin)
     if recompute == "full":
         return checkpoint(layer, x, cos, sin, use_reentrant=False)
-    if recompute == "attention":
+    if recompute == "attention_output":
         trainable = [p for p in layer.parameters() if p.requires_grad]
         return _KeepAttentionOutput.apply(layer, x, cos, sin, *trainable)
     raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Qwen2/Qwen3 decoder layers with peft LoRA adapters.
+
+HF_LAYER_CLASSES = ("Qwen2DecoderLayer", "Qwen3DecoderLayer")
+
+
+def _plain_lora(module: nn.Module) -> tuple[torch.Tensor, list[tuple[nn.Module, nn.Module, float]]] | None:
+    """(frozen weight, active (A, B, scaling) adapters) of a frozen linear or a peft LoRA linear;
+    None where the module does more than ``x @ W.T + sum(scaling * B(A(x)))`` (a bias, a merged or
+    DoRA adapter, LoRA dropout, a quantized base)."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        ok = type(module) is nn.Linear and module.bias is None and not module.weight.requires_grad
+        return (module.weight, []) if ok else None
+    if type(base) is not nn.Linear or base.bias is not None or base.weight.requires_grad:
+        return None
+    if getattr(module, "merged", False) or getattr(module, "lora_variant", None):
+        return None
+    if getattr(module, "disable_adapters", False):
+        return base.weight, []
+    adapters = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        a, b = module.lora_A[name], module.lora_B[name]
+        if not isinstance(module.lora_dropout[name], nn.Identity) or type(a) is not nn.Linear or type(b) is not nn.Linear:
+            return None
+        adapters.append((a, b, module.scaling[name]))
+    return base.weight, adapters
+
+
+class HFDecoderSplit:
+    """A Hugging Face Qwen2/Qwen3 decoder layer split at attention, for :class:`_KeepAttentionOutput`.
+
+    Reads the layer's own modules (norms, the peft-wrapped projections, the MLP), so the adapter
+    the backend trains and saves is unchanged. Attention runs causal over the whole row, without
+    the padding mask: right-padded rows (what the trainer backends build) give the same values at
+    every real token, and the padded tail carries no loss.
+    """
+
+    def __init__(self, layer: nn.Module, rotary: Callable):
+        attn = layer.self_attn
+        config = attn.config
+        if getattr(attn, "sliding_window", None) or getattr(config, "use_sliding_window", False):
+            raise ValueError("recompute='attention_output': sliding-window attention is not supported")
+        if getattr(config, "attention_dropout", 0.0):
+            raise ValueError("recompute='attention_output': attention dropout must be 0 (no RNG state is kept)")
+        self.layer, self.attn, self.mlp = layer, attn, layer.mlp
+        self.rotary = rotary
+        self.head_dim = attn.head_dim
+        self.softmax_scale = attn.scaling
+        self.kernels: AttentionKernels | None = None
+        self._kernels_device: str | None = None
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.layer.parameters() if p.requires_grad]
+
+    def select_kernels(self, x: torch.Tensor) -> None:
+        if self._kernels_device == x.device.type:
+            return
+        if x.device.type == "cuda" and x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                "recompute='attention_output' on CUDA needs bfloat16 or float16 weights "
+                f"(the flash kernels take 16-bit inputs), got {x.dtype}"
+            )
+        self.kernels, self._kernels_device = attention_kernels(x.device), x.device.type
+
+    def attention_inputs(self, x, cos, sin):
+        attn = self.attn
+        b, s, _ = x.shape
+        h = self.layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, s, -1, self.head_dim)
+        k = attn.k_proj(h).view(b, s, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        v = attn.v_proj(h).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    def attention_outputs(self, x, attn):
+        b, s = x.shape[:2]
+        y = x + self.attn.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
+        return y + self.mlp(self.layer.post_attention_layernorm(y))
+
+    def mlp_input(self, x, attn):
+        if _plain_lora(self.mlp.down_proj) is None:
+            return None  # a down projection this split does not take apart: replay the whole half
+        b, s = x.shape[:2]
+        y = x + self.attn.o_proj(attn.transpose(1, 2).reshape(b, s, -1))
+        h = self.layer.post_attention_layernorm(y)
+        return y, self.mlp.act_fn(self.mlp.gate_proj(h)) * self.mlp.up_proj(h)
+
+    def down_parts(self, act):
+        weight, adapters = _plain_lora(self.mlp.down_proj)
+        delta = None
+        for a, b, scaling in adapters:
+            part = b(a(act.to(a.weight.dtype))) * scaling
+            delta = part if delta is None else delta + part
+        return weight, delta
+
+
+def keep_attention_output_in_hf_layers(model: nn.Module) -> int:
+    """Make every Qwen2/Qwen3 decoder layer of ``model`` keep only its input, attention output and
+    log-sum-exp for backward (see :class:`_KeepAttentionOutput`); returns how many layers.
+
+    Replaces each layer's ``forward`` on the instance (module names, and so adapter names, stay).
+    The kept path runs when gradients are being recorded and the layer has a trainable parameter
+    or a gradient-needing input; otherwise (``no_grad`` scoring, generation with a KV cache) the
+    layer's own forward runs. Pass ``use_cache=False`` to the model when training.
+    """
+    import importlib
+
+    layers = [m for m in model.modules() if type(m).__name__ in HF_LAYER_CLASSES]
+    if not layers:
+        raise ValueError(f"recompute='attention_output': no {' or '.join(HF_LAYER_CLASSES)} in the model")
+    for layer in layers:
+        rotary = importlib.import_module(type(layer).__module__).apply_rotary_pos_emb
+        split = HFDecoderSplit(layer, rotary)
+        layer.forward = _kept_forward(split, layer.forward)
+    return len(layers)
+
+
+def _kept_forward(split: HFDecoderSplit, original: Callable) -> Callable:
+    def forward(hidden_states, *args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache", kwargs.get("past_key_value")))
+        trainable = split.trainable()
+        if args or cache is not None or not torch.is_grad_enabled() or not (trainable or hidden_states.requires_grad):
+            return original(hidden_states, *args, **kwargs)
+        cos, sin = kwargs["position_embeddings"]
+        split.select_kernels(hidden_states)
+        return _KeepAttentionOutput.apply(split, hidden_states, cos, sin, *trainable)
+
+    return forward
 
 
 class Qwen3Decoder(nn.Module):
@@ -438,7 +633,7 @@ class Qwen3Decoder(nn.Module):
             self._rope = (seq_len, cos, sin)
         return self._rope[1][:seq_len], self._rope[2][:seq_len]
 
-    def forward(self, input_ids: torch.Tensor, recompute: RecomputeMode = "attention") -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, recompute: RecomputeMode = "attention_output") -> torch.Tensor:
         """Final hidden states (batch, seq, hidden) of ``input_ids`` (batch, seq)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self._rope_tables(input_ids.shape[1], x)
@@ -475,6 +670,7 @@ def chunked_token_logprobs(hidden, lm_head, target_ids, chunk_tokens: int = 4096
 __all__ = [
     "AttentionKernels",
     "DecoderShape",
+    "HFDecoderSplit",
     "LoRALinear",
     "Qwen3Decoder",
     "Qwen3DecoderLayer",
@@ -482,6 +678,7 @@ __all__ = [
     "RecomputeMode",
     "attention_kernels",
     "chunked_token_logprobs",
+    "keep_attention_output_in_hf_layers",
     "layer_forward",
     "rope_tables",
 ]

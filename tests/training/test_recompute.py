@@ -49,7 +49,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
-@pytest.mark.parametrize("recompute", ["attention", "full"])
+@pytest.mark.parametrize("recompute", ["attention_output", "full"])
 def test_gradients_match_no_recomputation(dtype, tol, recompute):
     model = _model(dtype)
     ids = torch.randint(0, TINY.vocab_size, (2, 20))
@@ -71,13 +71,13 @@ def test_layer_input_gradient_matches():
     x = torch.randn(3, 9, TINY.hidden_size, dtype=torch.float64, requires_grad=True)
     grad_y = torch.randn(3, 9, TINY.hidden_size, dtype=torch.float64)
     grads = {}
-    for mode in ("none", "attention"):
+    for mode in ("none", "attention_output"):
         layer.zero_grad(set_to_none=True)
         y = layer_forward(layer, x, cos, sin, mode)
         (gx,) = torch.autograd.grad(y, [x], grad_y, retain_graph=True)
         y.backward(grad_y)
         grads[mode] = (y.detach(), gx, layer.q_proj.lora_a.grad.clone(), layer.down_proj.lora_b.grad.clone())
-    for a, b in zip(grads["attention"], grads["none"]):
+    for a, b in zip(grads["attention_output"], grads["none"]):
         assert _rel(a, b) < 1e-10
 
 
@@ -95,7 +95,7 @@ class _CountingKernels:
         return self.inner.backward(*args)
 
 
-@pytest.mark.parametrize("recompute, forwards", [("none", 2), ("full", 4), ("attention", 2)])
+@pytest.mark.parametrize("recompute, forwards", [("none", 2), ("full", 4), ("attention_output", 2)])
 def test_attention_forward_is_never_recomputed(recompute, forwards):
     model = _model(torch.float32)
     counter = _CountingKernels(attention_kernels("cpu"))
@@ -104,6 +104,25 @@ def test_attention_forward_is_never_recomputed(recompute, forwards):
     ids = torch.randint(0, TINY.vocab_size, (1, 12))
     _loss_and_grads(model, ids, recompute)
     assert (counter.forwards, counter.backwards) == (forwards, TINY.num_layers)
+
+
+@pytest.mark.parametrize("recompute, products", [("none", 2), ("full", 4), ("attention_output", 2)])
+def test_frozen_down_product_is_not_recomputed(recompute, products, monkeypatch):
+    """Backward reads only the down projection's input gradient, so ours skips its frozen product
+    (counted at ``F.linear``: a full recomputation stops before the module returns)."""
+    model = _model(torch.float32)
+    down_weights = {id(layer.down_proj.weight) for layer in model.layers}
+    calls = []
+    linear = torch.nn.functional.linear
+
+    def counting_linear(x, weight, *args):
+        if id(weight) in down_weights:
+            calls.append(1)
+        return linear(x, weight, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counting_linear)
+    _loss_and_grads(model, torch.randint(0, TINY.vocab_size, (1, 12)), recompute)
+    assert len(calls) == products
 
 
 def test_attention_keeps_only_input_output_and_lse():
@@ -120,7 +139,7 @@ def test_attention_keeps_only_input_output_and_lse():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer_forward(layer, x, cos, sin, "attention")
+        layer_forward(layer, x, cos, sin, "attention_output")
     shapes = sorted(tuple(t.shape) for t in kept)
     expected = sorted([
         (b, s, TINY.hidden_size),  # layer input

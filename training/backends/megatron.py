@@ -300,7 +300,16 @@ class MegatronBackend:
         seed: int = 0,
         device: str = "cuda",
         dtype: str = "bfloat16",
+        recompute: str = "none",
     ) -> None:
+        if recompute != "none":
+            # Not wired: the attention-output scheme would need each layer's two halves rebuilt with
+            # their tensor-parallel all-reduces replayed in backward, and Megatron's own full
+            # recomputation has not been checked with LoRA on frozen weights here.
+            raise NotImplementedError(
+                f"recompute={recompute!r}: the megatron backend keeps every activation (recompute='none'); "
+                "activation recomputation is in the torch_peft backend"
+            )
         if tuple(sorted(target_modules)) != tuple(sorted(TARGET_MODULES)):
             raise ValueError(f"target_modules: the megatron backend puts LoRA on all of {TARGET_MODULES}")
         parallel_state, tensor_parallel, GPTModel, get_spec, TransformerConfig = _megatron()

@@ -5,6 +5,12 @@ term is the same model with the adapter disabled (no second copy in memory). Seq
 into micro-batches of at most ``micro_batch_tokens`` padded tokens; gradients accumulate across them
 and the loss is normalized by the generated tokens of the whole batch, so the step does not depend on
 how the batch was split.
+
+``recompute`` chooses what backward recomputes instead of keeping (``training.recompute``):
+``"none"`` keeps every activation; ``"full"`` is Hugging Face gradient checkpointing (each decoder
+layer keeps its input and is replayed whole in backward); ``"attention_output"`` keeps each layer's
+input, attention output and log-sum-exp and replays everything but attention (Qwen2/Qwen3 models;
+on CUDA with ``dtype="bfloat16"`` or ``"float16"``, the flash kernels' input types).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
 from training.grpo import grpo_loss
+from training.recompute import RECOMPUTE_MODES, keep_attention_output_in_hf_layers
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -36,6 +43,8 @@ class TorchPeftBackend:
         micro_batch_tokens: int = 8192,
         seed: int = 0,
         device: str = "cpu",
+        recompute: str = "none",
+        dtype: str = "float32",
     ) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
@@ -43,13 +52,24 @@ class TorchPeftBackend:
         model_path = Path(model_path)
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path}: no config.json (expected a Hugging Face model folder)")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
         torch.manual_seed(seed)  # LoRA A matrices are initialized from the global generator
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         lora = LoraConfig(
             r=lora_rank, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
             bias="none", task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, lora).to(device)
+        if recompute == "full":
+            hf = self.model.get_base_model()
+            if hasattr(hf, "activation_checkpointing_enable"):  # the newer name of the same switch
+                hf.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif recompute == "attention_output":
+            keep_attention_output_in_hf_layers(self.model)
+        self.recompute = recompute
         self.device = device
         self.tis_cap = tis_cap
         self.kl_coef = kl_coef
@@ -62,7 +82,10 @@ class TorchPeftBackend:
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """log π(token_t | tokens_<t) for t >= 1, aligned so column t is token t (column 0 is 0)."""
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        if self.recompute == "attention_output" and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("recompute='attention_output' needs right-padded rows (attention runs causal, unmasked)")
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        logits = out.logits[:, :-1].float()
         lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         return torch.nn.functional.pad(lp, (1, 0))
 
