@@ -49,6 +49,10 @@ class BaseModelSpec:
     sft_steps: int = 400
     batch_size: int = 16
     augment_copies: int = 4  # renamed variants per demonstration
+    # Variants also rename the module file, so file names must be copied from the prompt rather than
+    # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
+    # (docs/benchmarks.md, "Base model and RL transfer").
+    rename_modules: bool = False
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -71,17 +75,26 @@ _VERBS = ("compute", "get", "make", "find", "check", "scale", "clip", "pick", "j
 _NOUNS = ("fee", "mass", "span", "gap", "load", "mark", "rank", "cost", "limit", "sum", "width", "share")
 
 
-def augment(demos: Sequence[tuple[str, str]], copies: int, seed: int = 0) -> list[tuple[str, str]]:
-    """Each demonstration plus ``copies`` variants with its functions renamed consistently in prompt
-    and answer and their order in the module shuffled: the same bug and fix under new names and line
-    numbers, so the model learns to read the prompt rather than recall names and numbers."""
+_SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vor", "sel", "dan", "pi", "gor", "ne", "bax", "quo", "fi", "zan", "hu")
+
+
+def augment(demos: Sequence[tuple[str, str]], copies: int, seed: int = 0,
+            rename_modules: bool = False) -> list[tuple[str, str]]:
+    """Each demonstration plus ``copies`` variants with its functions (and, with ``rename_modules``,
+    its module file) renamed consistently in prompt and answer and their order in the module
+    shuffled: the same bug and fix under new names and line numbers, so the model learns to read the
+    prompt rather than recall names and numbers."""
     rng = random.Random(seed)
     out = list(demos)
     for prompt, actions in demos:
         funcs = sorted(set(re.findall(r"\bdef (\w+)\(", prompt)), key=len, reverse=True)
+        modules = sorted(set(re.findall(r"^(\w+)\.py:$", prompt, flags=re.M)))
         for _ in range(copies):
-            mapping: dict[str, str] = {}  # module names stay: the suite's few modules are learned as they are
-            used: set[str] = set()
+            mapping: dict[str, str] = {}
+            if rename_modules:
+                for module in modules:
+                    mapping[module] = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+            used: set[str] = set(mapping.values())
             for f in funcs:
                 name = f"{rng.choice(_VERBS)}_{rng.choice(_NOUNS)}"
                 while name in used:
@@ -178,9 +191,9 @@ def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
             order += rng.sample(range(len(examples)), len(examples))
         idx, order = order[:spec.batch_size], order[spec.batch_size:]
         width = max(len(examples[i][0]) for i in idx)
-        ids = torch.tensor([examples[i][0] + [0] * (width - len(examples[i][0])) for i in idx])
-        mask = torch.tensor([examples[i][1] + [0] * (width - len(examples[i][1])) for i in idx], dtype=torch.float32)
-        attn = torch.tensor([[1] * len(examples[i][0]) + [0] * (width - len(examples[i][0])) for i in idx])
+        ids = torch.tensor([examples[i][0] + [0] * (width - len(examples[i][0])) for i in idx], device=model.device)
+        mask = torch.tensor([examples[i][1] + [0] * (width - len(examples[i][1])) for i in idx], dtype=torch.float32, device=model.device)
+        attn = torch.tensor([[1] * len(examples[i][0]) + [0] * (width - len(examples[i][0])) for i in idx], device=model.device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
         loss = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
@@ -213,8 +226,10 @@ def demonstration_loss(model_dir: Path, demos: list[tuple[str, str]]) -> float:
     return total / max(count, 1)
 
 
-def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec = BaseModelSpec()) -> Path:
-    """Build (or reuse) the base model at ``out`` from the demonstrations of ``tasks``."""
+def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec = BaseModelSpec(),
+                     device: str = "cpu") -> Path:
+    """Build (or reuse) the base model at ``out`` from the demonstrations of ``tasks``; the SFT steps
+    run on ``device`` (the model is saved from the CPU either way)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     out = Path(out)
@@ -225,7 +240,8 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         return out
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    tokenizer = train_tokenizer([p + a for p, a in augment(demos, spec.augment_copies, spec.seed)], spec.vocab_size)
+    augmented = augment(demos, spec.augment_copies, spec.seed, spec.rename_modules)
+    tokenizer = train_tokenizer([p + a for p, a in augmented], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -242,9 +258,10 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tokenizer = AutoTokenizer.from_pretrained(tmp)
-    model = AutoModelForCausalLM.from_config(config)
-    examples = _examples(tokenizer, augment(demos, spec.augment_copies, spec.seed))
+    model = AutoModelForCausalLM.from_config(config).to(device)
+    examples = _examples(tokenizer, augmented)
     curve = sft(model, examples, spec)
+    model = model.cpu()
     model.save_pretrained(tmp, safe_serialization=True)
     reload_loss = demonstration_loss(tmp, demos)  # what was saved, reloaded, on the original demonstrations
     (tmp / "build.json").write_text(json.dumps({
@@ -268,11 +285,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", default=None, help="bundled suite folder (built if missing)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--sft-steps", type=int, default=BaseModelSpec.sft_steps)
+    parser.add_argument("--batch-size", type=int, default=BaseModelSpec.batch_size)
+    parser.add_argument("--augment-copies", type=int, default=BaseModelSpec.augment_copies,
+                        help="renamed variants per demonstration (default %(default)s)")
+    parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too")
+    parser.add_argument("--device", default="cpu", help="where the SFT steps run (cpu, cuda)")
     parser.add_argument("--torch-threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     tasks = [t for t in load_suite(args.tasks) if t.split == "train"]
-    path = build_base_model(args.out, tasks, BaseModelSpec(sft_steps=args.sft_steps))
+    spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, augment_copies=args.augment_copies,
+                         rename_modules=args.rename_modules)
+    path = build_base_model(args.out, tasks, spec, device=args.device)
     print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))
     return 0
 

@@ -29,6 +29,7 @@ class TrainConfig:
     kl_coef: float = 0.0
     scale_advantages_by_std: bool = False
     temperature: float = 1.0
+    reuse_grading: bool = True  # grade an identical patch of a task once (its tests must be deterministic)
     max_new_tokens: int = 48
     max_turns: int = 2
     seed: int = 0

@@ -91,6 +91,8 @@ class HarnessRunner:
         self.sandbox_factory = sandbox_factory
         self.cfg = cfg
         self.pool = ThreadPoolExecutor(max_workers=episode_workers, thread_name_prefix="episode")
+        # An identical committed patch of the same task is graded once (the tests are deterministic).
+        self.grade_cache: dict | None = {} if cfg.reuse_grading else None
 
     def episode(self, task_id: str, adapter: AdapterRef, group_id: str, index: int, seed: int) -> Rollout:
         from evals.harness import run_episode
@@ -103,7 +105,7 @@ class HarnessRunner:
                 task, self.client, self.tokenizer, self.sandbox_factory, adapter_version=adapter.name,
                 session_id=f"{group_id}/{index}", action_format="compact", max_turns=self.cfg.max_turns,
                 max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                seed=seed + 7919 * index + 104729 * retry,
+                seed=seed + 7919 * index + 104729 * retry, grade_cache=self.grade_cache,
             )
             if not traj.infra_error:
                 return rollout_from_trajectory(traj, group_id, adapter, float(traj.reward or 0.0))

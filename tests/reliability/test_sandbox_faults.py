@@ -125,3 +125,27 @@ def test_model_server_unreachable_is_an_infra_error(task, tokenizer):
     traj = run_episode(task, EngineClient(f"http://127.0.0.1:{port}", timeout_s=5), tokenizer,
                        platform_sandbox_factory("bwrap"), max_turns=1)
     assert traj.stop_reason == "infra_error" and traj.reward is None and "unreachable" in traj.error
+
+
+def test_harness_runner_grades_an_identical_patch_once(task, tokenizer):
+    """A group whose samples commit the same patch: every rollout carries the real grade, and the
+    grading sandbox opens once for the group (with ``reuse_grading`` off, once per sample)."""
+    from evals.actions import demonstration
+    from training.config import TrainConfig
+    from training.episodes import HarnessRunner
+    from training.loop import AdapterRef
+
+    _, answer = demonstration(task)
+    opened = {}
+    for reuse in (True, False):
+        factory, count = killing_factory(kill_first=0, after_s=0.0)
+        cfg = TrainConfig(base_model="unused", max_turns=2, reuse_grading=reuse)
+        runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, factory, cfg, episode_workers=1)
+        runner.client = Scripted(tokenizer, answer)
+        try:
+            rollouts = list(runner.run_group(task.id, AdapterRef(0, None, None), "g0", size=3, seed=0))
+        finally:
+            runner.close()
+        assert [r.reward for r in rollouts] == [1.0, 1.0, 1.0]
+        opened[reuse] = count[0]
+    assert opened == {True: 3 + 1, False: 3 + 3}  # one agent sandbox per sample, plus the grading ones
