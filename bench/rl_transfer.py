@@ -1,0 +1,200 @@
+"""Does RL on the training split move held-out accuracy? A fast proxy of ``posttrain demo``.
+
+Builds embedded base models (``training.base_model`` settings, one per entry of ``bases``), then runs
+GRPO on each with the project's own ``TorchPeftBackend`` and ``group_advantages`` (one entry of
+``runs`` each), all in parallel processes. What differs from the real loop, to make a sweep take
+minutes on one GPU: the reward is the exact match of the compact answer with the task's reference
+actions (no sandbox; a correct answer written differently scores 0, so it under-counts), sampling is
+``generate`` on the trained model itself (on-policy, no engine, no lag) and episodes are one turn.
+
+Printed per base: held-out exact match sampled at temperature 1 (mean over ``--samples``), greedy, and
+the share of tasks solved by any sample; per run: the held-out sampled accuracy before and after the
+steps, with the training reward of the first and last 10 steps.
+
+    python bench/rl_transfer.py --suite posttrain-data/datasets/bundled --plan plan.json --device cuda
+
+``plan.json``: ``{"bases": [{BaseModelSpec fields}...], "runs": [{"base": 0, "lr": 0.002, ...}]}``;
+run keys: ``lr``, ``rank``, ``kl``, ``std`` (advantages scaled by the group's std), ``groups``,
+``group_size``, ``steps``, ``vary`` (each sampled prompt is a fresh renamed variant of the task),
+``uniform`` (draw from every training task, not only those the base solves sometimes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _answer_key(text: str):
+    from evals.actions import ActionParseError, parse_compact
+
+    try:
+        actions = parse_compact(text)
+    except ActionParseError:
+        return None
+    if not actions or actions[-1].tool != "commit":
+        return None
+    return sorted((a.args["path"], int(a.args["line"]), a.args["text"]) for a in actions if a.tool == "replace_line")
+
+
+class Sampler:
+    """Batched sampling of compact answers and their exact-match reward."""
+
+    def __init__(self, model, tokenizer, device: str, max_new_tokens: int = 48):
+        self.model, self.tok, self.device, self.max_new_tokens = model, tokenizer, device, max_new_tokens
+        self.tok.padding_side = "left"
+
+    def sample(self, demos: list[tuple[str, str]], n: int, greedy: bool = False) -> list[tuple[list[int], list[int], float]]:
+        import torch
+
+        out_rows = []
+        self.model.eval()
+        eos = self.tok.eos_token_id
+        for i in range(0, len(demos), 16):
+            chunk = demos[i:i + 16]
+            enc = self.tok([p for p, _ in chunk], return_tensors="pt", padding=True).to(self.device)
+            kw = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+            with torch.no_grad():
+                out = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, num_return_sequences=n,
+                                          pad_token_id=eos, **kw)
+            width = enc.input_ids.shape[1]
+            for j, (prompt, reference) in enumerate(chunk):
+                want = _answer_key(reference)
+                prompt_ids = self.tok(prompt).input_ids
+                for r in range(n):
+                    gen = out[j * n + r][width:].tolist()
+                    if eos in gen:
+                        gen = gen[:gen.index(eos) + 1]
+                    ok = _answer_key(self.tok.decode(gen, skip_special_tokens=True)) == want
+                    out_rows.append((prompt_ids, gen, float(ok)))
+        return out_rows
+
+
+def accuracy(sampler: Sampler, demos: list[tuple[str, str]], n: int, greedy: bool = False) -> tuple[float, float]:
+    """(mean exact match, share of tasks with any exact match) over ``n`` samples per task."""
+    rows = sampler.sample(demos, n, greedy)
+    solved = sum(1 for i in range(0, len(rows), n) if any(r[2] for r in rows[i:i + n]))
+    return round(sum(r[2] for r in rows) / len(rows), 4), round(solved / len(demos), 3)
+
+
+def _suite(path: str):
+    from evals.actions import demonstration
+    from evals.bundled import load_suite
+
+    tasks = list(load_suite(path))
+    train = [t for t in tasks if t.split == "train"]
+    held = [demonstration(t) for t in tasks if t.split == "eval"]
+    return train, held
+
+
+def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
+    import torch
+
+    from training.base_model import BaseModelSpec, build_base_model
+
+    index, spec, args = job
+    torch.set_num_threads(1)
+    train, held = _suite(args.suite)
+    path = build_base_model(Path(args.out) / f"base-{index}", train, BaseModelSpec(**spec), device=args.device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path).to(args.device)
+    sampler = Sampler(model, AutoTokenizer.from_pretrained(path), args.device)
+    return {"base": index, "spec": spec, "held_sampled": accuracy(sampler, held, args.samples),
+            "held_greedy": accuracy(sampler, held, 1, greedy=True)[0]}
+
+
+def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from evals.actions import demonstration
+    from training.backends import TrainBatch, pad_rows
+    from training.backends.torch_peft import TorchPeftBackend
+    from training.base_model import augment
+    from training.grpo import group_advantages
+
+    index, run, args = job
+    torch.set_num_threads(1)
+    path = Path(args.out) / f"base-{run['base']}"
+    backend = TorchPeftBackend(path, lora_rank=run.get("rank", 16), learning_rate=run.get("lr", 2e-3),
+                               kl_coef=run.get("kl", 0.0), device=args.device, seed=0)
+    sampler = Sampler(backend.model, AutoTokenizer.from_pretrained(path), args.device)
+    train, held = _suite(args.suite)
+    before = accuracy(sampler, held, args.samples)
+    rng, vary_rng = random.Random(0), random.Random(1)
+    rates: dict[str, list[float]] = {}
+    for task, (_, _, ok) in zip([t for t in train for _ in range(2)], sampler.sample([demonstration(t) for t in train], 2)):
+        rates.setdefault(task.id, []).append(ok)
+    pool = train if run.get("uniform") else [t for t in train if 0 < sum(rates[t.id]) < len(rates[t.id])] or train
+    groups, size, rewards_log, dropped = run.get("groups", 4), run.get("group_size", 8), [], 0
+    for _ in range(run.get("steps", 44)):
+        tasks = rng.sample(pool, groups) if len(pool) >= groups else rng.choices(pool, k=groups)
+        demos = [demonstration(t) for t in tasks]
+        if run.get("vary"):
+            demos = [augment([d], 1, vary_rng.randrange(10**9))[-1] for d in demos]
+        rows = sampler.sample(demos, size)
+        rewards = torch.tensor([[r[2] for r in rows[g * size:(g + 1) * size]] for g in range(groups)])
+        adv = group_advantages(rewards, scale_by_std=run.get("std", False))
+        rewards_log.append(float(rewards.mean()))
+        dropped += adv.dropped_groups
+        kept = [(g, s) for g in range(groups) if adv.kept[g] for s in range(size)]
+        if not kept:
+            continue
+        ids = [rows[g * size + s][0] + rows[g * size + s][1] for g, s in kept]
+        with torch.no_grad():
+            backend.model.eval()
+            lp = backend.token_logprobs(pad_rows(ids, 0, torch.long, args.device),
+                                        pad_rows([[1] * len(x) for x in ids], 0, torch.long, args.device))
+        backend.train_step(TrainBatch(
+            input_ids=ids,
+            loss_mask=[[0] * len(rows[g * size + s][0]) + [1] * len(rows[g * size + s][1]) for g, s in kept],
+            serving_logprobs=[lp[i, :len(x)].tolist() for i, x in enumerate(ids)],
+            advantages=[float(adv.advantages[g, s]) for g, s in kept],
+        ))
+    after = accuracy(sampler, held, args.samples)
+    first, last = rewards_log[:10], rewards_log[-10:]
+    return {"run": index, **run, "pool": len(pool), "zero_variance_groups": dropped,
+            "train_reward_first10": round(sum(first) / len(first), 3), "train_reward_last10": round(sum(last) / len(last), 3),
+            "held_before": before, "held_after": after}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", required=True, help="a built bundled suite folder")
+    parser.add_argument("--plan", required=True, help="JSON file with 'bases' and 'runs'")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--samples", type=int, default=12, help="samples per held-out task (default %(default)s)")
+    parser.add_argument("--out", default="/tmp/rl-transfer", help="where the base models are built")
+    args = parser.parse_args(argv)
+    plan = json.loads(Path(args.plan).read_text())
+    for key in ("bases", "runs"):
+        if not isinstance(plan.get(key), list):
+            raise SystemExit(f"{args.plan}: expected a list under key {key!r}")
+    mp.set_start_method("spawn", force=True)
+    with mp.Pool(len(plan["bases"])) as pool:
+        bases = pool.map(build, [(i, spec, args) for i, spec in enumerate(plan["bases"])])
+    with mp.Pool(max(1, len(plan["runs"]))) as pool:
+        runs = pool.map(train_run, [(i, run, args) for i, run in enumerate(plan["runs"])])
+    print("held-out exact match (bundled eval split; proxy reward, see the docstring)")
+    for b in bases:
+        print(f"base {b['base']} {json.dumps(b['spec'])}: sampled {b['held_sampled'][0]:.3f} "
+              f"(any of {args.samples}: {b['held_sampled'][1]:.3f}), greedy {b['held_greedy']:.3f}")
+    for r in runs:
+        settings = {k: v for k, v in r.items() if k in ("base", "lr", "rank", "kl", "std", "groups", "group_size", "steps", "vary", "uniform")}
+        print(f"run {r['run']} {json.dumps(settings)}: held-out {r['held_before'][0]:.3f} -> {r['held_after'][0]:.3f} "
+              f"({100 * (r['held_after'][0] - r['held_before'][0]):+.1f} points); train reward "
+              f"{r['train_reward_first10']:.3f} -> {r['train_reward_last10']:.3f}; pool {r['pool']}, "
+              f"zero-variance groups {r['zero_variance_groups']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
