@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import signal
 import threading
 import time
 from collections import deque
@@ -571,6 +573,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", help="load an adapter at start")
     parser.add_argument("--adapters-dir", default=None,
                         help="shared volume of published adapters (<dir>/<version>/); the newest is loaded before serving")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="shut down when the process that started this one dies (local replicas of a trainer)")
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """Interrupt this process (a clean shutdown) once its parent is gone, however the parent died:
+    a trainer SIGKILLed must not leave its replicas running. Watches for re-parenting rather than
+    using PR_SET_PDEATHSIG, which fires when the parent's spawning *thread* ends."""
+    parent = os.getppid()
+    # Call from the main thread: a process started in the background may inherit SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -582,6 +602,8 @@ def serve_main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from serving.http import serve
 
+    if args.exit_with_parent:
+        exit_with_parent()
     engine = LocalEngine(args.model, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
                          block_size=args.block_size, torch_threads=args.torch_threads)
     for spec in args.lora:

@@ -58,7 +58,8 @@ class LocalFleet:
         return server.url, server
 
     def _spawn_process(self) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "serving.engine", "--model", self.model_path, "--host", self.host, "--port", "0"]
+        cmd = [sys.executable, "-m", "serving.engine", "--model", self.model_path, "--host", self.host, "--port", "0",
+               "--exit-with-parent"]
         flags = {"max_total_tokens": "--max-total-tokens", "max_running_requests": "--max-running-requests",
                  "block_size": "--block-size", "torch_threads": "--torch-threads"}
         for key, value in self.engine_kwargs.items():

@@ -65,6 +65,11 @@ class _Server(ThreadingHTTPServer):
                 pass
 
 
+# The largest request body a server reads: above a sharded adapter upload of a large model (one
+# shard of a rank-64 adapter of an 8B model is well under it), far below what would exhaust memory.
+MAX_BODY_BYTES = 1 << 30
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -97,8 +102,10 @@ class Text:
 class JsonServer:
     """A threaded HTTP/1.1 server dispatching ``(method, path prefix)`` to handlers."""
 
-    def __init__(self, routes: dict[tuple[str, str], Route], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, routes: dict[tuple[str, str], Route], host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.routes = routes
+        self.max_body_bytes = max_body_bytes
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -110,12 +117,28 @@ class JsonServer:
 
             def _handle(self, method: str) -> None:
                 parts = urlsplit(self.path)
-                length = int(self.headers.get("Content-Length") or 0)
+                claimed = self.headers.get("Content-Length") or "0"
+                try:
+                    length = int(claimed)
+                except ValueError:
+                    return self._refuse(400, f"Content-Length is not an integer: {claimed[:40]!r}")
+                if not 0 <= length <= server.max_body_bytes:
+                    # Refused before reading: a body is never buffered past the limit.
+                    return self._refuse(413, f"Content-Length {length} outside 0..{server.max_body_bytes}")
                 body = self.rfile.read(length) if length else b""
                 status, payload, ctype = server.dispatch(method, parts.path, parse_qs(parts.query), body)
+                self._send(status, payload, ctype)
+
+            def _refuse(self, status: int, message: str) -> None:
+                self.close_connection = True  # the unread body would be taken for the next request
+                self._send(status, json.dumps({"error": message}).encode(), "application/json", close=True)
+
+            def _send(self, status: int, payload: bytes, ctype: str, close: bool = False) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(payload)))
+                if close:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(payload)
 

@@ -144,7 +144,8 @@ def start_engine(model: str, log_path: Path, torch_threads: int = 1, timeout_s: 
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
-    cmd = [sys.executable, "-m", "serving.engine", "--model", model, "--port", str(port), "--torch-threads", str(torch_threads)]
+    cmd = [sys.executable, "-m", "serving.engine", "--model", model, "--port", str(port), "--torch-threads", str(torch_threads),
+           "--exit-with-parent"]
     if max_total_tokens:
         cmd += ["--max-total-tokens", str(max_total_tokens)]
     if max_running_requests:

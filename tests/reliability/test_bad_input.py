@@ -395,3 +395,21 @@ def test_pxd_framing_of_any_bytes_is_a_request_or_a_request_error(daemon, data):
         pxd.read_message(io.BytesIO(data))
     except pxd.RequestError as exc:
         assert str(exc) and exc.status in (400, 413)
+
+
+def test_a_body_over_the_servers_limit_is_refused_before_it_is_read():
+    """A body larger than ``max_body_bytes`` gets 413 as soon as the headers arrive: the server does
+    not wait for (or buffer) the body, closes that connection and serves the next one."""
+    from serving.http import JsonServer
+
+    server = JsonServer({("POST", "/echo"): lambda r: {"bytes": len(r.body)}}, port=0, max_body_bytes=1024).start()
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\nContent-Length: 4096\r\n\r\n" + b"x" * 100)  # the rest never comes
+            answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413") and b"outside 0..1024" in answer, answer[:200]
+        status, data, _ = HttpPool(timeout_s=10).request("POST", f"{server.url}/echo", b"y" * 1024)
+        assert status == 200 and json.loads(data) == {"bytes": 1024}
+    finally:
+        server.shutdown()
