@@ -17,8 +17,10 @@ later call goes to the same replica with the same version, until the session end
   live sessions (each session's context grows by about the same amount every turn, for as many more
   turns as sessions that long have lasted: learned from the sessions that ended), subtract the new
   session's own projected footprint (less the prompt prefix it shares with a GRPO sibling already
-  there; a sibling's replica is preferred while the projection fits) and pick the most room. Big
-  replicas have more KV, so absolute room already weighs replica size. When a replica's live
+  there; a sibling's replica is preferred while the projection fits) and pick the most room (once
+  enough sessions have ended for the projection to be trusted: the fewest live sessions per GPU
+  among the replicas where it fits). Big replicas have more KV, so absolute room already weighs
+  replica size. When a replica's live
   sessions have outgrown it anyway (sessions longer than projected), a session whose cached context
   has most likely been evicted there (the replica's LRU order, from the sessions' last calls) is
   moved, on its next call, to a replica with projected room: it recomputes its prefix once instead
@@ -227,8 +229,16 @@ class KvHeadroom(Policy):
         sample, siblings, room = self._room_after(candidates, prompt_tokens, group_key, router, turns_done)
         # A GRPO sibling's replica already holds the prompt: go there while the projection fits.
         fitting_siblings = [r for r in sample if r in siblings and room[r] >= 0]
-        pool = fitting_siblings or sample
-        return max(pool, key=lambda r: (room[r], -len(r.sessions) / r.size_gpus))
+        if fitting_siblings:
+            return max(fitting_siblings, key=lambda r: room[r])
+        # Otherwise, once session lengths are learned (the projection can be trusted), the fewest
+        # live sessions per GPU where it fits (every running session waits on its replica's decode
+        # steps), then the most room. Before that, or where it fits nowhere: the most room.
+        lengths = getattr(router, "session_lengths", None)
+        fitting = [r for r in sample if room[r] >= 0]
+        if fitting and lengths is not None and len(lengths) >= lengths.min_samples:
+            return min(fitting, key=lambda r: ((len(r.sessions) + 1) / r.size_gpus, -room[r]))
+        return max(sample, key=lambda r: (room[r], -len(r.sessions) / r.size_gpus))
 
     def evicted_tokens(self, session: Session, router: "Router") -> float:
         """How much of ``session``'s context its replica has most likely evicted: the replica's LRU

@@ -92,6 +92,19 @@ def test_grpo_siblings_share_a_replica_while_the_projection_fits():
     assert policy.choose([small, big], 512, 7, fleet) is big
 
 
+def test_once_lengths_are_learned_load_per_gpu_breaks_the_tie_among_replicas_that_fit():
+    big = Replica("big", size_gpus=8, max_total_tokens=800_000)
+    small = Replica("small", size_gpus=1, max_total_tokens=100_000)
+    fleet = _Fleet()
+    for i in range(10):
+        _live(fleet, big, f"b{i}", 1_000, 64, turns=1, group_key=i)
+    policy = KvHeadroom(sample_k=2)
+    assert policy.choose([small, big], 512, 99, fleet) is big  # nothing learned yet: the most room
+    for _ in range(16):
+        fleet.session_lengths.add(20)
+    assert policy.choose([small, big], 512, 99, fleet) is small  # both fit: 1 session/GPU vs 11/8
+
+
 def test_a_session_evicted_from_an_overfull_replica_moves_once_there_is_room():
     full = Replica("full", max_total_tokens=10_000)
     spare = Replica("spare", max_total_tokens=100_000)
