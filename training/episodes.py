@@ -78,7 +78,26 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
     )
 
 
-class HarnessRunner:
+class PooledGroupRunner:
+    """A :class:`~training.loop.GroupRunner` whose group is ``size`` calls of ``episode`` on a thread
+    pool, yielded as each finishes; subclasses define ``episode``."""
+
+    def __init__(self, workers: int, thread_name_prefix: str = "episode") -> None:
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix)
+
+    def episode(self, task_id: str, adapter: AdapterRef, group_id: str, index: int, seed: int) -> Rollout:
+        raise NotImplementedError
+
+    def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterator[Rollout]:
+        futures = [self.pool.submit(self.episode, task_id, adapter, group_id, i, seed) for i in range(size)]
+        for fut in as_completed(futures):
+            yield fut.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HarnessRunner(PooledGroupRunner):
     """Groups of episodes through the evals harness against an engine URL."""
 
     def __init__(self, tasks: dict[str, Any], engine_url: str, tokenizer: Any, sandbox_factory: Any,
@@ -90,7 +109,7 @@ class HarnessRunner:
         self.tokenizer = tokenizer
         self.sandbox_factory = sandbox_factory
         self.cfg = cfg
-        self.pool = ThreadPoolExecutor(max_workers=episode_workers, thread_name_prefix="episode")
+        super().__init__(episode_workers)
         # An identical committed patch of the same task is graded once (the tests are deterministic).
         self.grade_cache: dict | None = {} if cfg.reuse_grading else None
 
@@ -110,14 +129,6 @@ class HarnessRunner:
             if not traj.infra_error:
                 return rollout_from_trajectory(traj, group_id, adapter, float(traj.reward or 0.0))
         raise RuntimeError(f"task {task_id}: {INFRA_RETRIES + 1} attempts failed in the sandbox: {traj.error}")
-
-    def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterator[Rollout]:
-        futures = [self.pool.submit(self.episode, task_id, adapter, group_id, i, seed) for i in range(size)]
-        for fut in as_completed(futures):
-            yield fut.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def free_port() -> int:

@@ -14,14 +14,12 @@ move and replacements take traffic.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
 
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.episodes import Environment, fleet_environment, rollout_from_trajectory
+from training.episodes import Environment, PooledGroupRunner, fleet_environment, rollout_from_trajectory
 from training.loop import AdapterRef
 from training.rollout import Rollout
 
@@ -29,14 +27,14 @@ PROMPTS = {"count-a": [1, 2, 3, 4, 5, 6], "count-b": [5, 6, 7, 8, 9], "count-c":
 OBSERVATION = [11, 12, 13]
 
 
-class SessionRunner:
+class SessionRunner(PooledGroupRunner):
     def __init__(self, url: str, cfg: TrainConfig, vocab_size: int) -> None:
         from serving.client import EngineClient
 
+        super().__init__(cfg.group_size, thread_name_prefix="session")
         self.client = EngineClient(url, timeout_s=300)
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.pool = ThreadPoolExecutor(max_workers=cfg.group_size, thread_name_prefix="session")
 
     def episode(self, task_id: str, adapter: AdapterRef, group_id: str, index: int, seed: int) -> Rollout:
         rid = f"{group_id}/{index}"
@@ -59,14 +57,6 @@ class SessionRunner:
                                agent_s=0.0, grade_s=0.0)
         rollout = rollout_from_trajectory(traj, group_id, adapter, reward)
         return Rollout(**{**rollout.__dict__, "info": {**rollout.info, "replicas": replicas, "weight_versions": versions}})
-
-    def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterator[Rollout]:
-        futures = [self.pool.submit(self.episode, task_id, adapter, group_id, i, seed) for i in range(size)]
-        for fut in as_completed(futures):
-            yield fut.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def make(cfg: TrainConfig, run_dir: Path) -> Environment:
