@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+
+DTYPES = ("", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -16,6 +20,8 @@ class TrainConfig:
     base_model: str = ""  # a Hugging Face model folder
     backend: str = "torch_peft"
     recompute: str = "none"  # what backward recomputes: none, full, attention_output (training.recompute)
+    device: str = ""  # where the backend trains (cpu, cuda, cuda:N); empty: the backend's default
+    dtype: str = ""  # the backend's weight dtype (float32, bfloat16, float16); empty: the backend's default
     steps: int = 44
     groups_per_step: int = 6  # whole groups the trainer takes per step
     group_size: int = 8  # samples per task per group
@@ -77,6 +83,14 @@ class TrainConfig:
 
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"{source}: key 'recompute' must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"{source}: key 'device' must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{source}: key 'dtype' must be one of {', '.join(d for d in DTYPES if d)}, got {self.dtype!r}")
+
+    def backend_placement(self) -> dict[str, str]:
+        """The ``device``/``dtype`` keyword arguments for the backend: only those the config sets."""
+        return {key: getattr(self, key) for key in ("device", "dtype") if getattr(self, key)}
 
     @classmethod
     def load(cls, path: str | Path) -> "TrainConfig":

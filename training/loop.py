@@ -137,7 +137,7 @@ class RunState:
         self.backend: TrainerBackend = load_backend(
             cfg.backend, model_path=cfg.base_model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
             learning_rate=cfg.learning_rate, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, seed=cfg.seed,
-            recompute=cfg.recompute,
+            recompute=cfg.recompute, **cfg.backend_placement(),
         )
         self.store = RolloutStore(self.run_dir / "store" / "rollouts.sqlite")
         self.publisher = AdapterPublisher(self.run_dir / "adapters", receivers, streams=cfg.publish_streams)
