@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/router.py                       # the issue's shape: ~100 calls per session
     .venv/bin/python bench/router.py --shape short         # the earlier, lighter shape: ~16 calls per session
+    .venv/bin/python bench/router.py --shape long          # modelled on agentic-coding RL: long shared prompt, big KV
     .venv/bin/python bench/router.py --sessions 128 --routers kv_headroom,sglang-router   # a quick look
 
 The replicas are ``serving.sim`` engines: the same HTTP API and KV-cache accounting as a replica
@@ -11,6 +12,10 @@ groups of 8 sharing a prompt; each turn sends the whole context (prompt + every 
 tool observation), so the context grows every turn, then "runs a tool" (think time) before the
 next turn. ``--shape agent`` (the default) is the issue's shape, about 100 calls per session;
 ``--shape short`` is the lighter one measured first (about 16 calls, a quarter of the KV per GPU).
+``--shape long`` is modelled on agentic-coding (SWE-style) RL: a 4096-token system + task prompt
+shared by each group of 8, about 100 calls of 40 output and ~150 tool-observation tokens, 131072 KV
+tokens per GPU (an 8B model on an H200-class GPU, conservatively), on a scaled-down fleet (1x8 +
+6x1 replicas, 32 sessions, 100 ms tool time) so that it runs in minutes on a small machine.
 Every other option overrides the shape's value.
 
 The most any router could hit is a property of the workload: every call's new tokens (its tool
@@ -100,7 +105,23 @@ SHAPES = {
     # (about 12k tokens at 180 calls) still fits a 1-GPU replica.
     "agent": {"turns": 100, "tokens_per_gpu": 16384, "sessions": 256},
     "short": {"turns": 16, "tokens_per_gpu": 4096, "sessions": 1024},
+    # Modelled on agentic-coding (SWE-style) RL rollouts: a long system + task prompt shared by the
+    # 8 sessions of a GRPO group, ~100 calls per session, each a short action (40 tokens: one tool
+    # call) answered by a tool observation (75-225 tokens, mean 150: a file excerpt, a test or grep
+    # result), so contexts reach about 4096 + 100 * 190 = 23k tokens. KV: 131072 tokens per GPU,
+    # i.e. 16 GiB of bf16 KV for an 8B model with Llama-3-8B's 128 KiB per token: a conservative
+    # H200 share (a dedicated 141 GB H200 left with ~100 GB after weights holds several times more;
+    # colocated RL gives the rollout engine only part of it). Fleet and session count are scaled
+    # down (1x8 + 6x1 replicas, 32 sessions, 100 ms tool time where real tools take seconds) so a full
+    # run of all five routers takes about 4 minutes on 2 cores; one GRPO group of 8 sessions of up to
+    # 23k tokens (prompt shared) is more than a 1-GPU replica's 128k holds.
+    "long": {"turns": 100, "tokens_per_gpu": 131072, "sessions": 32, "live_sessions": 32,
+             "prompt_tokens": 4096, "output_tokens": 40, "obs_tokens": 150, "think_ms": 100.0,
+             "replicas": ["6x1", "1x8"]},
 }
+
+DEFAULTS = {"live_sessions": 128, "prompt_tokens": 512, "output_tokens": 16, "obs_tokens": 48, "think_ms": 500.0,
+            "replicas": ["56x1", "8x8"]}
 
 
 def make_workload(args) -> list[dict]:
@@ -220,20 +241,21 @@ def retractions(workers) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", action="append", default=None, help="COUNTxGPUS (default: 56x1 and 8x8 = 64 replicas)")
+    p.add_argument("--replicas", action="append", default=None, help="COUNTxGPUS (default: 56x1 and 8x8 = 64 replicas; long: 6x1 and 1x8)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="agent",
-                   help="agent: ~100 calls per session (the issue's); short: ~16 (the shape measured first)")
-    p.add_argument("--tokens-per-gpu", type=int, default=None, help="KV budget per GPU in tokens (agent 16384, short 4096)")
+                   help="agent: ~100 calls per session (the issue's); short: ~16 (the shape measured first); "
+                        "long: modelled on agentic-coding RL (4096-token shared prompt, 128k KV tokens/GPU)")
+    p.add_argument("--tokens-per-gpu", type=int, default=None, help="KV budget per GPU in tokens (agent 16384, short 4096, long 131072)")
     p.add_argument("--decode-step-ms", type=float, default=20.0)
     p.add_argument("--prefill-us-per-token", type=float, default=20.0, help="prefill time per uncached token on one GPU")
-    p.add_argument("--sessions", type=int, default=None, help="sessions in all (agent 256, short 1024)")
-    p.add_argument("--live-sessions", type=int, default=128, help="sessions running at once (closed loop)")
+    p.add_argument("--sessions", type=int, default=None, help="sessions in all (agent 256, short 1024, long 32)")
+    p.add_argument("--live-sessions", type=int, default=None, help="sessions running at once (closed loop; 128, long 32)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--turns", type=int, default=None, help="mean calls per session (agent 100, short 16)")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--obs-tokens", type=int, default=48, help="mean tool-observation tokens per turn")
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--think-ms", type=float, default=500.0, help="tool time between a session's calls")
+    p.add_argument("--turns", type=int, default=None, help="mean calls per session (agent 100, short 16, long 100)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="group prompt tokens (512, long 4096)")
+    p.add_argument("--obs-tokens", type=int, default=None, help="mean tool-observation tokens per turn (48, long 150)")
+    p.add_argument("--output-tokens", type=int, default=None, help="output tokens per call (16, long 40)")
+    p.add_argument("--think-ms", type=float, default=None, help="tool time between a session's calls (500, long 100)")
     p.add_argument("--routers", default="direct,kv_headroom,round_robin,least_loaded,sglang-router",
                    help="'direct' is the no-router baseline for the hop columns")
     p.add_argument("--end-sessions", action=argparse.BooleanOptionalAction, default=True,
@@ -241,8 +263,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
-    args.replicas = args.replicas or ["56x1", "8x8"]
-    for key, value in SHAPES[args.shape].items():
+    for key, value in {**DEFAULTS, **SHAPES[args.shape]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     routers = [r for r in args.routers.split(",") if r]
@@ -263,6 +284,9 @@ def main() -> int:
           f"(groups of {args.group_size}), {args.live_sessions} live, {n_calls} calls ({args.shape} shape: "
           f"{args.turns} calls/session mean, {args.prompt_tokens}-token prompt, +{args.output_tokens} out "
           f"+{args.obs_tokens} observation tokens per turn)", flush=True)
+    if args.shape == "long":
+        print("long shape: modelled on agentic-coding RL (SWE-style tool loop), 8B model, KV budget a conservative "
+              "H200 share; fleet and sessions scaled down to fit a small machine", flush=True)
     print(f"workload ceiling: at most {ceiling:.4f} of prompt tokens can be cache hits "
           f"({prompt_total - cacheable} of {prompt_total} must be computed); {block_ceiling:.4f} in the "
           f"simulated engines' whole {SIM_BLOCK_TOKENS}-token blocks", flush=True)
