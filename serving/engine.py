@@ -27,6 +27,7 @@ import argparse
 import itertools
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -575,6 +576,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared volume of published adapters (<dir>/<version>/); the newest is loaded before serving")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="shut down when the process that started this one dies (local replicas of a trainer)")
+
+
+REPLICA_FLAGS = {"max_total_tokens": "--max-total-tokens", "max_running_requests": "--max-running-requests",
+                 "block_size": "--block-size", "torch_threads": "--torch-threads"}
+
+
+def replica_command(model: str, *, host: str = "127.0.0.1", port: int = 0, adapters_dir: str | None = None,
+                    **engine_kwargs: Any) -> list[str]:
+    """The command line of a local replica process that a trainer or fleet starts (and that exits with
+    it): ``engine_kwargs`` are :class:`LocalEngine` settings among :data:`REPLICA_FLAGS`."""
+    cmd = [sys.executable, "-m", "serving.engine", "--model", str(model), "--host", host, "--port", str(port),
+           "--exit-with-parent"]
+    for key, value in engine_kwargs.items():
+        if key not in REPLICA_FLAGS:
+            raise ValueError(f"engine_kwargs.{key} cannot be passed to a replica process (known: {sorted(REPLICA_FLAGS)})")
+        cmd += [REPLICA_FLAGS[key], str(value)]
+    if adapters_dir:
+        cmd += ["--adapters-dir", str(adapters_dir)]
+    return cmd
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,16 +57,9 @@ class LocalFleet:
         return server.url, server
 
     def _spawn_process(self) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "serving.engine", "--model", self.model_path, "--host", self.host, "--port", "0",
-               "--exit-with-parent"]
-        flags = {"max_total_tokens": "--max-total-tokens", "max_running_requests": "--max-running-requests",
-                 "block_size": "--block-size", "torch_threads": "--torch-threads"}
-        for key, value in self.engine_kwargs.items():
-            if key not in flags:
-                raise ValueError(f"engine_kwargs.{key} cannot be passed to a replica process (known: {sorted(flags)})")
-            cmd += [flags[key], str(value)]
-        if self.router.adapters_volume:
-            cmd += ["--adapters-dir", str(self.router.adapters_volume)]
+        from serving.engine import replica_command
+
+        cmd = replica_command(self.model_path, host=self.host, adapters_dir=self.router.adapters_volume, **self.engine_kwargs)
         stderr: Any = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -238,6 +238,10 @@ class KvHeadroom(Policy):
         fitting = [r for r in sample if room[r] >= 0]
         if fitting and lengths is not None and len(lengths) >= lengths.min_samples:
             return min(fitting, key=lambda r: ((len(r.sessions) + 1) / r.size_gpus, -room[r]))
+        return self._most_room(sample, room)
+
+    @staticmethod
+    def _most_room(sample: list[Replica], room: dict[Replica, float]) -> Replica:
         return max(sample, key=lambda r: (room[r], -len(r.sessions) / r.size_gpus))
 
     def evicted_tokens(self, session: Session, router: "Router") -> float:
@@ -265,7 +269,7 @@ class KvHeadroom(Policy):
             return None
         # Its prefix is recomputed wherever it goes: no sibling credit, the whole context is the prompt.
         sample, _, room = self._room_after(others, session.context_tokens, None, router, session.turns)
-        best = max(sample, key=lambda r: (room[r], -len(r.sessions) / r.size_gpus))
+        best = self._most_room(sample, room)
         return best if room[best] >= 0 else None
 
 

@@ -28,7 +28,6 @@ import importlib
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -147,20 +146,17 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, int]:
     return kwargs
 
 
-def start_engine(model: str, log_path: Path, torch_threads: int = 1, timeout_s: float = 180.0,
-                 max_total_tokens: int = 0, max_running_requests: int = 0) -> tuple[subprocess.Popen, str]:
-    """One engine replica as a local process; returns it and its URL once it answers /health.
+def start_engine(model: str, log_path: Path, timeout_s: float = 180.0, **settings: int) -> tuple[subprocess.Popen, str]:
+    """One engine replica as a local process (``settings``: see :func:`engine_kwargs`); returns it
+    and its URL once it answers /health.
 
     It starts on the base model alone: the trainer pushes the adapter version it resumes from."""
+    from serving.engine import replica_command
+
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
-    cmd = [sys.executable, "-m", "serving.engine", "--model", model, "--port", str(port), "--torch-threads", str(torch_threads),
-           "--exit-with-parent"]
-    if max_total_tokens:
-        cmd += ["--max-total-tokens", str(max_total_tokens)]
-    if max_running_requests:
-        cmd += ["--max-running-requests", str(max_running_requests)]
+    cmd = replica_command(model, port=port, **{"torch_threads": 1, **settings})
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     from serving.client import EngineClient
@@ -340,9 +336,7 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
 
     if cfg.replicas > 1:
         return fleet_environment(cfg, run_dir, make_runner, curriculum)
-    proc, url = start_engine(cfg.base_model, run_dir / "logs" / "engine-0.log",
-                             max_total_tokens=cfg.engine_max_total_tokens,
-                             max_running_requests=cfg.engine_max_running_requests)
+    proc, url = start_engine(cfg.base_model, run_dir / "logs" / "engine-0.log", **engine_kwargs(cfg))
     runner = make_runner(url)
 
     def close() -> None:
