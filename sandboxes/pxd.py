@@ -245,24 +245,32 @@ class Daemon:
         fd = os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY)
         try:
             for i, comp in enumerate(parts):
-                where = "/".join(parts[: i + 1])
-                try:
-                    nfd = _open_nofollow(fd, comp, os.O_RDONLY | os.O_DIRECTORY)
-                except FileNotFoundError:
-                    if not create:
-                        raise RequestError(f"{field}: folder {where!r} does not exist", 404)
-                    os.mkdir(comp, 0o755, dir_fd=fd)
-                    nfd = _open_nofollow(fd, comp, os.O_RDONLY | os.O_DIRECTORY)
-                except _Symlink:
-                    raise RequestError(f"{field}: {where!r} is a symlink; pxd does not follow symlinks")
-                except NotADirectoryError:
-                    raise RequestError(f"{field}: {where!r} is not a folder")
+                nfd = self._open_component(fd, comp, "/".join(parts[: i + 1]), field, create)
                 os.close(fd)
                 fd = nfd
             return fd
         except BaseException:
             os.close(fd)
             raise
+
+    @staticmethod
+    def _open_component(fd: int, comp: str, where: str, field: str, create: bool) -> int:
+        """Open folder ``comp`` in ``fd`` without following a symlink, making it first with ``create``.
+        A folder another request made between the two steps is opened like any other."""
+        try:
+            return _open_nofollow(fd, comp, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            if not create:
+                raise RequestError(f"{field}: folder {where!r} does not exist", 404)
+        except _Symlink:
+            raise RequestError(f"{field}: {where!r} is a symlink; pxd does not follow symlinks")
+        except NotADirectoryError:
+            raise RequestError(f"{field}: {where!r} is not a folder")
+        try:
+            os.mkdir(comp, 0o755, dir_fd=fd)
+        except FileExistsError:
+            pass  # a concurrent request made it first
+        return Daemon._open_component(fd, comp, where, field, create=False)
 
     def resolve_dir(self, path, field: str = "cwd") -> str:
         if path is None:

@@ -174,3 +174,29 @@ def test_unix_socket_serves_clients_at_once(tmp_path):
         proc.stdin.close()
         assert proc.wait(10) == 0
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("other_makes", ["folder", "symlink"])
+def test_a_folder_made_by_a_concurrent_request_is_opened_not_an_error(tmp_path, monkeypatch, other_makes):
+    """Two writes into the same new folder: the one whose mkdir finds it already made opens it like
+    any folder (found by the pxd load test as an HTTP 500), and still refuses it if it is a symlink."""
+    from sandboxes import pxd
+
+    real_mkdir = os.mkdir
+
+    def made_first_by_another(name, mode, *, dir_fd):
+        if other_makes == "folder":
+            real_mkdir(name, mode, dir_fd=dir_fd)
+        else:
+            os.symlink(str(tmp_path), name, dir_fd=dir_fd)
+        raise FileExistsError(name)
+
+    monkeypatch.setattr(pxd.os, "mkdir", made_first_by_another)
+    daemon = pxd.Daemon.__new__(pxd.Daemon)  # only its path handling, on a scratch workspace
+    daemon.workspace = str(tmp_path)
+    if other_makes == "folder":
+        os.close(daemon._open_dir(["load"], "path", create=True))
+        assert (tmp_path / "load").is_dir()
+    else:
+        with pytest.raises(pxd.RequestError, match="is a symlink"):
+            daemon._open_dir(["load"], "path", create=True)
