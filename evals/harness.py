@@ -140,21 +140,24 @@ def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
         return tokenizer.decode(ids)
 
 
-def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 60.0) -> tuple[str, bool]:
+def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 60.0,
+            written: dict[str, bytes] | None = None) -> tuple[str, bool]:
     """Run one action in the sandbox; return ``(observation, committed)``.
 
     Mistakes of the agent (a line out of range, a missing file) become the observation; a sandbox
-    failure raises :class:`InfraError`.
+    failure raises :class:`InfraError`. ``written`` (path to content) records each file an edit wrote.
     """
     args = action.args
     try:
-        if action.tool == "replace_line":
+        if action.tool in ("replace_line", "write_file"):
             path = str(args["path"])
-            text = sandbox.read_file(path).decode()
-            sandbox.write_file(path, apply_edits(text, [(int(args["line"]), str(args["text"]))]).encode())
-            return "ok", False
-        if action.tool == "write_file":
-            sandbox.write_file(str(args["path"]), str(args["content"]).encode())
+            if action.tool == "replace_line":
+                data = apply_edits(sandbox.read_file(path).decode(), [(int(args["line"]), str(args["text"]))]).encode()
+            else:
+                data = str(args["content"]).encode()
+            sandbox.write_file(path, data)
+            if written is not None:
+                written[path] = data
             return "ok", False
         if action.tool == "read_file":
             return sandbox.read_file(str(args["path"])).decode(errors="replace")[:OBSERVATION_CAP_CHARS], False
@@ -166,7 +169,9 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
             res = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s)
             if res.exit_code == 0:
                 return "all tests pass", False
-            summary = failing_summary(res.output) if task.report_format == "junit" else ""
+            summary = ""
+            if task.report_format == "junit":  # pytest: the failing asserts, else its error lines
+                summary = failing_summary(res.output) or error_lines(res.output)
             return (summary or res.output[-OBSERVATION_CAP_CHARS:]).replace("AssertionError: ", ""), False
         if action.tool == "commit":
             message = str(args.get("message") or "agent commit").replace("'", "")
@@ -179,6 +184,20 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
     except (ValueError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         return f"error: {exc}", False
     return f"error: unknown tool {action.tool!r}", False
+
+
+def error_lines(test_output: str, max_lines: int = 6) -> str:
+    """pytest's ``E`` lines (a syntax error while collecting, an exception), the last ``max_lines``."""
+    lines = [line[1:].strip() for line in test_output.splitlines() if line.startswith("E ")]
+    return "\n".join([line for line in lines if line][-max_lines:])
+
+
+def _tree_digest(written: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(written):
+        h.update(f"{path}\0{len(written[path])}\0".encode())
+        h.update(written[path])
+    return h.hexdigest()
 
 
 def run_episode(
@@ -207,7 +226,8 @@ def run_episode(
     ``seed`` (with ``turn`` added per call) makes sampling reproducible where the engine supports
     it. ``grader_factory`` opens the pristine grading sandbox (default: ``sandbox_factory``).
     ``grade_cache`` (a dict shared between episodes) reuses the grading of an identical patch of the
-    same task; use it only for tasks whose tests are deterministic (the bundled suite's are).
+    same task, and the ``test`` observation of an identical work tree (one that only the episode's
+    edits changed); use it only for tasks whose tests are deterministic (the bundled suite's are).
     """
     session_id = session_id or f"{task.id}/{uuid.uuid4().hex[:12]}"
     traj = Trajectory(task.id, session_id, adapter_version, action_format, started_at=time.time())
@@ -224,6 +244,7 @@ def run_episode(
                 return opened[0]
 
             context_ids = _token_ids(tokenizer, render_prompt(task, action_format))
+            written: dict[str, bytes] | None = {}  # what the edits wrote, while nothing else changed the tree
             for turn in range(max_turns):
                 if time.monotonic() > deadline:
                     traj.stop_reason = "time_limit"
@@ -260,7 +281,17 @@ def run_episode(
                     parse_error = str(exc)
                 for action in actions:
                     s0 = time.monotonic()
-                    obs, committed = execute(action, task, sandbox())
+                    test_key = None
+                    if action.tool == "test" and grade_cache is not None and written is not None:
+                        test_key = ("test", task.id, _tree_digest(written))
+                    if test_key is not None and test_key in grade_cache:
+                        obs, committed = grade_cache[test_key], False
+                    else:
+                        obs, committed = execute(action, task, sandbox(), written=written)
+                        if test_key is not None:
+                            grade_cache[test_key] = obs
+                    if action.tool == "bash":
+                        written = None  # the work tree is no longer known from the edits alone
                     traj.steps.append(Step(turn, asdict(action), obs, time.monotonic() - s0))
                     results.append(obs)
                     if committed:

@@ -53,6 +53,11 @@ class BaseModelSpec:
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
     # (docs/benchmarks.md, "Base model and RL transfer").
     rename_modules: bool = False
+    # Shares of the demonstrations told as test-then-commit and as a failed attempt, its failing
+    # asserts and a fix (``transcript``); the rest commit straight away. The base model so tests its
+    # answer only sometimes: RL finds that testing and retrying pays, on any task.
+    verify_share: float = 0.1
+    retry_share: float = 0.3
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -78,12 +83,15 @@ _NOUNS = ("fee", "mass", "span", "gap", "load", "mark", "rank", "cost", "limit",
 _SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vor", "sel", "dan", "pi", "gor", "ne", "bax", "quo", "fi", "zan", "hu")
 
 
-def augment(demos: Sequence[tuple[str, str]], copies: int, seed: int = 0,
-            rename_modules: bool = False) -> list[tuple[str, str]]:
+def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
+            rename_modules: bool = False) -> list[tuple[str, Any]]:
     """Each demonstration plus ``copies`` variants with its functions (and, with ``rename_modules``,
     its module file) renamed consistently in prompt and answer and their order in the module
     shuffled: the same bug and fix under new names and line numbers, so the model learns to read the
-    prompt rather than recall names and numbers."""
+    prompt rather than recall names and numbers.
+
+    The answer is either the action text or a transcript: a tuple of ``(text, role)`` segments
+    (:func:`transcript`), every one renamed and renumbered alike."""
     rng = random.Random(seed)
     out = list(demos)
     for prompt, actions in demos:
@@ -103,9 +111,18 @@ def augment(demos: Sequence[tuple[str, str]], copies: int, seed: int = 0,
                 mapping[f] = name
             if not mapping:
                 continue
-            prompt_v, actions_v = _permute_functions(prompt, actions, rng)
+            prompt_v, new_number = _permute_functions(prompt, rng)
             pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)) + r")\b")
-            out.append((pattern.sub(lambda m: mapping[m.group(1)], prompt_v), pattern.sub(lambda m: mapping[m.group(1)], actions_v)))
+
+            def rewrite(text: str, renumber: bool) -> str:
+                text = _renumber(text, new_number) if renumber else text
+                return pattern.sub(lambda m: mapping[m.group(1)], text)
+
+            if isinstance(actions, str):
+                answer: Any = rewrite(actions, True)
+            else:
+                answer = tuple((rewrite(text, role != OBSERVATION), role) for text, role in actions)
+            out.append((rewrite(prompt_v, False), answer))
     return out
 
 
@@ -113,13 +130,14 @@ _NUMBERED = re.compile(r"^(\d+) (.*)$")
 _REPLACE = re.compile(r"^replace (\S+):(\d+) (.*)$")
 
 
-def _permute_functions(prompt: str, actions: str, rng: random.Random) -> tuple[str, str]:
-    """Shuffle the order of the module's functions in the numbered listing and renumber the lines the
-    answer edits, so a line is found by its content, not by a remembered number."""
+def _permute_functions(prompt: str, rng: random.Random) -> tuple[str, dict[int, int]]:
+    """Shuffle the order of the module's functions in the numbered listing; return the new prompt
+    and the map of old to new 0-based line indexes (for :func:`_renumber`), so a line is found by its
+    content, not by a remembered number."""
     lines = prompt.split("\n")
     listing = [i for i, line in enumerate(lines) if _NUMBERED.match(line)]
     if not listing or listing != list(range(listing[0], listing[-1] + 1)):
-        return prompt, actions
+        return prompt, {}
     body = [_NUMBERED.match(lines[i]).group(2) for i in listing]
     blocks: list[list[int]] = [[]]
     for j, text in enumerate(body):
@@ -136,14 +154,100 @@ def _permute_functions(prompt: str, actions: str, rng: random.Random) -> tuple[s
         order.extend(block)
     new_number = {old: new for new, old in enumerate(order, 1) if old is not None}
     numbered = [f"{n} {body[old] if old is not None else ''}" for n, old in enumerate(order, 1)]
-    new_lines = lines[:listing[0]] + numbered + lines[listing[-1] + 1:]
+    return "\n".join(lines[:listing[0]] + numbered + lines[listing[-1] + 1:]), new_number
+
+
+def _renumber(actions: str, new_number: dict[int, int]) -> str:
+    """``actions`` with each ``replace FILE:LINE`` moved to the line's new number."""
     answer = []
     for line in actions.split("\n"):
         m = _REPLACE.match(line)
         if m and int(m.group(2)) - 1 in new_number:
             line = f"replace {m.group(1)}:{new_number[int(m.group(2)) - 1]} {m.group(3)}"
         answer.append(line)
-    return "\n".join(new_lines), "\n".join(answer)
+    return "\n".join(answer)
+
+
+ANSWER, TRIED, OBSERVATION = "answer", "tried", "observation"
+_OPERATOR_SWAPS = (("*", "+"), ("+", "-"), ("-", "+"), ("<=", "<"), (">=", ">"), ("<", ">"), (">", "<"),
+                   ("==", "!="), ("!=", "=="), ("max", "min"), ("min", "max"))
+
+
+def _wrong_text(text: str, rng: random.Random) -> str:
+    """A plausible wrong fix: ``text`` with one constant or operator changed (never ``text`` itself)."""
+    digits = [i for i, c in enumerate(text) if c.isdigit()]
+    if digits and rng.random() < 0.5:
+        i = rng.choice(digits)
+        return text[:i] + rng.choice([d for d in "123456789" if d != text[i]]) + text[i + 1:]
+    for old, new in rng.sample(_OPERATOR_SWAPS, len(_OPERATOR_SWAPS)):
+        if old in text:
+            return text.replace(old, new, 1)
+    return text + " + 1"
+
+
+def transcript(prompt: str, actions: str, style: str, rng: random.Random) -> Any:
+    """The demonstration ``(prompt, actions)`` told in one of three styles, as the harness would
+    run it (``actions`` is a compact answer ending ``commit``):
+
+    - ``direct``: the answer and ``commit`` in one turn (``actions`` itself);
+    - ``verify``: the answer and ``test``; the observation ``all tests pass``; then ``commit``;
+    - ``retry``: a wrong attempt and ``test`` (a wrong constant or operator, or the wrong file), the
+      failing asserts, then the ``verify`` transcript. The wrong attempt is not trained on (role
+      ``TRIED``): the model learns what to do after a failure, not the failure.
+
+    A transcript is a tuple of ``(text, role)`` segments: ``ANSWER`` and ``TRIED`` are model turns
+    (each ends with the end-of-text token), ``OBSERVATION`` is what the harness appends.
+    """
+    from evals.actions import compact_observation
+
+    if style == "direct":
+        return actions
+    edits = [line for line in actions.split("\n") if line.startswith("replace ")]
+    if not edits or style not in ("verify", "retry"):
+        raise ValueError(f"transcript style {style!r} of an answer with {len(edits)} edit(s)")
+    answer = "\n".join(edits) + "\ntest\n"
+    passed = compact_observation(["ok"] * len(edits) + ["all tests pass"])
+    verified = ((answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
+    if style == "verify":
+        return verified
+    fails = "\n".join(line[len("fail: "):] for line in prompt.split("\n") if line.startswith("fail: "))
+    wrong, results = [], []
+    spoiled = rng.randrange(len(edits))
+    for i, line in enumerate(edits):
+        m = _REPLACE.match(line)
+        path, number, text = m.group(1), m.group(2), m.group(3)
+        if i == spoiled and rng.random() < 0.3:
+            modules = sorted(set(re.findall(r"\b(\w+)\.py\b", prompt)))
+            path = f"{rng.choice([x for x in _WRONG_MODULES if x not in modules])}.py"
+            results.append(f"error: {path}")
+        else:
+            text = _wrong_text(text, rng) if i == spoiled else text
+            results.append("ok")
+        wrong.append(f"replace {path}:{number} {text}")
+    failed = compact_observation(results + [fails or "tests fail"])
+    return (("\n".join(wrong) + "\ntest\n", TRIED), (failed, OBSERVATION)) + verified
+
+
+_WRONG_MODULES = ("pricing", "inventory", "ledger", "scores", "metrics", "orders", "shipping", "payroll",
+                  "grades", "stock", "budget", "weather", "traffic", "library", "garden", "kitchen")
+
+
+def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0) -> list[tuple[str, Any]]:
+    """Each demonstration told as a ``verify`` transcript with probability ``verify_share``, a
+    ``retry`` one with ``retry_share``, else ``direct`` (:func:`transcript`)."""
+    if verify_share < 0 or retry_share < 0 or verify_share + retry_share > 1:
+        raise ValueError(f"verify_share {verify_share} and retry_share {retry_share}: each >= 0, together <= 1")
+    rng = random.Random(f"styles-{seed}")
+    out = []
+    for prompt, actions in demos:
+        u = rng.random()
+        style = "verify" if u < verify_share else "retry" if u < verify_share + retry_share else "direct"
+        out.append((prompt, transcript(prompt, actions, style, rng)))
+    return out
+
+
+def _segments(actions: Any) -> tuple[tuple[str, str], ...]:
+    return ((actions, ANSWER),) if isinstance(actions, str) else tuple(actions)
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
@@ -163,16 +267,26 @@ def _fingerprint(demos: list[tuple[str, str]], spec: BaseModelSpec) -> str:
     h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
     for prompt, actions in demos:
         h.update(prompt.encode())
-        h.update(actions.encode())
+        for text, role in _segments(actions):
+            h.update(f"{role}:{text}".encode())
     return h.hexdigest()[:16]
 
 
-def _examples(tokenizer, demos: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+def _examples(tokenizer, demos: Sequence[tuple[str, Any]]) -> list[tuple[list[int], list[int]]]:
+    """Token ids and loss mask of each demonstration, tokenized the way the harness builds a context:
+    the prompt, then each model turn (ending with the end-of-text token) and each observation, each
+    piece on its own. The loss is on the ``ANSWER`` turns only."""
     out = []
     for prompt, actions in demos:
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        a = tokenizer.encode(actions, add_special_tokens=False) + [tokenizer.eos_token_id]
-        out.append((p + a, [0] * len(p) + [1] * len(a)))
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        mask = [0] * len(ids)
+        for text, role in _segments(actions):
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            if role != OBSERVATION:
+                piece.append(tokenizer.eos_token_id)
+            ids += piece
+            mask += [1 if role == ANSWER else 0] * len(piece)
+        out.append((ids, mask))
     return out
 
 
@@ -240,8 +354,9 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         return out
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    augmented = augment(demos, spec.augment_copies, spec.seed, spec.rename_modules)
-    tokenizer = train_tokenizer([p + a for p, a in augmented], spec.vocab_size)
+    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
+                       spec.verify_share, spec.retry_share, spec.seed)
+    tokenizer = train_tokenizer([p + "".join(text for text, _ in _segments(a)) for p, a in augmented], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,

@@ -137,3 +137,59 @@ def test_an_agent_that_never_acts_opens_no_sandbox(small_tasks, tokenizer):
     assert traj.stop_reason == "max_turns" and traj.patch == ""
     assert opened == [small_tasks[0].id]  # only the grader's pristine sandbox
     assert traj.reward == 0.0 and traj.grade.scores.p2p == 1.0
+
+
+def test_a_tested_work_tree_seen_before_takes_the_cached_test_observation(small_tasks, tokenizer):
+    """Two episodes that make the same edit and run ``test``: with a shared ``grade_cache`` the
+    second takes the first's real observation without running the tests; an episode that ran
+    ``bash`` (the tree is no longer known from its edits) runs them again."""
+    from evals.actions import reference_actions
+
+    task = small_tasks[0]
+    fix = "\n".join(a.to_compact() for a in reference_actions(task)[:-1])
+    test_runs = []
+
+    def counting_factory(t):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def opened():
+            with default_sandbox_factory()(t) as box:
+                real_exec = box.exec
+
+                def exec_(command, **kw):
+                    if command == t.test_command:
+                        test_runs.append(command)
+                    return real_exec(command, **kw)
+
+                box.exec = exec_
+                yield box
+        return opened()
+
+    cache: dict = {}
+    answers = [f"{fix}\ntest", "commit"]
+    first = run_episode(task, ScriptedPolicy(tokenizer, answers), tokenizer, counting_factory, max_turns=3, grade_cache=cache)
+    ran = len(test_runs)
+    second = run_episode(task, ScriptedPolicy(tokenizer, answers), tokenizer, counting_factory, max_turns=3, grade_cache=cache)
+    assert [s.observation for s in first.steps] == [s.observation for s in second.steps]
+    assert first.steps[-2].observation == "all tests pass" and first.reward == second.reward == 1.0
+    assert len(test_runs) == ran  # neither the test action nor the grading ran again
+
+    edits = [a.args for a in reference_actions(task)[:-1]]
+    calls = ([json.dumps({"tool": "bash", "args": {"command": "true"}})]
+             + [json.dumps({"tool": "replace_line", "args": e}) for e in edits] + [json.dumps({"tool": "test", "args": {}})])
+    third = run_episode(task, ScriptedPolicy(tokenizer, [" ".join(calls)]), tokenizer, counting_factory,
+                        action_format=JSON_TOOLS, max_turns=1, grade_cache=cache, grade=False)
+    assert third.steps[-1].observation == "all tests pass" and len(test_runs) == ran + 1
+
+
+def test_a_test_run_that_cannot_collect_shows_its_error_lines_not_pages_of_output(small_tasks, tokenizer):
+    """An edit that breaks the module's syntax: the ``test`` observation is pytest's ``E`` lines
+    (the file, the line, the error), short enough for a small model's context."""
+    task = small_tasks[0]
+    module = task.metadata["module_file"]
+    answer = f"replace {module}:1         return 1\ntest"
+    traj = run_episode(task, ScriptedPolicy(tokenizer, [answer]), tokenizer, default_sandbox_factory(), max_turns=1, grade=False)
+    observation = traj.steps[-1].observation
+    assert "IndentationError" in observation and len(observation.splitlines()) <= 6
+    assert "short test summary" not in observation and "====" not in observation
