@@ -5,6 +5,7 @@
     replace FILE:LINE TEXT    set line LINE (1-based) of FILE to TEXT (everything after the one
                               space that follows LINE, indentation included; may be empty)
     test                      run the tests; the observation lists the failing asserts
+    reset                     undo every edit: the work tree goes back to the task's base commit
     commit                    commit the work tree; this ends the episode
 
 The prompt (:func:`render_compact_prompt`) is the instruction, the module with line numbers and the
@@ -15,7 +16,7 @@ per turn; after a turn without ``commit`` the observations are appended and the 
 **JSON tool calls** (for real models). Each call is a JSON object ``{"tool": NAME, "args": {...}}``
 (``{"name": ..., "arguments": ...}`` is accepted too), optionally inside ``<tool_call>...</tool_call>``.
 Tools: ``bash`` (``command``), ``read_file`` (``path``), ``write_file`` (``path``, ``content``),
-``replace_line`` (``path``, ``line``, ``text``) and ``commit`` (``message``).
+``replace_line`` (``path``, ``line``, ``text``), ``test``, ``reset`` and ``commit`` (``message``).
 
 Both parsers return :class:`Action` objects; the harness executes them the same way.
 """
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 from evals.tasks import Task
 
 COMPACT, JSON_TOOLS = "compact", "json"
-TOOLS = ("bash", "read_file", "write_file", "replace_line", "commit", "test")
+TOOLS = ("bash", "read_file", "write_file", "replace_line", "commit", "test", "reset")
 
 
 class ActionParseError(ValueError):
@@ -47,7 +48,7 @@ class Action:
     def to_compact(self) -> str:
         if self.tool == "replace_line":
             return f"replace {self.args['path']}:{self.args['line']} {self.args['text']}"
-        if self.tool in ("commit", "test"):
+        if self.tool in ("commit", "test", "reset"):
             return self.tool
         raise ValueError(f"action {self.tool!r} has no compact form")
 
@@ -66,7 +67,7 @@ def parse_compact(text: str) -> list[Action]:
         if not line.strip():
             continue
         word = line.strip()
-        if word in ("commit", "test"):
+        if word in ("commit", "test", "reset"):
             actions.append(Action(word))
             if word == "commit":
                 break
@@ -76,11 +77,11 @@ def parse_compact(text: str) -> list[Action]:
             actions.append(Action("replace_line", {"path": match["path"], "line": int(match["line"]),
                                                    "text": match["text"] or ""}))
             continue
-        err = ActionParseError(f"line {lineno}: {line[:80]!r} is not an action (replace FILE:LINE TEXT | test | commit)")
+        err = ActionParseError(f"line {lineno}: {line[:80]!r} is not an action (replace FILE:LINE TEXT | test | reset | commit)")
         err.actions = actions  # type: ignore[attr-defined]
         raise err
     if not actions:
-        raise ActionParseError("no action in the answer (replace FILE:LINE TEXT | test | commit)")
+        raise ActionParseError("no action in the answer (replace FILE:LINE TEXT | test | reset | commit)")
     return actions
 
 
@@ -120,7 +121,7 @@ def parse_json_tools(text: str) -> list[Action]:
         if not isinstance(args, dict):
             raise ActionParseError(f"tool {name!r}: arguments must be an object")
         required = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content"),
-                    "replace_line": ("path", "line", "text"), "commit": (), "test": ()}[name]
+                    "replace_line": ("path", "line", "text"), "commit": (), "test": (), "reset": ()}[name]
         missing = [k for k in required if k not in args]
         if missing:
             raise ActionParseError(f"tool {name!r}: missing argument(s) {', '.join(missing)}")
@@ -186,7 +187,7 @@ def demonstration(task: Task) -> tuple[str, str]:
 JSON_SYSTEM = (
     "You are a coding agent working in a git repository. Call tools with JSON objects "
     '{"tool": NAME, "args": {...}}. Tools: bash(command), read_file(path), write_file(path, content), '
-    "replace_line(path, line, text), test(), commit(message). Only committed work is graded; "
+    "replace_line(path, line, text), test(), reset(), commit(message). Only committed work is graded; "
     "commit when you are done."
 )
 

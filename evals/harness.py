@@ -173,6 +173,13 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
             if task.report_format == "junit":  # pytest: the failing asserts, else its error lines
                 summary = failing_summary(res.output) or error_lines(res.output)
             return (summary or res.output[-OBSERVATION_CAP_CHARS:]).replace("AssertionError: ", ""), False
+        if action.tool == "reset":
+            res = sandbox.exec("git checkout -q -- . && git clean -fdq", timeout_s=60)
+            if res.exit_code != 0:
+                return f"reset failed: {res.output[-300:]}", False
+            if written is not None:
+                written.clear()  # the tree is the base commit's again
+            return "ok", False
         if action.tool == "commit":
             message = str(args.get("message") or "agent commit").replace("'", "")
             res = sandbox.exec(f"git add -A && git commit -q -m '{message}'", timeout_s=60)

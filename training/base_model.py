@@ -56,8 +56,8 @@ class BaseModelSpec:
     # Shares of the demonstrations told as test-then-commit and as a failed attempt, its failing
     # asserts and a fix (``transcript``); the rest commit straight away. The base model so tests its
     # answer only sometimes: RL finds that testing and retrying pays, on any task.
-    verify_share: float = 0.1
-    retry_share: float = 0.3
+    verify_share: float = 0.15
+    retry_share: float = 0.35
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -185,15 +185,17 @@ def _wrong_text(text: str, rng: random.Random) -> str:
     return text + " + 1"
 
 
-def transcript(prompt: str, actions: str, style: str, rng: random.Random) -> Any:
+def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_failures: int = 3) -> Any:
     """The demonstration ``(prompt, actions)`` told in one of three styles, as the harness would
     run it (``actions`` is a compact answer ending ``commit``):
 
     - ``direct``: the answer and ``commit`` in one turn (``actions`` itself);
     - ``verify``: the answer and ``test``; the observation ``all tests pass``; then ``commit``;
-    - ``retry``: a wrong attempt and ``test`` (a wrong constant or operator, or the wrong file), the
-      failing asserts, then the ``verify`` transcript. The wrong attempt is not trained on (role
-      ``TRIED``): the model learns what to do after a failure, not the failure.
+    - ``retry``: one to ``max_failures`` wrong attempts, each with ``test`` and the failing asserts
+      (a wrong constant or operator, the wrong line or the wrong file; each after the first starts
+      with ``reset``), then ``reset``, the answer and ``test``, ``all tests pass`` and ``commit``.
+      The wrong attempts are not trained on (role ``TRIED``): the model learns what to do after a
+      failure, not the failure.
 
     A transcript is a tuple of ``(text, role)`` segments: ``ANSWER`` and ``TRIED`` are model turns
     (each ends with the end-of-text token), ``OBSERVATION`` is what the harness appends.
@@ -206,26 +208,31 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random) -> Any
     if not edits or style not in ("verify", "retry"):
         raise ValueError(f"transcript style {style!r} of an answer with {len(edits)} edit(s)")
     answer = "\n".join(edits) + "\ntest\n"
-    passed = compact_observation(["ok"] * len(edits) + ["all tests pass"])
-    verified = ((answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
     if style == "verify":
-        return verified
-    fails = "\n".join(line[len("fail: "):] for line in prompt.split("\n") if line.startswith("fail: "))
-    wrong, results = [], []
-    spoiled = rng.randrange(len(edits))
-    for i, line in enumerate(edits):
-        m = _REPLACE.match(line)
-        path, number, text = m.group(1), m.group(2), m.group(3)
-        if i == spoiled and rng.random() < 0.3:
-            modules = sorted(set(re.findall(r"\b(\w+)\.py\b", prompt)))
-            path = f"{rng.choice([x for x in _WRONG_MODULES if x not in modules])}.py"
-            results.append(f"error: {path}")
-        else:
-            text = _wrong_text(text, rng) if i == spoiled else text
-            results.append("ok")
-        wrong.append(f"replace {path}:{number} {text}")
-    failed = compact_observation(results + [fails or "tests fail"])
-    return (("\n".join(wrong) + "\ntest\n", TRIED), (failed, OBSERVATION)) + verified
+        return ((answer, ANSWER), (compact_observation(["ok"] * len(edits) + ["all tests pass"]), OBSERVATION),
+                ("commit\n", ANSWER))
+    fails = "\n".join(line[len("fail: "):] for line in prompt.split("\n") if line.startswith("fail: ")) or "tests fail"
+    modules = sorted(set(re.findall(r"\b(\w+)\.py\b", prompt)))
+    listed = [m.group(1) for m in (_NUMBERED.match(line) for line in prompt.split("\n")) if m and m.group(2).strip()]
+    out: list[tuple[str, str]] = []
+    for attempt in range(rng.randint(1, max_failures)):
+        wrong, results = (["reset"], ["ok"]) if attempt else ([], [])
+        spoiled = rng.randrange(len(edits))
+        for i, line in enumerate(edits):
+            m = _REPLACE.match(line)
+            path, number, text = m.group(1), m.group(2), m.group(3)
+            mistake = rng.choice(("text", "text", "file", "line")) if i == spoiled else ""
+            if mistake == "file":
+                path = f"{rng.choice([x for x in _WRONG_MODULES if x not in modules])}.py"
+            elif mistake == "line" and len(listed) > 1:
+                number = rng.choice([n for n in listed if n != number])
+            elif mistake:
+                text = _wrong_text(text, rng)
+            wrong.append(f"replace {path}:{number} {text}")
+            results.append(f"error: {path}" if mistake == "file" else "ok")
+        out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [fails]), OBSERVATION)]
+    passed = compact_observation(["ok"] * (len(edits) + 1) + ["all tests pass"])
+    return tuple(out) + (("reset\n" + answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
 
 
 _WRONG_MODULES = ("pricing", "inventory", "ledger", "scores", "metrics", "orders", "shipping", "payroll",

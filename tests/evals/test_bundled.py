@@ -61,8 +61,10 @@ def test_demonstration_round_trips(small_tasks):
 
 
 def test_compact_parser():
-    actions = parse_compact("replace a.py:3     return x * 2\n\ntest\ncommit\nreplace a.py:1 ignored")
-    assert [a.tool for a in actions] == ["replace_line", "test", "commit"]
+    actions = parse_compact("reset\nreplace a.py:3     return x * 2\n\ntest\ncommit\nreplace a.py:1 ignored")
+    assert [a.tool for a in actions] == ["reset", "replace_line", "test", "commit"]
+    assert [a.to_compact() for a in actions] == ["reset", "replace a.py:3     return x * 2", "test", "commit"]
+    actions = actions[1:]
     assert actions[0].args == {"path": "a.py", "line": 3, "text": "    return x * 2"}
     assert parse_compact("replace a.py:2")[0].args["text"] == ""
     with pytest.raises(ActionParseError, match="line 2: 'rm -rf /' is not an action") as info:

@@ -193,3 +193,20 @@ def test_a_test_run_that_cannot_collect_shows_its_error_lines_not_pages_of_outpu
     observation = traj.steps[-1].observation
     assert "IndentationError" in observation and len(observation.splitlines()) <= 6
     assert "short test summary" not in observation and "====" not in observation
+
+
+def test_reset_undoes_every_edit_so_a_retry_starts_from_the_base_commit(small_tasks, tokenizer):
+    """A broken first attempt, ``test``, then ``reset`` and the fix: the retry is graded on the fix
+    alone (the broken line is gone from the committed patch)."""
+    from evals.actions import reference_actions
+
+    task = small_tasks[0]
+    module = task.metadata["module_file"]
+    fix = "\n".join(a.to_compact() for a in reference_actions(task)[:-1])
+    answers = [f"replace {module}:1 BROKEN = (\ntest", f"reset\n{fix}\ntest", "commit"]
+    traj = run_episode(task, ScriptedPolicy(tokenizer, answers), tokenizer, default_sandbox_factory(), max_turns=4,
+                       grade_cache={})
+    tools = [(s.action["tool"], s.observation) for s in traj.steps]
+    assert tools[0] == ("replace_line", "ok") and "SyntaxError" in tools[1][1]
+    assert tools[2] == ("reset", "ok") and tools[-2] == ("test", "all tests pass") and tools[-1][0] == "commit"
+    assert traj.reward == 1.0 and "BROKEN" not in traj.patch

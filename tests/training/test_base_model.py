@@ -17,7 +17,7 @@ PROMPT = (
     "fail: assert scale_price(2) == 8 -> assert 6 == 8\n"
     ">"
 )
-ANSWER = "replace kitchen.py:5     return x * 4\ncommit\n"
+ANSWER_TEXT = "replace kitchen.py:5     return x * 4\ncommit\n"
 
 
 def _edited_line(prompt: str, answer: str) -> tuple[str, str, str]:
@@ -28,8 +28,8 @@ def _edited_line(prompt: str, answer: str) -> tuple[str, str, str]:
 
 
 def test_variants_rename_consistently_and_keep_the_edit_on_the_buggy_line() -> None:
-    variants = augment([(PROMPT, ANSWER)], copies=6, seed=3)
-    assert variants[0] == (PROMPT, ANSWER)
+    variants = augment([(PROMPT, ANSWER_TEXT)], copies=6, seed=3)
+    assert variants[0] == (PROMPT, ANSWER_TEXT)
     for prompt, answer in variants[1:]:
         assert "scale_price" not in prompt and "scale_price" not in answer
         new_name = re.search(r"^Fix (\w+) in", prompt).group(1)
@@ -40,9 +40,85 @@ def test_variants_rename_consistently_and_keep_the_edit_on_the_buggy_line() -> N
 
 
 def test_rename_modules_renames_the_file_everywhere() -> None:
-    for prompt, answer in augment([(PROMPT, ANSWER)], copies=6, seed=5, rename_modules=True)[1:]:
+    for prompt, answer in augment([(PROMPT, ANSWER_TEXT)], copies=6, seed=5, rename_modules=True)[1:]:
         assert "kitchen" not in prompt and "kitchen" not in answer
         module = re.search(r"^(\w+)\.py:$", prompt, flags=re.M).group(1)
         assert f"in {module}.py so" in prompt
         path, old_text, _ = _edited_line(prompt, answer)
         assert path == f"{module}.py" and old_text == "    return x + 4"
+
+
+def test_a_verify_transcript_tests_then_commits_after_all_tests_pass() -> None:
+    import random
+
+    from training.base_model import ANSWER, OBSERVATION, transcript
+
+    segments = transcript(PROMPT, ANSWER_TEXT, "verify", random.Random(0))
+    assert segments == (("replace kitchen.py:5     return x * 4\ntest\n", ANSWER),
+                        ("\nok\nall tests pass\n>", OBSERVATION), ("commit\n", ANSWER))
+    assert transcript(PROMPT, ANSWER_TEXT, "direct", random.Random(0)) == ANSWER_TEXT
+
+
+def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trained_on_the_failures() -> None:
+    import random
+
+    from training.base_model import ANSWER, OBSERVATION, TRIED, transcript
+
+    mistakes = set()
+    for seed in range(60):
+        segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(seed))
+        *failures, (fixed, role), (passed, _), (commit, _) = segments
+        assert (fixed, role) == ("reset\nreplace kitchen.py:5     return x * 4\ntest\n", ANSWER)
+        assert passed == "\nok\nok\nall tests pass\n>" and commit == "commit\n"
+        assert 1 <= len(failures) // 2 <= 3
+        for k in range(0, len(failures), 2):
+            (tried, role0), (failed, role1) = failures[k], failures[k + 1]
+            assert (role0, role1) == (TRIED, OBSERVATION)
+            lines = tried.splitlines()
+            assert lines[-1] == "test" and (lines[0] == "reset") == (k > 0)
+            path, line, text = re.match(r"replace (\S+):(\d+) (.*)", lines[-2]).groups()
+            assert (path, line, text) != ("kitchen.py", "5", "    return x * 4")
+            assert failed.endswith("\nassert scale_price(2) == 8 -> assert 6 == 8\n>")
+            if path != "kitchen.py":
+                assert f"\nerror: {path}\n" in failed and (line, text) == ("5", "    return x * 4")
+                mistakes.add("file")
+            elif line != "5":
+                assert text == "    return x * 4" and line in "1245"
+                mistakes.add("line")
+            else:
+                mistakes.add("text")
+    assert mistakes == {"text", "file", "line"}
+
+
+def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() -> None:
+    import random
+
+    from training.base_model import _examples, transcript
+
+    class Chars:  # one id per character; 0 is the end-of-text token
+        eos_token_id = 0
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(1))
+    [(ids, mask)] = _examples(Chars(), [(PROMPT, segments)])
+    assert len(ids) == len(mask) == len(PROMPT) + sum(len(t) for t, _ in segments) + 3  # 3 model turns
+    trained = "".join("\x00" if i == 0 else chr(i) for i, m in zip(ids, mask) if m)
+    assert len(segments) == 5  # one failure, then the fix
+    assert trained == segments[-3][0] + "\x00" + "commit\n\x00"  # not the prompt, the failure, or the observations
+
+
+def test_variants_of_a_transcript_rename_and_renumber_every_model_turn() -> None:
+    import random
+
+    from training.base_model import OBSERVATION, transcript
+
+    segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(2))
+    for prompt, answer in augment([(PROMPT, segments)], copies=6, seed=4)[1:]:
+        name = re.search(r"^Fix (\w+) in", prompt).group(1)
+        fixed = answer[-3][0].splitlines()[1]
+        path, old_text, new_text = _edited_line(prompt, fixed)
+        assert (path, old_text, new_text) == ("kitchen.py", "    return x + 4", "    return x * 4")
+        assert f"assert {name}(2) == 8" in answer[1][0] and answer[1][1] == OBSERVATION
+        assert all("scale_price" not in text for text, _ in answer)
