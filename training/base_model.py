@@ -58,6 +58,7 @@ class BaseModelSpec:
     # answer only sometimes: RL finds that testing and retrying pays, on any task.
     verify_share: float = 0.15
     retry_share: float = 0.35
+    retry_failures: int = 2  # a retry demonstration shows one to this many failed attempts
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -185,7 +186,7 @@ def _wrong_text(text: str, rng: random.Random) -> str:
     return text + " + 1"
 
 
-def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_failures: int = 3) -> Any:
+def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_failures: int = 2) -> Any:
     """The demonstration ``(prompt, actions)`` told in one of three styles, as the harness would
     run it (``actions`` is a compact answer ending ``commit``):
 
@@ -239,7 +240,8 @@ _WRONG_MODULES = ("pricing", "inventory", "ledger", "scores", "metrics", "orders
                   "grades", "stock", "budget", "weather", "traffic", "library", "garden", "kitchen")
 
 
-def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0) -> list[tuple[str, Any]]:
+def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0,
+           max_failures: int = 2) -> list[tuple[str, Any]]:
     """Each demonstration told as a ``verify`` transcript with probability ``verify_share``, a
     ``retry`` one with ``retry_share``, else ``direct`` (:func:`transcript`)."""
     if verify_share < 0 or retry_share < 0 or verify_share + retry_share > 1:
@@ -249,7 +251,7 @@ def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: f
     for prompt, actions in demos:
         u = rng.random()
         style = "verify" if u < verify_share else "retry" if u < verify_share + retry_share else "direct"
-        out.append((prompt, transcript(prompt, actions, style, rng)))
+        out.append((prompt, transcript(prompt, actions, style, rng, max_failures)))
     return out
 
 
@@ -362,7 +364,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
     augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
-                       spec.verify_share, spec.retry_share, spec.seed)
+                       spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)
     tokenizer = train_tokenizer([p + "".join(text for text, _ in _segments(a)) for p, a in augmented], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,

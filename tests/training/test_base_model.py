@@ -66,7 +66,7 @@ def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trai
 
     mistakes = set()
     for seed in range(60):
-        segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(seed))
+        segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(seed), max_failures=3)
         *failures, (fixed, role), (passed, _), (commit, _) = segments
         assert (fixed, role) == ("reset\nreplace kitchen.py:5     return x * 4\ntest\n", ANSWER)
         assert passed == "\nok\nok\nall tests pass\n>" and commit == "commit\n"
