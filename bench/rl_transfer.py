@@ -16,7 +16,8 @@ steps, with the training reward of the first and last 10 steps.
 ``plan.json``: ``{"bases": [{BaseModelSpec fields}...], "runs": [{"base": 0, "lr": 0.002, ...}]}``;
 run keys: ``lr``, ``rank``, ``kl``, ``std`` (advantages scaled by the group's std), ``groups``,
 ``group_size``, ``steps``, ``vary`` (each sampled prompt is a fresh renamed variant of the task),
-``uniform`` (draw from every training task, not only those the base solves sometimes).
+``uniform`` (draw from every training task, not only those the base solves sometimes), ``fresh``
+(draw from that many freshly generated tasks instead of the training split).
 """
 
 from __future__ import annotations
@@ -84,6 +85,45 @@ def accuracy(sampler: Sampler, demos: list[tuple[str, str]], n: int, greedy: boo
     return round(sum(r[2] for r in rows) / len(rows), 4), round(solved / len(demos), 3)
 
 
+def _generated_demos(seed: int, per_level: int, exclude: set[str]) -> list[tuple[str, str]]:
+    """Compact demonstrations of freshly generated tasks (generator ``seed``), rendered in process:
+    the failing asserts come from running the buggy module and the tests here, formatted as the
+    suite's validation records them (no sandbox, so a proxy only). Tasks whose module text equals one
+    in ``exclude`` are left out."""
+    import re as _re
+
+    from evals.actions import numbered
+    from evals.bundled import generate
+
+    out = []
+    for gen in generate(seed, per_level):
+        source = gen.files[f"{gen.module}.py"]
+        if source in exclude:
+            continue
+        namespace: dict = {}
+        exec(source, namespace)
+        fails = []
+        for block in gen.files[f"tests/test_{gen.module}.py"].split("\n\ndef ")[1:]:
+            for line in block.splitlines()[1:]:
+                m = _re.match(r"\s+assert (.*) == (.*)$", line)
+                if not m:
+                    continue
+                got, want = eval(m.group(1), namespace), eval(m.group(2))
+                if got != want:
+                    fails.append(f"fail: assert {m.group(1)} == {m.group(2)} -> assert {got!r} == {want!r}")
+                    break
+        prompt = f"{gen.instruction_head}\n{gen.module}.py:\n{numbered(source)}\n" + "\n".join(fails) + "\n>"
+        answer = "".join(f"replace {f}:{n} {t}\n" for f, n, t in gen.reference_edits) + "commit\n"
+        out.append((prompt, answer))
+    return out
+
+
+def _all_tasks(path: str):
+    from evals.bundled import load_suite
+
+    return list(load_suite(path))
+
+
 def _suite(path: str):
     from evals.actions import demonstration
     from evals.bundled import load_suite
@@ -102,6 +142,8 @@ def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
     index, spec, args = job
     torch.set_num_threads(1)
     train, held = _suite(args.suite)
+    # One-turn episodes: bases that answer and commit at once (no test-and-retry demonstrations)
+    spec = {"verify_share": 0.0, "retry_share": 0.0, **spec}
     path = build_base_model(Path(args.out) / f"base-{index}", train, BaseModelSpec(**spec), device=args.device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,15 +153,40 @@ def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
             "held_greedy": accuracy(sampler, held, 1, greedy=True)[0]}
 
 
+def grpo_step(backend, rows: list[tuple[list[int], list[int], float]], groups: int, size: int, device: str,
+              scale_by_std: bool = False) -> int:
+    """One GRPO step of the project's backend on ``groups`` x ``size`` rows of ``(token ids, loss mask,
+    reward)``, in group order; on-policy, so the sampling logprobs are the model's own. Returns the
+    number of zero-variance groups dropped."""
+    import torch
+
+    from training.backends import TrainBatch, pad_rows
+    from training.grpo import group_advantages
+
+    rewards = torch.tensor([[r[2] for r in rows[g * size:(g + 1) * size]] for g in range(groups)])
+    adv = group_advantages(rewards, scale_by_std=scale_by_std)
+    kept = [(g, s) for g in range(groups) if adv.kept[g] for s in range(size)]
+    if kept:
+        ids = [rows[g * size + s][0] for g, s in kept]
+        with torch.no_grad():
+            backend.model.eval()
+            lp = backend.token_logprobs(pad_rows(ids, 0, torch.long, device),
+                                        pad_rows([[1] * len(x) for x in ids], 0, torch.long, device))
+        backend.train_step(TrainBatch(
+            input_ids=ids, loss_mask=[rows[g * size + s][1] for g, s in kept],
+            serving_logprobs=[lp[i, :len(x)].tolist() for i, x in enumerate(ids)],
+            advantages=[float(adv.advantages[g, s]) for g, s in kept],
+        ))
+    return adv.dropped_groups
+
+
 def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
     import torch
     from transformers import AutoTokenizer
 
     from evals.actions import demonstration
-    from training.backends import TrainBatch, pad_rows
     from training.backends.torch_peft import TorchPeftBackend
     from training.base_model import augment
-    from training.grpo import group_advantages
 
     index, run, args = job
     torch.set_num_threads(1)
@@ -130,35 +197,26 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
     train, held = _suite(args.suite)
     before = accuracy(sampler, held, args.samples)
     rng, vary_rng = random.Random(0), random.Random(1)
-    rates: dict[str, list[float]] = {}
-    for task, (_, _, ok) in zip([t for t in train for _ in range(2)], sampler.sample([demonstration(t) for t in train], 2)):
-        rates.setdefault(task.id, []).append(ok)
-    pool = train if run.get("uniform") else [t for t in train if 0 < sum(rates[t.id]) < len(rates[t.id])] or train
+    if run.get("fresh"):  # RL on freshly generated tasks the base never saw, not on its SFT tasks
+        exclude = {t.metadata["source_text"] for t in _all_tasks(args.suite)}
+        candidates, seed = [], 1
+        while len(candidates) < run["fresh"]:
+            candidates += _generated_demos(seed, 60, exclude)
+            seed += 1
+        candidates = candidates[:run["fresh"]]
+    else:
+        candidates = [demonstration(t) for t in train]
+    solved = [ok for _, _, ok in sampler.sample(candidates, 2)]
+    pool = candidates if run.get("uniform") else [d for i, d in enumerate(candidates) if 0 < sum(solved[2 * i:2 * i + 2]) < 2] or candidates
     groups, size, rewards_log, dropped = run.get("groups", 4), run.get("group_size", 8), [], 0
     for _ in range(run.get("steps", 44)):
-        tasks = rng.sample(pool, groups) if len(pool) >= groups else rng.choices(pool, k=groups)
-        demos = [demonstration(t) for t in tasks]
+        demos = rng.sample(pool, groups) if len(pool) >= groups else rng.choices(pool, k=groups)
         if run.get("vary"):
             demos = [augment([d], 1, vary_rng.randrange(10**9))[-1] for d in demos]
         rows = sampler.sample(demos, size)
-        rewards = torch.tensor([[r[2] for r in rows[g * size:(g + 1) * size]] for g in range(groups)])
-        adv = group_advantages(rewards, scale_by_std=run.get("std", False))
-        rewards_log.append(float(rewards.mean()))
-        dropped += adv.dropped_groups
-        kept = [(g, s) for g in range(groups) if adv.kept[g] for s in range(size)]
-        if not kept:
-            continue
-        ids = [rows[g * size + s][0] + rows[g * size + s][1] for g, s in kept]
-        with torch.no_grad():
-            backend.model.eval()
-            lp = backend.token_logprobs(pad_rows(ids, 0, torch.long, args.device),
-                                        pad_rows([[1] * len(x) for x in ids], 0, torch.long, args.device))
-        backend.train_step(TrainBatch(
-            input_ids=ids,
-            loss_mask=[[0] * len(rows[g * size + s][0]) + [1] * len(rows[g * size + s][1]) for g, s in kept],
-            serving_logprobs=[lp[i, :len(x)].tolist() for i, x in enumerate(ids)],
-            advantages=[float(adv.advantages[g, s]) for g, s in kept],
-        ))
+        rewards_log.append(sum(r[2] for r in rows) / len(rows))
+        dropped += grpo_step(backend, [(p + g, [0] * len(p) + [1] * len(g), ok) for p, g, ok in rows], groups, size,
+                             args.device, scale_by_std=run.get("std", False))
     after = accuracy(sampler, held, args.samples)
     first, last = rewards_log[:10], rewards_log[-10:]
     return {"run": index, **run, "pool": len(pool), "zero_variance_groups": dropped,
@@ -188,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"base {b['base']} {json.dumps(b['spec'])}: sampled {b['held_sampled'][0]:.3f} "
               f"(any of {args.samples}: {b['held_sampled'][1]:.3f}), greedy {b['held_greedy']:.3f}")
     for r in runs:
-        settings = {k: v for k, v in r.items() if k in ("base", "lr", "rank", "kl", "std", "groups", "group_size", "steps", "vary", "uniform")}
+        settings = {k: v for k, v in r.items() if k in ("base", "lr", "rank", "kl", "std", "groups", "group_size", "steps", "vary", "uniform", "fresh")}
         print(f"run {r['run']} {json.dumps(settings)}: held-out {r['held_before'][0]:.3f} -> {r['held_after'][0]:.3f} "
               f"({100 * (r['held_after'][0] - r['held_before'][0]):+.1f} points); train reward "
               f"{r['train_reward_first10']:.3f} -> {r['train_reward_last10']:.3f}; pool {r['pool']}, "

@@ -1,0 +1,235 @@
+"""Does RL teach the embedded base model to test and retry, and does that lift held-out pass@1?
+
+A multi-turn GPU proxy of ``posttrain demo``. The bundled suite's compact actions (``replace``,
+``test``, ``reset``, ``commit``) run against an in-process copy of each task: the module text is
+edited in memory and the task's tests run in this process, formatted as the sandboxed harness
+formats them. So an episode of several turns costs no sandbox, and a sweep takes minutes on one GPU.
+What differs from the real loop: no sandbox or engine, on-policy sampling with ``generate`` (no lag),
+and pytest's long-list abbreviations are not reproduced in the failing asserts.
+
+Base models come from ``training.base_model`` (one per entry of ``bases``: ``BaseModelSpec`` fields,
+e.g. ``verify_share``, ``retry_share``, ``seed``); each run (``base``, ``lr``, ``turns``, ``groups``,
+``group_size``, ``steps``) takes GRPO steps with the project's ``TorchPeftBackend`` and
+``group_advantages`` on the training split. Printed per run, before and after the steps: held-out
+pass@1 over ``--samples`` episodes a task, the share of episodes that ran ``test``, and the pass rate
+of episodes that tested and of those that committed without testing.
+
+    python bench/rl_multiturn.py --suite posttrain-data/datasets/bundled --plan plan.json --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def run_tests(module: str, source: str, tests: str) -> list[str]:
+    """The first failing assert of each test function (``assert CALL == WANT -> assert GOT == WANT``),
+    or the error that stopped the module from loading; empty when every test passes."""
+    namespace: dict = {}
+    try:
+        exec(compile(source, f"/workspace/{module}", "exec"), namespace)
+    except Exception as exc:  # what pytest's E lines would show
+        return [f"{type(exc).__name__}: {exc}"]
+    fails = []
+    for block in tests.split("\n\ndef ")[1:]:
+        for line in block.splitlines()[1:]:
+            m = re.match(r"\s+assert (.*) == (.*)$", line)
+            if not m:
+                continue
+            try:
+                got, want = eval(m.group(1), namespace), eval(m.group(2))
+            except Exception as exc:
+                fails.append(f"{type(exc).__name__}: {exc}")
+                break
+            if got != want:
+                fails.append(f"assert {m.group(1)} == {m.group(2)} -> assert {got!r} == {want!r}")
+                break
+    return fails
+
+
+class TaskCopy:
+    """One episode's in-memory copy of a bundled task: its module text, tests and prompt."""
+
+    def __init__(self, task, tests: str):
+        from evals.actions import render_compact_prompt
+
+        self.task, self.module, self.tests = task, task.metadata["module_file"], tests
+        self.base = self.text = task.metadata["source_text"]
+        self.prompt = render_compact_prompt(task)
+        self.done, self.reward, self.tested = False, 0.0, False
+
+    def step(self, answer: str) -> str | None:
+        """Run a turn's actions; the observation, or ``None`` once the agent committed."""
+        from evals.actions import ActionParseError, compact_observation, parse_compact
+        from evals.bundled import apply_edits
+
+        try:
+            actions, error = parse_compact(answer), None
+        except ActionParseError as exc:
+            actions, error = list(getattr(exc, "actions", [])), str(exc)
+        results = []
+        for action in actions:
+            if action.tool == "replace_line":
+                if action.args["path"] != self.module:
+                    results.append(f"error: {action.args['path']}")
+                    continue
+                try:
+                    self.text = apply_edits(self.text, [(action.args["line"], action.args["text"])])
+                    results.append("ok")
+                except ValueError as exc:
+                    results.append(f"error: {exc}")
+            elif action.tool == "reset":
+                self.text = self.base
+                results.append("ok")
+            elif action.tool == "test":
+                self.tested = True
+                fails = run_tests(self.module, self.text, self.tests)
+                results.append("\n".join(fails[:6]) if fails else "all tests pass")
+            elif action.tool == "commit":
+                self.done, self.reward = True, float(not run_tests(self.module, self.text, self.tests))
+                return None
+        if error:
+            results.append(f"error: {error}")
+        return compact_observation(results)
+
+
+def suite_tests(suite: str) -> tuple[list, dict[str, str]]:
+    """The suite's tasks and each one's test file, from the generator that built it."""
+    from evals.bundled import TASKS_PER_LEVEL, generate, load_suite
+
+    tasks = list(load_suite(suite))
+    generated = {g.id: g for g in generate(0, TASKS_PER_LEVEL)}
+    tests = {}
+    for task in tasks:
+        g = generated.get(task.id)
+        if g is None or g.files[task.metadata["module_file"]] != task.metadata["source_text"]:
+            raise SystemExit(f"{suite}: task {task.id} is not the generator's (seed 0); rebuild the suite")
+        tests[task.id] = g.files[f"tests/test_{g.module}.py"]
+    return tasks, tests
+
+
+def episodes(model, tokenizer, tasks, tests, n: int, turns: int, device: str, max_new_tokens: int = 48):
+    """``n`` episodes of each task, all turns batched; rows of (task copy, token ids, loss mask)."""
+    import torch
+
+    copies = [TaskCopy(t, tests[t.id]) for t in tasks for _ in range(n)]
+    ids = [tokenizer(c.prompt).input_ids for c in copies]
+    masks = [[0] * len(x) for x in ids]
+    eos = tokenizer.eos_token_id
+    model.eval()
+    for _ in range(turns):
+        live = [i for i, c in enumerate(copies) if not c.done]
+        for start in range(0, len(live), 256):
+            chunk = live[start:start + 256]
+            width = max(len(ids[i]) for i in chunk)
+            batch = torch.tensor([[eos] * (width - len(ids[i])) + ids[i] for i in chunk], device=device)
+            attention = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk], device=device)
+            with torch.no_grad():
+                out = model.generate(input_ids=batch, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                     do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=eos)
+            for j, i in enumerate(chunk):
+                gen = out[j][width:].tolist()
+                gen = gen[:gen.index(eos) + 1] if eos in gen else gen
+                observation = copies[i].step(tokenizer.decode(gen, skip_special_tokens=True))
+                ids[i] = ids[i] + gen
+                masks[i] = masks[i] + [1] * len(gen)
+                if observation is not None:
+                    obs = tokenizer(observation, add_special_tokens=False).input_ids
+                    ids[i], masks[i] = ids[i] + obs, masks[i] + [0] * len(obs)
+    return list(zip(copies, ids, masks))
+
+
+def summary(rows) -> dict[str, float]:
+    copies = [c for c, _, _ in rows]
+    tested = [c for c in copies if c.tested]
+    direct = [c for c in copies if not c.tested]
+    return {"pass@1": round(sum(c.reward for c in copies) / len(copies), 4),
+            "tested": round(len(tested) / len(copies), 3),
+            "pass_tested": round(sum(c.reward for c in tested) / max(1, len(tested)), 3),
+            "pass_direct": round(sum(c.reward for c in direct) / max(1, len(direct)), 3)}
+
+
+def build(job) -> str:
+    import torch
+
+    from training.base_model import BaseModelSpec, build_base_model
+
+    index, spec, args = job
+    torch.set_num_threads(1)
+    tasks, _ = suite_tests(args.suite)
+    return str(build_base_model(Path(args.out) / f"base-{index}", [t for t in tasks if t.split == "train"],
+                                BaseModelSpec(**spec), device=args.device))
+
+
+def train_run(job) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rl_transfer import grpo_step
+    from training.backends.torch_peft import TorchPeftBackend
+
+    index, run, args = job
+    torch.set_num_threads(1)
+    path = Path(args.out) / f"base-{run['base']}"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend = TorchPeftBackend(path, lora_rank=run.get("rank", 16), learning_rate=run.get("lr", 1e-3),
+                               device=args.device, seed=0)
+    tasks, tests = suite_tests(args.suite)
+    train, held = [t for t in tasks if t.split == "train"], [t for t in tasks if t.split == "eval"]
+    turns, groups, size = run.get("turns", 4), run.get("groups", 4), run.get("group_size", 8)
+    before = summary(episodes(backend.model, tokenizer, held, tests, args.samples, turns, args.device))
+    rng, log = random.Random(0), []
+    for _ in range(run.get("steps", 44)):
+        rows = episodes(backend.model, tokenizer, rng.sample(train, groups), tests, size, turns, args.device)
+        log.append(summary(rows))
+        grpo_step(backend, [(x, m, c.reward) for c, x, m in rows], groups, size, args.device)
+    after = summary(episodes(backend.model, tokenizer, held, tests, args.samples, turns, args.device))
+
+    def mean(part, key):
+        return round(sum(x[key] for x in part) / len(part), 3)
+
+    return {"run": index, **run, "before": before, "after": after,
+            "train_first10": {k: mean(log[:10], k) for k in ("pass@1", "tested")},
+            "train_last10": {k: mean(log[-10:], k) for k in ("pass@1", "tested")}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", required=True, help="a built bundled suite folder")
+    parser.add_argument("--plan", required=True, help="JSON file with 'bases' and 'runs'")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--samples", type=int, default=8, help="episodes per held-out task (default %(default)s)")
+    parser.add_argument("--out", default="/tmp/rl-multiturn", help="where the base models are built")
+    args = parser.parse_args(argv)
+    plan = json.loads(Path(args.plan).read_text())
+    for key in ("bases", "runs"):
+        if not isinstance(plan.get(key), list) or not plan[key]:
+            raise SystemExit(f"{args.plan}: expected a non-empty list under key {key!r}")
+    mp.set_start_method("spawn", force=True)
+    with mp.Pool(len(plan["bases"])) as pool:
+        pool.map(build, [(i, spec, args) for i, spec in enumerate(plan["bases"])])
+    with mp.Pool(len(plan["runs"])) as pool:
+        runs = pool.map(train_run, [(i, run, args) for i, run in enumerate(plan["runs"])])
+    print(f"held-out pass@1 over {args.samples} in-process episodes a task (proxy, see the docstring)")
+    for r in runs:
+        settings = {k: r[k] for k in ("base", "lr", "turns", "groups", "group_size", "steps") if k in r}
+        b, a = r["before"], r["after"]
+        print(f"run {r['run']} {json.dumps(settings)} base {json.dumps(plan['bases'][r['base']])}: "
+              f"pass@1 {b['pass@1']:.3f} -> {a['pass@1']:.3f} ({100 * (a['pass@1'] - b['pass@1']):+.1f} points); "
+              f"tested {b['tested']:.2f} -> {a['tested']:.2f}; pass when tested {b['pass_tested']:.3f} -> "
+              f"{a['pass_tested']:.3f}, when not {b['pass_direct']:.3f} -> {a['pass_direct']:.3f}; train pass@1 "
+              f"{r['train_first10']['pass@1']:.3f} -> {r['train_last10']['pass@1']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
