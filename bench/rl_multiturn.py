@@ -19,7 +19,6 @@ of episodes that tested and of those that committed without testing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import random
@@ -203,17 +202,9 @@ def train_run(job) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", required=True, help="a built bundled suite folder")
-    parser.add_argument("--plan", required=True, help="JSON file with 'bases' and 'runs'")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--samples", type=int, default=8, help="episodes per held-out task (default %(default)s)")
-    parser.add_argument("--out", default="/tmp/rl-multiturn", help="where the base models are built")
-    args = parser.parse_args(argv)
-    plan = json.loads(Path(args.plan).read_text())
-    for key in ("bases", "runs"):
-        if not isinstance(plan.get(key), list) or not plan[key]:
-            raise SystemExit(f"{args.plan}: expected a non-empty list under key {key!r}")
+    from rl_transfer import plan_arguments
+
+    args, plan = plan_arguments(argv, __doc__.split("\n\n")[0], 8, "/tmp/rl-multiturn")
     mp.set_start_method("spawn", force=True)
     with mp.Pool(len(plan["bases"])) as pool:
         pool.map(build, [(i, spec, args) for i, spec in enumerate(plan["bases"])])

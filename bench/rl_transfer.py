@@ -224,18 +224,24 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
             "held_before": before, "held_after": after}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def plan_arguments(argv: list[str] | None, description: str, samples: int, out: str) -> tuple[argparse.Namespace, dict]:
+    """The command line of a base-and-RL sweep and its plan file (``bases`` and ``runs``, non-empty lists)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--suite", required=True, help="a built bundled suite folder")
     parser.add_argument("--plan", required=True, help="JSON file with 'bases' and 'runs'")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--samples", type=int, default=12, help="samples per held-out task (default %(default)s)")
-    parser.add_argument("--out", default="/tmp/rl-transfer", help="where the base models are built")
+    parser.add_argument("--samples", type=int, default=samples, help="episodes per held-out task (default %(default)s)")
+    parser.add_argument("--out", default=out, help="where the base models are built")
     args = parser.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
     for key in ("bases", "runs"):
-        if not isinstance(plan.get(key), list):
-            raise SystemExit(f"{args.plan}: expected a list under key {key!r}")
+        if not isinstance(plan.get(key), list) or not plan[key]:
+            raise SystemExit(f"{args.plan}: expected a non-empty list under key {key!r}")
+    return args, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, plan = plan_arguments(argv, __doc__.split("\n\n")[0], 12, "/tmp/rl-transfer")
     mp.set_start_method("spawn", force=True)
     with mp.Pool(len(plan["bases"])) as pool:
         bases = pool.map(build, [(i, spec, args) for i, spec in enumerate(plan["bases"])])

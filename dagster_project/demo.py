@@ -25,10 +25,9 @@ from dagster_project.sensors import complete_checkpoint_keys
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 # The demo's budget: 44 steps of 4 groups x 8 samples, one policy version of lag, a checkpoint every
-# 22 steps; the curriculum from 2 base-model attempts per training task. Episodes have the trainer's 4
-# turns, so the agent can test, reset and try again. The learning rate is 1e-3: on the multi-turn GPU
-# proxy 2e-3 lost held-out accuracy more often than it gained (docs/benchmarks.md, "Base model and RL
-# transfer").
+# 22 steps; the curriculum from 2 base-model attempts per training task; episodes of 2 turns. The
+# learning rate is 1e-3: on the GPU proxies 2e-3 lost held-out accuracy more often than it gained
+# (docs/benchmarks.md, "Base model and RL transfer" and "Test and retry").
 DEMO_RUN: dict[str, Any] = {
     "overrides": {
         "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 1e-3},
