@@ -22,37 +22,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def run_tests(module: str, source: str, tests: str) -> list[str]:
-    """The first failing assert of each test function (``assert CALL == WANT -> assert GOT == WANT``),
-    or the error that stopped the module from loading; empty when every test passes."""
-    namespace: dict = {}
-    try:
-        exec(compile(source, f"/workspace/{module}", "exec"), namespace)
-    except Exception as exc:  # what pytest's E lines would show
-        return [f"{type(exc).__name__}: {exc}"]
-    fails = []
-    for block in tests.split("\n\ndef ")[1:]:
-        for line in block.splitlines()[1:]:
-            m = re.match(r"\s+assert (.*) == (.*)$", line)
-            if not m:
-                continue
-            try:
-                got, want = eval(m.group(1), namespace), eval(m.group(2))
-            except Exception as exc:
-                fails.append(f"{type(exc).__name__}: {exc}")
-                break
-            if got != want:
-                fails.append(f"assert {m.group(1)} == {m.group(2)} -> assert {got!r} == {want!r}")
-                break
-    return fails
+from rl_transfer import grpo_step, plan_arguments, run_tests  # noqa: E402  (the sibling sweep's pieces)
 
 
 class TaskCopy:
@@ -173,7 +149,6 @@ def train_run(job) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from rl_transfer import grpo_step
     from training.backends.torch_peft import TorchPeftBackend
 
     index, run, args = job
@@ -202,8 +177,6 @@ def train_run(job) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl_transfer import plan_arguments
-
     args, plan = plan_arguments(argv, __doc__.split("\n\n")[0], 8, "/tmp/rl-multiturn")
     mp.set_start_method("spawn", force=True)
     with mp.Pool(len(plan["bases"])) as pool:

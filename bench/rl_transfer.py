@@ -85,13 +85,39 @@ def accuracy(sampler: Sampler, demos: list[tuple[str, str]], n: int, greedy: boo
     return round(sum(r[2] for r in rows) / len(rows), 4), round(solved / len(demos), 3)
 
 
+def run_tests(module: str, source: str, tests: str) -> list[str]:
+    """The first failing assert of each test function of a bundled task, run in this process
+    (``assert CALL == WANT -> assert GOT == WANT``), or the error that stopped the module from
+    loading; empty when every test passes."""
+    import re
+
+    namespace: dict = {}
+    try:
+        exec(compile(source, f"/workspace/{module}", "exec"), namespace)
+    except Exception as exc:  # what pytest's E lines would show
+        return [f"{type(exc).__name__}: {exc}"]
+    fails = []
+    for block in tests.split("\n\ndef ")[1:]:
+        for line in block.splitlines()[1:]:
+            m = re.match(r"\s+assert (.*) == (.*)$", line)
+            if not m:
+                continue
+            try:
+                got, want = eval(m.group(1), namespace), eval(m.group(2))
+            except Exception as exc:
+                fails.append(f"{type(exc).__name__}: {exc}")
+                break
+            if got != want:
+                fails.append(f"assert {m.group(1)} == {m.group(2)} -> assert {got!r} == {want!r}")
+                break
+    return fails
+
+
 def _generated_demos(seed: int, per_level: int, exclude: set[str]) -> list[tuple[str, str]]:
     """Compact demonstrations of freshly generated tasks (generator ``seed``), rendered in process:
-    the failing asserts come from running the buggy module and the tests here, formatted as the
-    suite's validation records them (no sandbox, so a proxy only). Tasks whose module text equals one
-    in ``exclude`` are left out."""
-    import re as _re
-
+    the failing asserts come from :func:`run_tests`, formatted as the suite's validation records
+    them (no sandbox, so a proxy only). Tasks whose module text equals one in ``exclude`` are left
+    out."""
     from evals.actions import numbered
     from evals.bundled import generate
 
@@ -100,19 +126,9 @@ def _generated_demos(seed: int, per_level: int, exclude: set[str]) -> list[tuple
         source = gen.files[f"{gen.module}.py"]
         if source in exclude:
             continue
-        namespace: dict = {}
-        exec(source, namespace)
-        fails = []
-        for block in gen.files[f"tests/test_{gen.module}.py"].split("\n\ndef ")[1:]:
-            for line in block.splitlines()[1:]:
-                m = _re.match(r"\s+assert (.*) == (.*)$", line)
-                if not m:
-                    continue
-                got, want = eval(m.group(1), namespace), eval(m.group(2))
-                if got != want:
-                    fails.append(f"fail: assert {m.group(1)} == {m.group(2)} -> assert {got!r} == {want!r}")
-                    break
-        prompt = f"{gen.instruction_head}\n{gen.module}.py:\n{numbered(source)}\n" + "\n".join(fails) + "\n>"
+        fails = run_tests(f"{gen.module}.py", source, gen.files[f"tests/test_{gen.module}.py"])
+        prompt = (f"{gen.instruction_head}\n{gen.module}.py:\n{numbered(source)}\n"
+                  + "\n".join(f"fail: {f}" for f in fails) + "\n>")
         answer = "".join(f"replace {f}:{n} {t}\n" for f, n, t in gen.reference_edits) + "commit\n"
         out.append((prompt, answer))
     return out

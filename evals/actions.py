@@ -32,6 +32,7 @@ from evals.tasks import Task
 
 COMPACT, JSON_TOOLS = "compact", "json"
 TOOLS = ("bash", "read_file", "write_file", "replace_line", "commit", "test", "reset")
+_BARE = ("commit", "test", "reset")  # compact actions that are one word
 
 
 class ActionParseError(ValueError):
@@ -48,7 +49,7 @@ class Action:
     def to_compact(self) -> str:
         if self.tool == "replace_line":
             return f"replace {self.args['path']}:{self.args['line']} {self.args['text']}"
-        if self.tool in ("commit", "test", "reset"):
+        if self.tool in _BARE:
             return self.tool
         raise ValueError(f"action {self.tool!r} has no compact form")
 
@@ -67,7 +68,7 @@ def parse_compact(text: str) -> list[Action]:
         if not line.strip():
             continue
         word = line.strip()
-        if word in ("commit", "test", "reset"):
+        if word in _BARE:
             actions.append(Action(word))
             if word == "commit":
                 break

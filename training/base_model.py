@@ -204,6 +204,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
     (each ends with the end-of-text token), ``OBSERVATION`` is what the harness appends.
     """
     from evals.actions import compact_observation
+    from evals.bundled import MODULES
 
     if style == "direct":
         return actions
@@ -226,7 +227,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
             path, number, text = m.group(1), m.group(2), m.group(3)
             mistake = rng.choice(("text", "text", "file", "line")) if i == spoiled else ""
             if mistake == "file":
-                path = f"{rng.choice([x for x in _WRONG_MODULES if x not in modules])}.py"
+                path = f"{rng.choice([x for x in MODULES if x not in modules])}.py"
             elif mistake == "line" and len(listed) > 1:
                 number = rng.choice([n for n in listed if n != number])
             elif mistake:
@@ -236,10 +237,6 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
         out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [fails]), OBSERVATION)]
     passed = compact_observation(["ok"] * (len(edits) + 1) + ["all tests pass"])
     return tuple(out) + (("reset\n" + answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
-
-
-_WRONG_MODULES = ("pricing", "inventory", "ledger", "scores", "metrics", "orders", "shipping", "payroll",
-                  "grades", "stock", "budget", "weather", "traffic", "library", "garden", "kitchen")
 
 
 def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0,
