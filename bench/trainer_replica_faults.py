@@ -12,7 +12,8 @@ is its groups' generation, the GRPO update, the checkpoint and the publication, 
 interval between two step lines of the trainer.
 
 In step ``--fault-step``, once its first rollouts are stored and calls are in flight, the 2
-replicas with the most calls in flight are SIGKILLed from outside. The trainer's watcher replaces
+replicas with the most calls in flight are SIGKILLed from outside (frozen with SIGSTOP for 50 ms
+first, so that a call in flight on them is still in flight when the kill lands). The trainer's watcher replaces
 them; the replacements load the newest adapter from the run's volume before they take traffic; the run
 does not wait for them. Printed: each step's time, the fault step against the steps before and after
 it (and against the same steps of a run without the fault, measured just before), when the
@@ -63,6 +64,12 @@ def _rollouts_of_step(store: Path, step: int) -> int:
         return 0
     finally:
         conn.close()
+
+
+def _busiest(http, router_url: str, pids: dict[str, int]) -> list[dict]:
+    """The router's view of the fleet's original replicas, most calls in flight first."""
+    workers = http.json("GET", f"{router_url}/workers")["workers"]
+    return sorted((w for w in workers if w["url"] in pids), key=lambda w: (-w["in_flight"], -w["live_sessions"]))
 
 
 def run(workdir: Path, model_dir: Path, *, fault: bool = True, replicas: int = 5, kill: int = 2, steps: int = 14,
@@ -118,14 +125,25 @@ def run(workdir: Path, model_dir: Path, *, fault: bool = True, replicas: int = 5
             while True:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the fault step never got under way")
-                workers = http.json("GET", f"{router_url}/workers")["workers"]
-                busy = sorted((w for w in workers if w["url"] in pids), key=lambda w: (-w["in_flight"], -w["live_sessions"]))
+                busy = _busiest(http, router_url, pids)
                 if busy[0]["in_flight"] > 0 and _rollouts_of_step(store, fault_step) >= 1:
-                    break
+                    # A call on the tiny model ends within milliseconds, before a kill seen from here can
+                    # land. Freeze the chosen replicas first: a call still in flight once they are frozen
+                    # cannot end, so the kill is sure to catch it. Otherwise thaw them and look again.
+                    chosen = [w["url"] for w in busy[:kill]]
+                    for url in chosen:
+                        os.kill(pids[url], signal.SIGSTOP)
+                    time.sleep(0.05)  # answers already sent reach the router
+                    caught = sum(w["in_flight"] for w in _busiest(http, router_url, pids) if w["url"] in chosen)
+                    if caught > 0:
+                        break
+                    for url in chosen:
+                        os.kill(pids[url], signal.SIGCONT)
                 time.sleep(0.005)
-            result["victims"] = [w["url"] for w in busy[:kill]]
-            for url in result["victims"]:
+            result["victims"] = chosen
+            for url in chosen:
                 os.kill(pids[url], signal.SIGKILL)
+            result["caught_calls"] = caught
             result["killed_at"] = time.monotonic()
             result["stored_at_kill"] = _rollouts_of_step(store, fault_step)
         result["returncode"] = proc.wait(timeout=900)
@@ -224,7 +242,7 @@ def main() -> int:
     r = run(workdir / "fault", model, fault=True, **kw)
     print(f"python -m training, {args.replicas} engine replicas behind the router, 3 groups x 8 sessions x 3 turns per "
           f"step, {args.steps} steps; step {args.fault_step}: {len(r['victims'])} replicas SIGKILLed once "
-          f"{r['stored_at_kill']} of its 24 rollouts were stored" + ("" if control is None else "; control: the same run without the fault, just before"))
+          f"{r['stored_at_kill']} of its 24 rollouts were stored, with {r['caught_calls']} calls in flight on them" + ("" if control is None else "; control: the same run without the fault, just before"))
     print(report(r, args.fault_step, control))
     return 0 if r["returncode"] == 0 else 1
 
