@@ -46,6 +46,7 @@ class TaskCopy:
         """Run a turn's actions; the observation, or ``None`` once the agent committed."""
         from evals.actions import ActionParseError, compact_observation, parse_compact
         from evals.bundled import apply_edits
+        from evals.harness import replace_once
 
         try:
             actions, error = parse_compact(answer), None
@@ -53,7 +54,13 @@ class TaskCopy:
             actions, error = list(getattr(exc, "actions", [])), str(exc)
         results = []
         for action in actions:
-            if action.tool == "replace_line":
+            if action.tool == "str_replace":
+                try:
+                    self.text = replace_once(self.text, action.args["old"], action.args["new"], self.module)
+                    results.append("ok")
+                except ValueError as exc:
+                    results.append(f"error: {exc}")
+            elif action.tool == "replace_line":
                 if action.args["path"] != self.module:
                     results.append(f"error: {action.args['path']}")
                     continue

@@ -42,7 +42,7 @@ def _answer_key(text: str):
         return None
     if not actions or actions[-1].tool != "commit":
         return None
-    return sorted((a.args["path"], int(a.args["line"]), a.args["text"]) for a in actions if a.tool == "replace_line")
+    return sorted(tuple(sorted(a.args.items())) for a in actions if a.tool in ("str_replace", "replace_line"))
 
 
 class Sampler:

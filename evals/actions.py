@@ -2,6 +2,9 @@
 
 **Compact** (for tiny models; a fix is tens of tokens). One action per line::
 
+    edit OLD => NEW           replace the one occurrence of OLD in the file the prompt shows with
+                              NEW (both taken as written, without the spaces around ``=>``); an
+                              OLD found zero or several times is an error observation
     replace FILE:LINE TEXT    set line LINE (1-based) of FILE to TEXT (everything after the one
                               space that follows LINE, indentation included; may be empty)
     test                      run the tests; the observation lists the failing asserts
@@ -10,13 +13,16 @@
 
 The prompt (:func:`render_compact_prompt`) is the instruction, the module with line numbers and the
 failing asserts seen at the base commit, then ``>``; a demonstration (:func:`demonstration`) is that
-prompt with the reference solution as the action text. A model answers with one or more action lines
+prompt with the reference solution as the action text, in ``edit`` actions. ``edit`` names the code
+it changes instead of a file and a line number: a tiny model copies a line of the listing far more
+reliably than it finds the line's number or the file's name (docs/benchmarks.md, "Edit by content"). A model answers with one or more action lines
 per turn; after a turn without ``commit`` the observations are appended and the model is called again.
 
 **JSON tool calls** (for real models). Each call is a JSON object ``{"tool": NAME, "args": {...}}``
 (``{"name": ..., "arguments": ...}`` is accepted too), optionally inside ``<tool_call>...</tool_call>``.
 Tools: ``bash`` (``command``), ``read_file`` (``path``), ``write_file`` (``path``, ``content``),
-``replace_line`` (``path``, ``line``, ``text``), ``test``, ``reset`` and ``commit`` (``message``).
+``str_replace`` (``path``, ``old``, ``new``: ``old`` must occur exactly once), ``replace_line``
+(``path``, ``line``, ``text``), ``test``, ``reset`` and ``commit`` (``message``).
 
 Both parsers return :class:`Action` objects; the harness executes them the same way.
 """
@@ -31,7 +37,7 @@ from typing import Any, Sequence
 from evals.tasks import Task
 
 COMPACT, JSON_TOOLS = "compact", "json"
-TOOLS = ("bash", "read_file", "write_file", "replace_line", "commit", "test", "reset")
+TOOLS = ("bash", "read_file", "write_file", "str_replace", "replace_line", "commit", "test", "reset")
 _BARE = ("commit", "test", "reset")  # compact actions that are one word
 
 
@@ -49,12 +55,17 @@ class Action:
     def to_compact(self) -> str:
         if self.tool == "replace_line":
             return f"replace {self.args['path']}:{self.args['line']} {self.args['text']}"
+        if self.tool == "str_replace" and "path" not in self.args:
+            return f"edit {self.args['old']}{EDIT_ARROW}{self.args['new']}"
         if self.tool in _BARE:
             return self.tool
         raise ValueError(f"action {self.tool!r} has no compact form")
 
 
 _REPLACE = re.compile(r"^replace (?P<path>[^\s:]+):(?P<line>\d+)(?: (?P<text>.*))?$")
+EDIT_ARROW = " => "
+_EDIT = re.compile(r"^edit (?P<old>.+?) => (?P<new>.*)$")
+_ACTIONS_HELP = "edit OLD => NEW | replace FILE:LINE TEXT | test | reset | commit"
 
 
 def parse_compact(text: str) -> list[Action]:
@@ -73,16 +84,20 @@ def parse_compact(text: str) -> list[Action]:
             if word == "commit":
                 break
             continue
+        match = _EDIT.match(line.strip())
+        if match:
+            actions.append(Action("str_replace", {"old": match["old"], "new": match["new"]}))
+            continue
         match = _REPLACE.match(line.rstrip("\r"))
         if match:
             actions.append(Action("replace_line", {"path": match["path"], "line": int(match["line"]),
                                                    "text": match["text"] or ""}))
             continue
-        err = ActionParseError(f"line {lineno}: {line[:80]!r} is not an action (replace FILE:LINE TEXT | test | reset | commit)")
+        err = ActionParseError(f"line {lineno}: {line[:80]!r} is not an action ({_ACTIONS_HELP})")
         err.actions = actions  # type: ignore[attr-defined]
         raise err
     if not actions:
-        raise ActionParseError("no action in the answer (replace FILE:LINE TEXT | test | reset | commit)")
+        raise ActionParseError(f"no action in the answer ({_ACTIONS_HELP})")
     return actions
 
 
@@ -122,7 +137,8 @@ def parse_json_tools(text: str) -> list[Action]:
         if not isinstance(args, dict):
             raise ActionParseError(f"tool {name!r}: arguments must be an object")
         required = {"bash": ("command",), "read_file": ("path",), "write_file": ("path", "content"),
-                    "replace_line": ("path", "line", "text"), "commit": (), "test": (), "reset": ()}[name]
+                    "str_replace": ("path", "old", "new"), "replace_line": ("path", "line", "text"),
+                    "commit": (), "test": (), "reset": ()}[name]
         missing = [k for k in required if k not in args]
         if missing:
             raise ActionParseError(f"tool {name!r}: missing argument(s) {', '.join(missing)}")
@@ -168,12 +184,24 @@ def compact_observation(results: Sequence[str]) -> str:
     return "\n" + "\n".join(results) + "\n>"
 
 
-def reference_actions(task: Task) -> list[Action]:
-    """The reference solution of a bundled task as compact actions, ending with ``commit``."""
+def reference_actions(task: Task, by_line: bool = False) -> list[Action]:
+    """The reference solution of a bundled task as compact actions, ending with ``commit``: an
+    ``edit`` of each buggy line (its text without indentation, which the generator keeps unique in
+    the module), or with ``by_line`` a ``replace`` of each by file and line number."""
     edits = task.metadata.get("reference_edits")
     if not edits:
         raise ValueError(f"task {task.id}: no reference_edits in its metadata")
-    return [Action("replace_line", {"path": p, "line": int(n), "text": t}) for p, n, t in edits] + [Action("commit")]
+    if by_line:
+        return [Action("replace_line", {"path": p, "line": int(n), "text": t}) for p, n, t in edits] + [Action("commit")]
+    lines = str(task.metadata.get("source_text", "")).split("\n")
+    out, text = [], "\n".join(lines)
+    for _, n, new in edits:
+        old = lines[int(n) - 1].strip() if 0 < int(n) <= len(lines) else ""
+        if not old or text.count(old) != 1:
+            raise ValueError(f"task {task.id}: line {n} of its module is not unique there; it cannot be an edit")
+        text = text.replace(old, new.strip())
+        out.append(Action("str_replace", {"old": old, "new": new.strip()}))
+    return out + [Action("commit")]
 
 
 def demonstration(task: Task) -> tuple[str, str]:
@@ -188,7 +216,7 @@ def demonstration(task: Task) -> tuple[str, str]:
 JSON_SYSTEM = (
     "You are a coding agent working in a git repository. Call tools with JSON objects "
     '{"tool": NAME, "args": {...}}. Tools: bash(command), read_file(path), write_file(path, content), '
-    "replace_line(path, line, text), test(), reset(), commit(message). Only committed work is graded; "
+    "str_replace(path, old, new), replace_line(path, line, text), test(), reset(), commit(message). Only committed work is graded; "
     "commit when you are done."
 )
 

@@ -43,9 +43,10 @@ from typing import Any, Callable, Sequence
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 TASKS_PER_LEVEL = 60
 EVAL_EVERY = 4  # every 4th task of a level is held out for evaluation
+MAX_DRAWS = 100  # a task whose buggy lines repeat elsewhere in its module is drawn again, this many times at most
 REPORT = ".pytest-report.xml"
 TEST_COMMAND = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
 GIT_DATE = "2024-01-01T00:00:00+00:00"
@@ -130,6 +131,27 @@ def _fill(line: str, name: str, k: int, w: str) -> str:
 
 
 def _generate_one(level: int, index: int, rng: random.Random) -> GeneratedTask:
+    """One task; drawn again while a buggy line's text (without indentation) is not unique in its
+    module, so that every fix can be named by the code it changes (the compact ``edit`` action)."""
+    for _ in range(MAX_DRAWS):
+        gen = _draw(level, index, rng)
+        if _edits_are_unique(gen):
+            return gen
+    raise SuiteBuildError(f"task {gen.id}: {MAX_DRAWS} draws, and each repeats a buggy line elsewhere in its module")
+
+
+def _edits_are_unique(gen: GeneratedTask) -> bool:
+    text = gen.files[f"{gen.module}.py"]
+    lines = text.split("\n")
+    for _, lineno, new in gen.reference_edits:
+        old = lines[lineno - 1].strip()
+        if text.count(old) != 1:
+            return False
+        text = text.replace(old, new.strip())
+    return True
+
+
+def _draw(level: int, index: int, rng: random.Random) -> GeneratedTask:
     n_funcs = 2 if level == 1 else rng.choice((3, 4))
     n_bugs = 2 if level == 3 else 1
     kinds = rng.sample(KINDS, n_funcs)

@@ -149,9 +149,11 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
     """
     args = action.args
     try:
-        if action.tool in ("replace_line", "write_file"):
-            path = str(args["path"])
-            if action.tool == "replace_line":
+        if action.tool in ("str_replace", "replace_line", "write_file"):
+            path = str(args["path"]) if "path" in args else _the_editable_file(task)
+            if action.tool == "str_replace":
+                data = replace_once(sandbox.read_file(path).decode(), str(args["old"]), str(args["new"]), path).encode()
+            elif action.tool == "replace_line":
                 data = apply_edits(sandbox.read_file(path).decode(), [(int(args["line"]), str(args["text"]))]).encode()
             else:
                 data = str(args["content"]).encode()
@@ -191,6 +193,26 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
     except (ValueError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         return f"error: {exc}", False
     return f"error: unknown tool {action.tool!r}", False
+
+
+def _the_editable_file(task: Task) -> str:
+    """The file an edit without a path changes: the task's one editable file (the one the compact
+    prompt shows)."""
+    files = [p for p in task.editable_paths if p and not p.endswith("/")] or [task.metadata.get("module_file")]
+    if len(files) != 1 or not files[0]:
+        raise ValueError(f"name the file: task {task.id} has {len(files)} editable paths")
+    return str(files[0])
+
+
+def replace_once(text: str, old: str, new: str, path: str = "the file") -> str:
+    """``text`` with its one occurrence of ``old`` replaced by ``new``; zero or several occurrences
+    raise ``ValueError`` saying which (the agent's observation)."""
+    if not old:
+        raise ValueError("the text to replace is empty")
+    found = text.count(old)
+    if found != 1:
+        raise ValueError(f"{old!r} occurs {found} times in {path}; give text that occurs once")
+    return text.replace(old, new)
 
 
 def error_lines(test_output: str, max_lines: int = 6) -> str:

@@ -53,6 +53,7 @@ class BaseModelSpec:
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
     # (docs/benchmarks.md, "Base model and RL transfer").
     rename_modules: bool = False
+    swap_modules: bool = False
     # Shares of the demonstrations told as test-then-commit and as failed attempts, their failing
     # asserts, reset and the fix (``transcript``); the rest commit straight away. Off by default:
     # test-and-retry episodes need 4 turns, which cost the CPU demo about 6 more minutes than its
@@ -87,7 +88,7 @@ _SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vor", "sel", "dan", "pi", "gor", "
 
 
 def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
-            rename_modules: bool = False) -> list[tuple[str, Any]]:
+            rename_modules: bool = False, module_names: Sequence[str] = ()) -> list[tuple[str, Any]]:
     """Each demonstration plus ``copies`` variants with its functions (and, with ``rename_modules``,
     its module file) renamed consistently in prompt and answer and their order in the module
     shuffled: the same bug and fix under new names and line numbers, so the model learns to read the
@@ -102,7 +103,11 @@ def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
         modules = sorted(set(re.findall(r"^(\w+)\.py:$", prompt, flags=re.M)))
         for _ in range(copies):
             mapping: dict[str, str] = {}
-            if rename_modules:
+            if module_names:
+                others = [m for m in module_names if m not in modules]
+                for module, name in zip(modules, rng.sample(others, min(len(modules), len(others)))):
+                    mapping[module] = name
+            elif rename_modules:
                 for module in modules:
                     mapping[module] = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
             used: set[str] = set(mapping.values())
@@ -131,6 +136,7 @@ def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
 
 _NUMBERED = re.compile(r"^(\d+) (.*)$")
 _REPLACE = re.compile(r"^replace (\S+):(\d+) (.*)$")
+_EDIT = re.compile(r"^edit (.+?) => (.*)$")
 
 
 def _permute_functions(prompt: str, rng: random.Random) -> tuple[str, dict[int, int]]:
@@ -195,8 +201,8 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
     - ``direct``: the answer and ``commit`` in one turn (``actions`` itself);
     - ``verify``: the answer and ``test``; the observation ``all tests pass``; then ``commit``;
     - ``retry``: one to ``max_failures`` wrong attempts, each with ``test`` and the failing asserts
-      (a wrong constant or operator, the wrong line or the wrong file; each after the first starts
-      with ``reset``), then ``reset``, the answer and ``test``, ``all tests pass`` and ``commit``.
+      (a wrong constant or operator in the fix, an ``edit`` whose text is not in the module, or for
+      ``replace`` the wrong line or the wrong file; each after the first starts with ``reset``), then ``reset``, the answer and ``test``, ``all tests pass`` and ``commit``.
       The wrong attempts are not trained on (role ``TRIED``): the model learns what to do after a
       failure, not the failure.
 
@@ -208,7 +214,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
 
     if style == "direct":
         return actions
-    edits = [line for line in actions.split("\n") if line.startswith("replace ")]
+    edits = [line for line in actions.split("\n") if line.startswith(("replace ", "edit "))]
     if not edits or style not in ("verify", "retry"):
         raise ValueError(f"transcript style {style!r} of an answer with {len(edits)} edit(s)")
     answer = "\n".join(edits) + "\ntest\n"
@@ -223,6 +229,17 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
         wrong, results = (["reset"], ["ok"]) if attempt else ([], [])
         spoiled = rng.randrange(len(edits))
         for i, line in enumerate(edits):
+            m = _EDIT.match(line)
+            if m:  # a wrong fix, or text that is not in the module
+                old, new = m.group(1), m.group(2)
+                mistake = rng.choice(("new", "new", "old")) if i == spoiled else ""
+                if mistake == "old":
+                    old = _wrong_text(old, rng)
+                elif mistake:
+                    new = _wrong_text(new, rng)
+                wrong.append(f"edit {old} => {new}")
+                results.append(_edit_result(prompt, old, modules))
+                continue
             m = _REPLACE.match(line)
             path, number, text = m.group(1), m.group(2), m.group(3)
             mistake = rng.choice(("text", "text", "file", "line")) if i == spoiled else ""
@@ -237,6 +254,19 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
         out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [fails]), OBSERVATION)]
     passed = compact_observation(["ok"] * (len(edits) + 1) + ["all tests pass"])
     return tuple(out) + (("reset\n" + answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
+
+
+def _edit_result(prompt: str, old: str, modules: Sequence[str]) -> str:
+    """The harness's observation of ``edit OLD => ...`` on the module the prompt lists."""
+    from evals.harness import replace_once
+
+    listing = "\n".join(m.group(2) for m in (_NUMBERED.match(line) for line in prompt.split("\n")) if m)
+    path = f"{modules[0]}.py" if modules else "the file"
+    try:
+        replace_once(listing, old, "", path)
+    except ValueError as exc:
+        return f"error: {exc}"
+    return "ok"
 
 
 def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0,
@@ -362,7 +392,10 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         return out
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
+    from evals.bundled import MODULES
+
+    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules,
+                               MODULES if spec.swap_modules else ()),
                        spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)
     tokenizer = train_tokenizer([p + "".join(text for text, _ in _segments(a)) for p, a in augmented], spec.vocab_size)
     config = Qwen2Config(
@@ -411,7 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=BaseModelSpec.batch_size)
     parser.add_argument("--augment-copies", type=int, default=BaseModelSpec.augment_copies,
                         help="renamed variants per demonstration (default %(default)s)")
-    parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too")
+    parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too (new names)")
+    parser.add_argument("--swap-modules", action="store_true",
+                        help="variants rename the module file to another of the suite's module names")
+    parser.add_argument("--seed", type=int, default=BaseModelSpec.seed)
     parser.add_argument("--verify-share", type=float, default=BaseModelSpec.verify_share,
                         help="share of demonstrations that test, then commit (default %(default)s)")
     parser.add_argument("--retry-share", type=float, default=BaseModelSpec.retry_share,
@@ -422,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     tasks = [t for t in load_suite(args.tasks) if t.split == "train"]
     spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, augment_copies=args.augment_copies,
-                         rename_modules=args.rename_modules, verify_share=args.verify_share, retry_share=args.retry_share)
+                         rename_modules=args.rename_modules, swap_modules=args.swap_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)
     print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))
     return 0

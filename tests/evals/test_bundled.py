@@ -43,12 +43,21 @@ def test_rebuild_gives_identical_commits(small_tasks, tmp_path):
 
 def test_invalid_task_fails_the_build_with_its_id(tmp_path, monkeypatch):
     # a kind whose "bug" changes nothing: its target test passes at base, so the task is invalid
-    harmless = bundled.Kind("noop", ("def {f}(x):", "    return x"), 1, "    return x", lambda k: [(1,), (2,)])
+    harmless = bundled.Kind("noop", ("def {f}(x):", "    return x  # {f}"), 1, "    return x  # {f}", lambda k: [(1,), (2,)])
     monkeypatch.setattr(bundled, "KINDS", (harmless,) * 4)
     with pytest.raises(bundled.SuiteBuildError, match=r"task bundled-l1-000-\w+: target tests pass at the base commit"):
         bundled.build_suite(tmp_path / "out", per_level=1, workers=1)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.building-*"))  # nothing half-written is left
+
+
+def test_a_kind_whose_buggy_line_always_repeats_fails_the_build_with_the_task_id(tmp_path, monkeypatch):
+    """Two bugs of one kind in a module of that kind only: once one is fixed, the other line repeats."""
+    repeated = bundled.Kind("same", ("def {f}(x):", "    return x + 1"), 1, "    return x - 1", lambda k: [(1,), (2,)])
+    monkeypatch.setattr(bundled, "KINDS", (repeated,) * 4)
+    with pytest.raises(bundled.SuiteBuildError, match=r"task bundled-l3-000-\w+: 100 draws, and each repeats a buggy line"):
+        bundled.build_suite(tmp_path / "out", per_level=1, workers=1)
+    assert not (tmp_path / "out").exists()
 
 
 def test_demonstration_round_trips(small_tasks):
@@ -60,7 +69,28 @@ def test_demonstration_round_trips(small_tasks):
         assert action_text.endswith("commit\n") and len(action_text) < 160
 
 
+def test_every_fix_of_the_suite_is_an_edit_of_a_unique_line():
+    """The generator draws a task again while a buggy line's text repeats in its module, so each
+    reference ``edit`` names its line unambiguously; applying the edits gives the fixed module."""
+    from evals.bundled import _edits_are_unique, apply_edits
+    from evals.harness import replace_once
+
+    gens = bundled.generate()
+    assert all(_edits_are_unique(g) for g in gens)
+    for g in gens:
+        text = fixed = g.files[f"{g.module}.py"]
+        for _, lineno, new in g.reference_edits:
+            old = text.split("\n")[lineno - 1].strip()
+            fixed = replace_once(fixed, old, new.strip())
+        assert fixed == apply_edits(text, [(n, t) for _, n, t in g.reference_edits]), g.id
+
+
 def test_compact_parser():
+    edit = parse_compact("edit return x + 2 => return x * 2\ncommit")
+    assert [(a.tool, a.args) for a in edit] == [("str_replace", {"old": "return x + 2", "new": "return x * 2"}),
+                                                ("commit", {})]
+    assert edit[0].to_compact() == "edit return x + 2 => return x * 2"
+    assert parse_compact("edit a => b => c")[0].args == {"old": "a", "new": "b => c"}  # the first arrow splits
     actions = parse_compact("reset\nreplace a.py:3     return x * 2\n\ntest\ncommit\nreplace a.py:1 ignored")
     assert [a.tool for a in actions] == ["reset", "replace_line", "test", "commit"]
     assert [a.to_compact() for a in actions] == ["reset", "replace a.py:3     return x * 2", "test", "commit"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evals.actions import JSON_TOOLS, demonstration, parse_json_tools
+from evals.actions import JSON_TOOLS, demonstration, parse_json_tools, reference_actions
 from evals.bundled import default_sandbox_factory
 from evals.evaluate import evaluate, write_rows
 from evals.harness import InProcessClient, run_episode
@@ -37,7 +37,7 @@ def test_reference_answer_earns_reward_one(small_tasks, tokenizer):
                        session_id="s-1", max_turns=3)
     assert traj.stop_reason == "commit" and traj.committed
     assert traj.reward == 1.0 and traj.grade.scores.f2p_passed == len(task.target_tests)
-    assert [s.action["tool"] for s in traj.steps] == ["replace_line", "replace_line", "commit"]
+    assert [s.action["tool"] for s in traj.steps] == ["str_replace", "str_replace", "commit"]
     body = policy.bodies[0]
     assert body["lora_path"] == "step_000004" and body["rid"] == "s-1" and body["return_logprob"] is True
     assert traj.calls[0].input_ids == body["input_ids"]
@@ -175,7 +175,7 @@ def test_a_tested_work_tree_seen_before_takes_the_cached_test_observation(small_
     assert first.steps[-2].observation == "all tests pass" and first.reward == second.reward == 1.0
     assert len(test_runs) == ran  # neither the test action nor the grading ran again
 
-    edits = [a.args for a in reference_actions(task)[:-1]]
+    edits = [a.args for a in reference_actions(task, by_line=True)[:-1]]
     calls = ([json.dumps({"tool": "bash", "args": {"command": "true"}})]
              + [json.dumps({"tool": "replace_line", "args": e}) for e in edits] + [json.dumps({"tool": "test", "args": {}})])
     third = run_episode(task, ScriptedPolicy(tokenizer, [" ".join(calls)]), tokenizer, counting_factory,
@@ -210,3 +210,23 @@ def test_reset_undoes_every_edit_so_a_retry_starts_from_the_base_commit(small_ta
     assert tools[0] == ("replace_line", "ok") and "SyntaxError" in tools[1][1]
     assert tools[2] == ("reset", "ok") and tools[-2] == ("test", "all tests pass") and tools[-1][0] == "commit"
     assert traj.reward == 1.0 and "BROKEN" not in traj.patch
+
+
+def test_an_edit_whose_text_is_missing_or_repeated_is_an_error_observation_and_changes_nothing(small_tasks, tokenizer):
+    """``edit OLD => NEW`` changes the one occurrence of OLD in the task's file; OLD found zero or
+    several times is the agent's mistake: an observation naming the count and the file, the file as
+    it was. The JSON ``str_replace`` tool takes a path."""
+    task = small_tasks[0]
+    module = task.metadata["module_file"]
+    fix = reference_actions(task)[0]
+    answers = ["edit no such code => x\nedit return => x\ntest\n",
+               json.dumps({"tool": "str_replace", "args": {"path": module, "old": fix.args["old"], "new": fix.args["new"]}})
+               + json.dumps({"tool": "commit", "args": {}})]
+    traj = run_episode(task, ScriptedPolicy(tokenizer, answers[:1]), tokenizer, default_sandbox_factory(), max_turns=1)
+    missing, repeated, tested = (s.observation for s in traj.steps)
+    assert missing == f"error: 'no such code' occurs 0 times in {module}; give text that occurs once"
+    assert repeated.startswith("error: 'return' occurs ") and f"times in {module}" in repeated
+    assert tested.startswith("assert ")  # the module is unchanged: the target test still fails
+    traj = run_episode(task, ScriptedPolicy(tokenizer, answers[1:]), tokenizer, default_sandbox_factory(),
+                       action_format="json", max_turns=1)
+    assert [s.observation for s in traj.steps] == ["ok", "committed"] and traj.reward == 1.0
