@@ -10,7 +10,8 @@ and pytest's long-list abbreviations are not reproduced in the failing asserts.
 Base models come from ``training.base_model`` (one per entry of ``bases``: ``BaseModelSpec`` fields,
 e.g. ``verify_share``, ``retry_share``, ``seed``); each run (``base``, ``lr``, ``turns``, ``groups``,
 ``group_size``, ``steps``) takes GRPO steps with the project's ``TorchPeftBackend`` and
-``group_advantages`` on the training split. Printed per run, before and after the steps: held-out
+``group_advantages`` on the training split (``std``, ``per_sequence`` and ``positive_only`` as in
+``rl_transfer.grpo_step``). Printed per run, before and after the steps: held-out
 pass@1 over ``--samples`` episodes a task, the share of episodes that ran ``test``, and the pass rate
 of episodes that tested and of those that committed without testing.
 
@@ -172,7 +173,9 @@ def train_run(job) -> dict:
     for _ in range(run.get("steps", 44)):
         rows = episodes(backend.model, tokenizer, rng.sample(train, groups), tests, size, turns, args.device)
         log.append(summary(rows))
-        grpo_step(backend, [(x, m, c.reward) for c, x, m in rows], groups, size, args.device)
+        grpo_step(backend, [(x, m, c.reward) for c, x, m in rows], groups, size, args.device,
+                  scale_by_std=run.get("std", False), per_sequence=run.get("per_sequence", False),
+                  positive_only=run.get("positive_only", False))
     after = summary(episodes(backend.model, tokenizer, held, tests, args.samples, turns, args.device))
 
     def mean(part, key):
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = pool.map(train_run, [(i, run, args) for i, run in enumerate(plan["runs"])])
     print(f"held-out pass@1 over {args.samples} in-process episodes a task (proxy, see the docstring)")
     for r in runs:
-        settings = {k: r[k] for k in ("base", "lr", "turns", "groups", "group_size", "steps") if k in r}
+        settings = {k: r[k] for k in ("base", "lr", "turns", "groups", "group_size", "steps", "std", "per_sequence",
+                                      "positive_only", "rank") if k in r}
         b, a = r["before"], r["after"]
         print(f"run {r['run']} {json.dumps(settings)} base {json.dumps(plan['bases'][r['base']])}: "
               f"pass@1 {b['pass@1']:.3f} -> {a['pass@1']:.3f} ({100 * (a['pass@1'] - b['pass@1']):+.1f} points); "

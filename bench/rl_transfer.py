@@ -170,10 +170,12 @@ def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
 
 
 def grpo_step(backend, rows: list[tuple[list[int], list[int], float]], groups: int, size: int, device: str,
-              scale_by_std: bool = False) -> int:
+              scale_by_std: bool = False, per_sequence: bool = False, positive_only: bool = False) -> int:
     """One GRPO step of the project's backend on ``groups`` x ``size`` rows of ``(token ids, loss mask,
     reward)``, in group order; on-policy, so the sampling logprobs are the model's own. Returns the
-    number of zero-variance groups dropped."""
+    number of zero-variance groups dropped. ``per_sequence`` weighs every sequence alike (the loss a
+    mean over sequences of each one's token mean, instead of a mean over all tokens);
+    ``positive_only`` drops the negative advantages."""
     import torch
 
     from training.backends import TrainBatch, pad_rows
@@ -188,10 +190,17 @@ def grpo_step(backend, rows: list[tuple[list[int], list[int], float]], groups: i
             backend.model.eval()
             lp = backend.token_logprobs(pad_rows(ids, 0, torch.long, device),
                                         pad_rows([[1] * len(x) for x in ids], 0, torch.long, device))
+        masks = [rows[g * size + s][1] for g, s in kept]
+        advantages = [float(adv.advantages[g, s]) for g, s in kept]
+        if positive_only:
+            advantages = [max(a, 0.0) for a in advantages]
+        if per_sequence:  # the backend divides by all tokens; scale each row to its own token mean
+            total = sum(sum(m) for m in masks)
+            advantages = [a * total / (len(masks) * max(1, sum(m))) for a, m in zip(advantages, masks)]
         backend.train_step(TrainBatch(
-            input_ids=ids, loss_mask=[rows[g * size + s][1] for g, s in kept],
+            input_ids=ids, loss_mask=masks,
             serving_logprobs=[lp[i, :len(x)].tolist() for i, x in enumerate(ids)],
-            advantages=[float(adv.advantages[g, s]) for g, s in kept],
+            advantages=advantages,
         ))
     return adv.dropped_groups
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 
 from training.base_model import augment
@@ -122,3 +123,32 @@ def test_variants_of_a_transcript_rename_and_renumber_every_model_turn() -> None
         assert (path, old_text, new_text) == ("kitchen.py", "    return x + 4", "    return x * 4")
         assert f"assert {name}(2) == 8" in answer[1][0] and answer[1][1] == OBSERVATION
         assert all("scale_price" not in text for text, _ in answer)
+
+
+def test_edit_transcripts_fail_with_the_harness_observations_and_swap_modules_picks_another_suite_module() -> None:
+    """Demonstrations in ``edit`` actions (the default): a wrong attempt either changes the fix (the
+    test still fails) or names code the module does not hold, whose observation is the harness's own
+    error; ``module_names`` renames the module to another of those names."""
+    from evals.harness import replace_once
+    from training.base_model import ANSWER, TRIED, transcript
+
+    answer = "edit return x + 4 => return x * 4\ncommit\n"
+    seen = set()
+    for seed in range(30):
+        segments = transcript(PROMPT, answer, "retry", random.Random(seed))
+        assert segments[-3][0].endswith("edit return x + 4 => return x * 4\ntest\n") and segments[-3][1] == ANSWER
+        for (tried, role), (observation, _) in zip(segments[0:-3:2], segments[1:-3:2]):
+            assert role == TRIED
+            old = re.search(r"^edit (.+?) => ", tried, flags=re.M).group(1)
+            if old != "return x + 4":
+                try:
+                    replace_once(PROMPT, old, "", "kitchen.py")
+                except ValueError as exc:
+                    assert f"error: {exc}" in observation
+                    seen.add("missing")
+            else:
+                seen.add("wrong fix")
+    assert seen == {"missing", "wrong fix"}
+    for prompt, edit in augment([(PROMPT, answer)], copies=6, seed=4, module_names=("kitchen", "garden", "stock"))[1:]:
+        module = re.search(r"^(\w+)\.py:$", prompt, flags=re.M).group(1)
+        assert module in ("garden", "stock") and f"in {module}.py so" in prompt and edit == answer
