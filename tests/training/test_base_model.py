@@ -50,7 +50,6 @@ def test_rename_modules_renames_the_file_everywhere() -> None:
 
 
 def test_a_verify_transcript_tests_then_commits_after_all_tests_pass() -> None:
-    import random
 
     from training.base_model import ANSWER, OBSERVATION, transcript
 
@@ -61,7 +60,6 @@ def test_a_verify_transcript_tests_then_commits_after_all_tests_pass() -> None:
 
 
 def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trained_on_the_failures() -> None:
-    import random
 
     from training.base_model import ANSWER, OBSERVATION, TRIED, transcript
 
@@ -92,7 +90,6 @@ def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trai
 
 
 def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() -> None:
-    import random
 
     from training.base_model import _examples, transcript
 
@@ -111,7 +108,6 @@ def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() 
 
 
 def test_variants_of_a_transcript_rename_and_renumber_every_model_turn() -> None:
-    import random
 
     from training.base_model import OBSERVATION, transcript
 
