@@ -41,23 +41,20 @@ def test_rebuild_gives_identical_commits(small_tasks, tmp_path):
     assert _write_repo(gen, tmp_path / "repo") == small_tasks[0].base_commit
 
 
-def test_invalid_task_fails_the_build_with_its_id(tmp_path, monkeypatch):
-    # a kind whose "bug" changes nothing: its target test passes at base, so the task is invalid
-    harmless = bundled.Kind("noop", ("def {f}(x):", "    return x  # {f}"), 1, "    return x  # {f}", lambda k: [(1,), (2,)])
-    monkeypatch.setattr(bundled, "KINDS", (harmless,) * 4)
-    with pytest.raises(bundled.SuiteBuildError, match=r"task bundled-l1-000-\w+: target tests pass at the base commit"):
+@pytest.mark.parametrize("kind, error", [
+    # a "bug" that changes nothing: its target test passes at base, so the task is invalid
+    (bundled.Kind("noop", ("def {f}(x):", "    return x  # {f}"), 1, "    return x  # {f}", lambda k: [(1,), (2,)]),
+     r"task bundled-l1-000-\w+: target tests pass at the base commit"),
+    # two bugs of one kind in a module of that kind only: once one is fixed, the other line repeats
+    (bundled.Kind("same", ("def {f}(x):", "    return x + 1"), 1, "    return x - 1", lambda k: [(1,), (2,)]),
+     r"task bundled-l3-000-\w+: 100 draws, and each repeats a buggy line"),
+], ids=["target-passes-at-base", "buggy-line-repeats"])
+def test_invalid_task_fails_the_build_with_its_id(tmp_path, monkeypatch, kind, error):
+    monkeypatch.setattr(bundled, "KINDS", (kind,) * 4)
+    with pytest.raises(bundled.SuiteBuildError, match=error):
         bundled.build_suite(tmp_path / "out", per_level=1, workers=1)
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.building-*"))  # nothing half-written is left
-
-
-def test_a_kind_whose_buggy_line_always_repeats_fails_the_build_with_the_task_id(tmp_path, monkeypatch):
-    """Two bugs of one kind in a module of that kind only: once one is fixed, the other line repeats."""
-    repeated = bundled.Kind("same", ("def {f}(x):", "    return x + 1"), 1, "    return x - 1", lambda k: [(1,), (2,)])
-    monkeypatch.setattr(bundled, "KINDS", (repeated,) * 4)
-    with pytest.raises(bundled.SuiteBuildError, match=r"task bundled-l3-000-\w+: 100 draws, and each repeats a buggy line"):
-        bundled.build_suite(tmp_path / "out", per_level=1, workers=1)
-    assert not (tmp_path / "out").exists()
 
 
 def test_demonstration_round_trips(small_tasks):
