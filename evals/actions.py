@@ -193,15 +193,24 @@ def reference_actions(task: Task, by_line: bool = False) -> list[Action]:
         raise ValueError(f"task {task.id}: no reference_edits in its metadata")
     if by_line:
         return [Action("replace_line", {"path": p, "line": int(n), "text": t}) for p, n, t in edits] + [Action("commit")]
-    lines = str(task.metadata.get("source_text", "")).split("\n")
-    out, text = [], "\n".join(lines)
-    for _, n, new in edits:
-        old = lines[int(n) - 1].strip() if 0 < int(n) <= len(lines) else ""
+    pairs = content_edits(str(task.metadata.get("source_text", "")), [(int(n), t) for _, n, t in edits])
+    if pairs is None:
+        raise ValueError(f"task {task.id}: a buggy line's text is not unique in its module; it cannot be an edit")
+    return [Action("str_replace", {"old": old, "new": new}) for old, new in pairs] + [Action("commit")]
+
+
+def content_edits(source: str, edits: Sequence[tuple[int, str]]) -> list[tuple[str, str]] | None:
+    """Line edits ``(1-based line, new text)`` of ``source`` as ``(old, new)`` edits by content (each
+    line's text without indentation), applied in order; ``None`` when an old text is not found exactly
+    once in the text the edits before it left."""
+    lines, text, out = source.split("\n"), source, []
+    for lineno, new in edits:
+        old = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
         if not old or text.count(old) != 1:
-            raise ValueError(f"task {task.id}: line {n} of its module is not unique there; it cannot be an edit")
+            return None
         text = text.replace(old, new.strip())
-        out.append(Action("str_replace", {"old": old, "new": new.strip()}))
-    return out + [Action("commit")]
+        out.append((old, new.strip()))
+    return out
 
 
 def demonstration(task: Task) -> tuple[str, str]:

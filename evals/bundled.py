@@ -141,14 +141,9 @@ def _generate_one(level: int, index: int, rng: random.Random) -> GeneratedTask:
 
 
 def _edits_are_unique(gen: GeneratedTask) -> bool:
-    text = gen.files[f"{gen.module}.py"]
-    lines = text.split("\n")
-    for _, lineno, new in gen.reference_edits:
-        old = lines[lineno - 1].strip()
-        if text.count(old) != 1:
-            return False
-        text = text.replace(old, new.strip())
-    return True
+    from evals.actions import content_edits
+
+    return content_edits(gen.files[f"{gen.module}.py"], [(n, t) for _, n, t in gen.reference_edits]) is not None
 
 
 def _draw(level: int, index: int, rng: random.Random) -> GeneratedTask:

@@ -53,7 +53,6 @@ class BaseModelSpec:
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
     # (docs/benchmarks.md, "Base model and RL transfer").
     rename_modules: bool = False
-    swap_modules: bool = False
     # Shares of the demonstrations told as test-then-commit and as failed attempts, their failing
     # asserts, reset and the fix (``transcript``); the rest commit straight away. Off by default:
     # test-and-retry episodes need 4 turns, which cost the CPU demo about 6 more minutes than its
@@ -88,7 +87,7 @@ _SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vor", "sel", "dan", "pi", "gor", "
 
 
 def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
-            rename_modules: bool = False, module_names: Sequence[str] = ()) -> list[tuple[str, Any]]:
+            rename_modules: bool = False) -> list[tuple[str, Any]]:
     """Each demonstration plus ``copies`` variants with its functions (and, with ``rename_modules``,
     its module file) renamed consistently in prompt and answer and their order in the module
     shuffled: the same bug and fix under new names and line numbers, so the model learns to read the
@@ -103,11 +102,7 @@ def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
         modules = sorted(set(re.findall(r"^(\w+)\.py:$", prompt, flags=re.M)))
         for _ in range(copies):
             mapping: dict[str, str] = {}
-            if module_names:
-                others = [m for m in module_names if m not in modules]
-                for module, name in zip(modules, rng.sample(others, min(len(modules), len(others)))):
-                    mapping[module] = name
-            elif rename_modules:
+            if rename_modules:
                 for module in modules:
                     mapping[module] = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
             used: set[str] = set(mapping.values())
@@ -392,10 +387,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
         return out
     started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    from evals.bundled import MODULES
-
-    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules,
-                               MODULES if spec.swap_modules else ()),
+    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
                        spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)
     tokenizer = train_tokenizer([p + "".join(text for text, _ in _segments(a)) for p, a in augmented], spec.vocab_size)
     config = Qwen2Config(
@@ -444,9 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=BaseModelSpec.batch_size)
     parser.add_argument("--augment-copies", type=int, default=BaseModelSpec.augment_copies,
                         help="renamed variants per demonstration (default %(default)s)")
-    parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too (new names)")
-    parser.add_argument("--swap-modules", action="store_true",
-                        help="variants rename the module file to another of the suite's module names")
+    parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too")
     parser.add_argument("--seed", type=int, default=BaseModelSpec.seed)
     parser.add_argument("--verify-share", type=float, default=BaseModelSpec.verify_share,
                         help="share of demonstrations that test, then commit (default %(default)s)")
@@ -458,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     tasks = [t for t in load_suite(args.tasks) if t.split == "train"]
     spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, augment_copies=args.augment_copies,
-                         rename_modules=args.rename_modules, swap_modules=args.swap_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
+                         rename_modules=args.rename_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)
     print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))
     return 0

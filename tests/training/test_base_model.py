@@ -121,10 +121,10 @@ def test_variants_of_a_transcript_rename_and_renumber_every_model_turn() -> None
         assert all("scale_price" not in text for text, _ in answer)
 
 
-def test_edit_transcripts_fail_with_the_harness_observations_and_swap_modules_picks_another_suite_module() -> None:
+def test_edit_transcripts_fail_with_the_harness_observations() -> None:
     """Demonstrations in ``edit`` actions (the default): a wrong attempt either changes the fix (the
     test still fails) or names code the module does not hold, whose observation is the harness's own
-    error; ``module_names`` renames the module to another of those names."""
+    error."""
     from evals.harness import replace_once
     from training.base_model import ANSWER, TRIED, transcript
 
@@ -145,6 +145,3 @@ def test_edit_transcripts_fail_with_the_harness_observations_and_swap_modules_pi
             else:
                 seen.add("wrong fix")
     assert seen == {"missing", "wrong fix"}
-    for prompt, edit in augment([(PROMPT, answer)], copies=6, seed=4, module_names=("kitchen", "garden", "stock"))[1:]:
-        module = re.search(r"^(\w+)\.py:$", prompt, flags=re.M).group(1)
-        assert module in ("garden", "stock") and f"in {module}.py so" in prompt and edit == answer
