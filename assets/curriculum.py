@@ -24,7 +24,7 @@ class RunFileConfig(dg.Config):
     run_file: str = ""
     attempts_per_task: int = 0
     sft_steps: int = 0
-    max_turns: int = 2
+    max_turns: int = 4
     max_new_tokens: int = 48
     temperature: float = 1.0
     workers: int = 2

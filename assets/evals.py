@@ -19,7 +19,7 @@ class DeepSWEEvalConfig(dg.Config):
     tasks: str = "bundled"
     split: str = "eval"
     attempts: int = 8
-    max_turns: int = 2
+    max_turns: int = 4
     max_new_tokens: int = 48
     temperature: float = 1.0
     seed: int = 0

@@ -25,9 +25,10 @@ from dagster_project.sensors import complete_checkpoint_keys
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 # The demo's budget: 44 steps of 4 groups x 8 samples, one policy version of lag, a checkpoint every
-# 22 steps; the curriculum from 2 base-model attempts per training task; episodes of 2 turns. The
-# learning rate is 1e-3: on the GPU proxies 2e-3 lost held-out accuracy more often than it gained
-# (docs/benchmarks.md, "Base model and RL transfer" and "Test and retry").
+# 22 steps; the curriculum from 2 base-model attempts per training task; episodes of 4 turns (the
+# base model tests, resets and retries). The learning rate is 1e-3: on the GPU proxies 2e-3 lost
+# held-out accuracy more often than it gained (docs/benchmarks.md, "Base model and RL transfer",
+# "Test and retry" and "Edit by content").
 DEMO_RUN: dict[str, Any] = {
     "overrides": {
         "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 1e-3},

@@ -37,7 +37,7 @@ class TrainConfig:
     temperature: float = 1.0
     reuse_grading: bool = True  # grade an identical patch of a task once (its tests must be deterministic)
     max_new_tokens: int = 48
-    max_turns: int = 2
+    max_turns: int = 4
     seed: int = 0
     torch_threads: int = 1
     publish_streams: int = 4
