@@ -213,13 +213,15 @@ def content_edits(source: str, edits: Sequence[tuple[int, str]]) -> list[tuple[s
     return out
 
 
-def demonstration(task: Task) -> tuple[str, str]:
+def demonstration(task: Task, by_line: bool = False) -> tuple[str, str]:
     """``(prompt_text, action_text)``: the task's reference solution as a compact demonstration.
 
     ``prompt_text`` is exactly what :func:`render_compact_prompt` gives the model at turn 1, and
-    ``action_text`` what a perfect model answers (each action on its own line, ending ``commit``).
+    ``action_text`` what a perfect model answers (each action on its own line, ending ``commit``),
+    in ``edit`` actions or with ``by_line`` in ``replace`` ones (:func:`reference_actions`).
     """
-    return render_compact_prompt(task), "\n".join(a.to_compact() for a in reference_actions(task)) + "\n"
+    actions = reference_actions(task, by_line)
+    return render_compact_prompt(task), "\n".join(a.to_compact() for a in actions) + "\n"
 
 
 JSON_SYSTEM = (

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 
 SPECIAL_TOKENS = ("<|endoftext|>",)
+ANSWER_FORMS = ("edit", "replace")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,11 @@ class BaseModelSpec:
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
     # (docs/benchmarks.md, "Base model and RL transfer").
     rename_modules: bool = False
+    # How demonstrations name a fix: ``edit`` (the code it changes) or ``replace`` (file and line
+    # number). A base trained on ``replace`` answers copies names and numbers badly: 6.9-7.5% of its
+    # held-out answers are right, against 21.9-31.4% for ``edit`` (bench/answer_forms.py;
+    # docs/benchmarks.md, "Edit by content").
+    answer_form: str = "edit"
     # Shares of the demonstrations told as test-then-commit and as failed attempts, their failing
     # asserts, reset and the fix (``transcript``); the rest commit straight away. Episodes then need
     # 4 turns. With edit-by-content answers this base is the stronger one (held-out pass@1 29.2%
@@ -65,15 +71,16 @@ class BaseModelSpec:
     seed: int = 0
 
 
-def demonstrations(tasks: Sequence[Any]) -> list[tuple[str, str]]:
-    """(prompt, actions) of every training task; a task without a reference solution is an error."""
+def demonstrations(tasks: Sequence[Any], by_line: bool = False) -> list[tuple[str, str]]:
+    """(prompt, actions) of every training task, in ``edit`` actions (with ``by_line``, ``replace``
+    ones); a task without a reference solution is an error."""
     from evals.actions import demonstration
 
     demos = []
     for task in tasks:
         if getattr(task, "split", "train") != "train":
             raise ValueError(f"task {task.id}: split {task.split!r}; the base model trains on 'train' tasks only")
-        demos.append(demonstration(task))
+        demos.append(demonstration(task, by_line))
     if not demos:
         raise ValueError("no training task to build demonstrations from")
     return demos
@@ -380,7 +387,9 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     out = Path(out)
-    demos = demonstrations(tasks)
+    if spec.answer_form not in ANSWER_FORMS:
+        raise ValueError(f"answer_form {spec.answer_form!r}: expected one of {', '.join(ANSWER_FORMS)}")
+    demos = demonstrations(tasks, by_line=spec.answer_form == "replace")
     fingerprint = _fingerprint(demos, spec)
     info = out / "build.json"
     if info.is_file() and json.loads(info.read_text()).get("fingerprint") == fingerprint:

@@ -64,6 +64,9 @@ def test_demonstration_round_trips(small_tasks):
         assert task.metadata["module_file"] + ":" in prompt and "fail: " in prompt
         assert parse_compact(action_text) == reference_actions(task)
         assert action_text.endswith("commit\n") and len(action_text) < 160
+        _, by_line = demonstration(task, by_line=True)
+        assert parse_compact(by_line) == reference_actions(task, by_line=True)
+        assert by_line.startswith(f"replace {task.metadata['module_file']}:")
 
 
 def test_every_fix_of_the_suite_is_an_edit_of_a_unique_line():

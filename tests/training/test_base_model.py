@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 import re
 
-from training.base_model import augment
+import pytest
+
+from training.base_model import BaseModelSpec, augment, build_base_model
 
 PROMPT = (
     "Fix scale_price in kitchen.py so its test passes.\n"
@@ -145,3 +147,9 @@ def test_edit_transcripts_fail_with_the_harness_observations() -> None:
             else:
                 seen.add("wrong fix")
     assert seen == {"missing", "wrong fix"}
+
+
+def test_an_unknown_answer_form_is_refused_before_anything_is_built(tmp_path) -> None:
+    with pytest.raises(ValueError, match="answer_form 'diff': expected one of edit, replace"):
+        build_base_model(tmp_path / "base", [], BaseModelSpec(answer_form="diff"))
+    assert not list(tmp_path.iterdir())
