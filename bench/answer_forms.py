@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = len(tokenizer(copy.prompt).input_ids)
                 counts[failure(copy, tokenizer.decode(ids[prompt:], skip_special_tokens=True))] += 1
         results[form] = counts
-        print(f"{form}: built in {__import__('json').loads((path / 'build.json').read_text())['build_s']:.0f} s; "
+        print(f"{form}: built in {json.loads((path / 'build.json').read_text())['build_s']:.0f} s; "
               f"{len(rows)} held-out answers", flush=True)
     kinds = ["correct", "not an action", "another file", "another line", "old text not found once", "wrong fix", "no commit"]
     print(f"\nheld-out answers ({len(held)} tasks x {args.samples}, temperature 1, one turn; SFT {BaseModelSpec.sft_steps} "

@@ -118,7 +118,7 @@ def _generated_demos(seed: int, per_level: int, exclude: set[str]) -> list[tuple
     the failing asserts come from :func:`run_tests`, formatted as the suite's validation records
     them (no sandbox, so a proxy only). Tasks whose module text equals one in ``exclude`` are left
     out."""
-    from evals.actions import numbered
+    from evals.actions import Action, content_edits, numbered
     from evals.bundled import generate
 
     out = []
@@ -129,7 +129,8 @@ def _generated_demos(seed: int, per_level: int, exclude: set[str]) -> list[tuple
         fails = run_tests(f"{gen.module}.py", source, gen.files[f"tests/test_{gen.module}.py"])
         prompt = (f"{gen.instruction_head}\n{gen.module}.py:\n{numbered(source)}\n"
                   + "\n".join(f"fail: {f}" for f in fails) + "\n>")
-        answer = "".join(f"replace {f}:{n} {t}\n" for f, n, t in gen.reference_edits) + "commit\n"
+        edits = content_edits(source, [(n, t) for _, n, t in gen.reference_edits])  # the demonstrations' form
+        answer = "".join(Action("str_replace", {"old": o, "new": t}).to_compact() + "\n" for o, t in edits) + "commit\n"
         out.append((prompt, answer))
     return out
 

@@ -138,7 +138,6 @@ def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
 
 _NUMBERED = re.compile(r"^(\d+) (.*)$")
 _REPLACE = re.compile(r"^replace (\S+):(\d+) (.*)$")
-_EDIT = re.compile(r"^edit (.+?) => (.*)$")
 
 
 def _permute_functions(prompt: str, rng: random.Random) -> tuple[str, dict[int, int]]:
@@ -204,46 +203,53 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
     - ``verify``: the answer and ``test``; the observation ``all tests pass``; then ``commit``;
     - ``retry``: one to ``max_failures`` wrong attempts, each with ``test`` and the failing asserts
       (a wrong constant or operator in the fix, an ``edit`` whose text is not in the module, or for
-      ``replace`` the wrong line or the wrong file; each after the first starts with ``reset``), then ``reset``, the answer and ``test``, ``all tests pass`` and ``commit``.
-      The wrong attempts are not trained on (role ``TRIED``): the model learns what to do after a
-      failure, not the failure.
+      ``replace`` the wrong line or the wrong file; each after the first starts with ``reset``),
+      then ``reset``, the answer and ``test``, ``all tests pass`` and ``commit``. The wrong attempts
+      are not trained on (role ``TRIED``): the model learns what to do after a failure, not the
+      failure.
 
     A transcript is a tuple of ``(text, role)`` segments: ``ANSWER`` and ``TRIED`` are model turns
     (each ends with the end-of-text token), ``OBSERVATION`` is what the harness appends.
     """
-    from evals.actions import compact_observation
+    from evals.actions import compact_observation, parse_compact
     from evals.bundled import MODULES
+    from evals.harness import replace_once
 
     if style == "direct":
         return actions
-    edits = [line for line in actions.split("\n") if line.startswith(("replace ", "edit "))]
+    edits = [a for a in parse_compact(actions) if a.tool in ("str_replace", "replace_line")]
     if not edits or style not in ("verify", "retry"):
         raise ValueError(f"transcript style {style!r} of an answer with {len(edits)} edit(s)")
-    answer = "\n".join(edits) + "\ntest\n"
+    answer = "\n".join(a.to_compact() for a in edits) + "\ntest\n"
     if style == "verify":
         return ((answer, ANSWER), (compact_observation(["ok"] * len(edits) + ["all tests pass"]), OBSERVATION),
                 ("commit\n", ANSWER))
     fails = "\n".join(line[len("fail: "):] for line in prompt.split("\n") if line.startswith("fail: ")) or "tests fail"
     modules = sorted(set(re.findall(r"\b(\w+)\.py\b", prompt)))
-    listed = [m.group(1) for m in (_NUMBERED.match(line) for line in prompt.split("\n")) if m and m.group(2).strip()]
+    numbered = [m for m in (_NUMBERED.match(line) for line in prompt.split("\n")) if m]
+    listed = [m.group(1) for m in numbered if m.group(2).strip()]  # line numbers a wrong replace may pick
+    listing = "\n".join(m.group(2) for m in numbered)  # the module's text, where an edit's old text is looked up
+    module_file = f"{modules[0]}.py" if modules else "the file"
     out: list[tuple[str, str]] = []
     for attempt in range(rng.randint(1, max_failures)):
         wrong, results = (["reset"], ["ok"]) if attempt else ([], [])
         spoiled = rng.randrange(len(edits))
-        for i, line in enumerate(edits):
-            m = _EDIT.match(line)
-            if m:  # a wrong fix, or text that is not in the module
-                old, new = m.group(1), m.group(2)
+        for i, action in enumerate(edits):
+            if action.tool == "str_replace":  # a wrong fix, or text that is not in the module
+                old, new = action.args["old"], action.args["new"]
                 mistake = rng.choice(("new", "new", "old")) if i == spoiled else ""
                 if mistake == "old":
                     old = _wrong_text(old, rng)
                 elif mistake:
                     new = _wrong_text(new, rng)
                 wrong.append(f"edit {old} => {new}")
-                results.append(_edit_result(prompt, old, modules))
+                try:
+                    replace_once(listing, old, "", module_file)
+                    results.append("ok")
+                except ValueError as exc:  # the harness's observation of the same edit
+                    results.append(f"error: {exc}")
                 continue
-            m = _REPLACE.match(line)
-            path, number, text = m.group(1), m.group(2), m.group(3)
+            path, number, text = action.args["path"], str(action.args["line"]), action.args["text"]
             mistake = rng.choice(("text", "text", "file", "line")) if i == spoiled else ""
             if mistake == "file":
                 path = f"{rng.choice([x for x in MODULES if x not in modules])}.py"
@@ -256,19 +262,6 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
         out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [fails]), OBSERVATION)]
     passed = compact_observation(["ok"] * (len(edits) + 1) + ["all tests pass"])
     return tuple(out) + (("reset\n" + answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
-
-
-def _edit_result(prompt: str, old: str, modules: Sequence[str]) -> str:
-    """The harness's observation of ``edit OLD => ...`` on the module the prompt lists."""
-    from evals.harness import replace_once
-
-    listing = "\n".join(m.group(2) for m in (_NUMBERED.match(line) for line in prompt.split("\n")) if m)
-    path = f"{modules[0]}.py" if modules else "the file"
-    try:
-        replace_once(listing, old, "", path)
-    except ValueError as exc:
-        return f"error: {exc}"
-    return "ok"
 
 
 def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0,
