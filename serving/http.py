@@ -110,7 +110,7 @@ class JsonServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
+            disable_nagle_algorithm = True  # small answers leave at once
 
             def log_message(self, *args):  # quiet: one line per call would swamp the logs
                 pass
@@ -134,13 +134,14 @@ class JsonServer:
                 self._send(status, json.dumps({"error": message}).encode(), "application/json", close=True)
 
             def _send(self, status: int, payload: bytes, ctype: str, close: bool = False) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(payload)))
+                # One write for status line, headers and body: a reader that takes the first segment
+                # gets the whole answer, and no delayed ACK stalls a second small write.
+                lines = [f"{self.protocol_version} {status} {self.responses.get(status, ('',))[0]}",
+                         f"Server: {self.version_string()}", f"Date: {self.date_time_string()}",
+                         f"Content-Type: {ctype}", f"Content-Length: {len(payload)}"]
                 if close:
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(payload)
+                    lines.append("Connection: close")
+                self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload)
 
             def do_GET(self):
                 self._handle("GET")
