@@ -54,9 +54,10 @@ def ensure_embedded_base(context: dg.AssetExecutionContext, storage: PosttrainSt
     model = Path(data["model"].get("path") or "")
     if data["model"].get("name") == EMBEDDED_MODEL_NAME and not (reuse_any and (model / "build.json").is_file()):
         from evals.bundled import load_suite
+        from evals.tasks import demonstration_tasks
         from training.base_model import BaseModelSpec, build_base_model
 
-        tasks = [t for t in load_suite(data["curriculum"]["tasks"]) if t.split == "train"]
+        tasks = demonstration_tasks(load_suite(data["curriculum"]["tasks"]))
         spec = BaseModelSpec(sft_steps=sft_steps) if sft_steps else BaseModelSpec()
         context.log.info(f"building (or reusing) the embedded base model at {model} from {len(tasks)} demonstrations")
         build_base_model(model, tasks, spec)
@@ -78,13 +79,14 @@ def difficulty_curriculum(
     from evals.evaluate import evaluate
     from evals.harness import HttpClient
     from evals.sandbox import platform_sandbox_factory
+    from evals.tasks import rl_tasks
     from training.curriculum import Curriculum, tier_of
     from training.episodes import start_engine
 
     data, source = run_file_dict(storage, config.run_file)
     model = ensure_embedded_base(context, storage, data, sft_steps=config.sft_steps)
     attempts = config.attempts_per_task or data["curriculum"].get("attempts_per_task") or 4
-    tasks = [t for t in load_suite(data["curriculum"]["tasks"]) if t.split == "train"]
+    tasks = rl_tasks(load_suite(data["curriculum"]["tasks"]))
     out_dir = storage.curriculum_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     proc, url = start_engine(str(model), out_dir / "engine.log")

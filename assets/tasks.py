@@ -28,7 +28,7 @@ def task_dataset(
     import pandas as pd
 
     from evals.bundled import ensure_suite
-    from evals.tasks import TaskSet, load_bundled, load_tasks, summarize
+    from evals.tasks import TaskSet, load_bundled, load_tasks, rl_tasks, summarize
 
     out_dir = storage.datasets_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,6 +66,10 @@ def task_dataset(
         "incomplete": dg.MetadataValue.json(incomplete),
         "by_language": dg.MetadataValue.json(summary["by_language"]),
         "splits": dg.MetadataValue.json(splits),
+        # train tasks the embedded base model learns from by demonstration, and those RL draws from
+        "train_roles": dg.MetadataValue.json({
+            "demonstrations": sum(t.split == "train" and t.metadata.get("demonstration") is True for t in combined.tasks),
+            "rl": len(rl_tasks(combined.tasks))}),
         "by_difficulty": dg.MetadataValue.json(levels),
         "median_target_tests": summary["median_target_tests"],
         "median_existing_tests": summary["median_existing_tests"],

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from evals.tasks import demonstration_tasks
     from training.base_model import ANSWER_FORMS, BaseModelSpec, build_base_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     tasks, tests = suite_tests(args.suite)
-    train, held = [t for t in tasks if t.split == "train"], [t for t in tasks if t.split == "eval"]
+    train, held = demonstration_tasks(tasks), [t for t in tasks if t.split == "eval"]
     results = {}
     for form in ANSWER_FORMS:
         spec = BaseModelSpec(answer_form=form, verify_share=0.0, retry_share=0.0, seed=args.seed)

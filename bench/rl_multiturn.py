@@ -9,8 +9,9 @@ and pytest's long-list abbreviations are not reproduced in the failing asserts.
 
 Base models come from ``training.base_model`` (one per entry of ``bases``: ``BaseModelSpec`` fields,
 e.g. ``verify_share``, ``retry_share``, ``seed``); each run (``base``, ``lr``, ``turns``, ``groups``,
-``group_size``, ``steps``) takes GRPO steps with the project's ``TorchPeftBackend`` and
-``group_advantages`` on the training split (``std``, ``per_sequence`` and ``positive_only`` as in
+``group_size``, ``steps``, ``fresh``: draw from that many freshly generated tasks instead of
+the training split) takes GRPO steps with the project's ``TorchPeftBackend`` and
+``group_advantages`` on the suite's RL tasks (``std``, ``per_sequence`` and ``positive_only`` as in
 ``rl_transfer.grpo_step``). Printed per run, before and after the steps: held-out
 pass@1 over ``--samples`` episodes a task, the share of episodes that ran ``test``, and the pass rate
 of episodes that tested and of those that committed without testing.
@@ -100,6 +101,31 @@ def suite_tests(suite: str) -> tuple[list, dict[str, str]]:
     return tasks, tests
 
 
+def fresh_tasks(count: int, suite_tasks) -> tuple[list, dict[str, str]]:
+    """``count`` freshly generated tasks (generator seeds 1 and up) whose module is in no suite task,
+    as in-process tasks with their tests: training tasks the base model never saw in SFT."""
+    from types import SimpleNamespace
+
+    from evals.bundled import generate
+
+    seen = {t.metadata["source_text"] for t in suite_tasks}
+    tasks, tests, seed = [], {}, 1
+    while len(tasks) < count:
+        for gen in generate(seed, 60):
+            source = gen.files[f"{gen.module}.py"]
+            if source in seen or len(tasks) >= count:
+                continue
+            seen.add(source)
+            test_file = gen.files[f"tests/test_{gen.module}.py"]
+            fails = run_tests(f"{gen.module}.py", source, test_file)
+            task_id = f"fresh-{seed}-{gen.id}"
+            tasks.append(SimpleNamespace(id=task_id, split="train", instruction=gen.instruction_head, metadata={
+                "module_file": f"{gen.module}.py", "source_text": source, "failing_output": "\n".join(fails)}))
+            tests[task_id] = test_file
+        seed += 1
+    return tasks, tests
+
+
 def episodes(model, tokenizer, tasks, tests, n: int, turns: int, device: str, max_new_tokens: int = 48):
     """``n`` episodes of each task, all turns batched; rows of (task copy, token ids, loss mask)."""
     import torch
@@ -144,12 +170,13 @@ def summary(rows) -> dict[str, float]:
 def build(job) -> str:
     import torch
 
+    from evals.tasks import demonstration_tasks
     from training.base_model import BaseModelSpec, build_base_model
 
     index, spec, args = job
     torch.set_num_threads(1)
     tasks, _ = suite_tests(args.suite)
-    return str(build_base_model(Path(args.out) / f"base-{index}", [t for t in tasks if t.split == "train"],
+    return str(build_base_model(Path(args.out) / f"base-{index}", demonstration_tasks(tasks),
                                 BaseModelSpec(**spec), device=args.device))
 
 
@@ -157,6 +184,7 @@ def train_run(job) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from evals.tasks import rl_tasks
     from training.backends.torch_peft import TorchPeftBackend
 
     index, run, args = job
@@ -166,7 +194,10 @@ def train_run(job) -> dict:
     backend = TorchPeftBackend(path, lora_rank=run.get("rank", 16), learning_rate=run.get("lr", 1e-3),
                                device=args.device, seed=0)
     tasks, tests = suite_tests(args.suite)
-    train, held = [t for t in tasks if t.split == "train"], [t for t in tasks if t.split == "eval"]
+    train, held = rl_tasks(tasks), [t for t in tasks if t.split == "eval"]
+    if run.get("fresh"):  # RL on generated tasks the base never saw, instead of its SFT tasks
+        train, fresh_tests = fresh_tasks(run["fresh"], tasks)
+        tests = {**tests, **fresh_tests}
     turns, groups, size = run.get("turns", 4), run.get("groups", 4), run.get("group_size", 8)
     before = summary(episodes(backend.model, tokenizer, held, tests, args.samples, turns, args.device))
     rng, log = random.Random(0), []
@@ -196,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out pass@1 over {args.samples} in-process episodes a task (proxy, see the docstring)")
     for r in runs:
         settings = {k: r[k] for k in ("base", "lr", "turns", "groups", "group_size", "steps", "std", "per_sequence",
-                                      "positive_only", "rank") if k in r}
+                                      "positive_only", "rank", "fresh") if k in r}
         b, a = r["before"], r["after"]
         print(f"run {r['run']} {json.dumps(settings)} base {json.dumps(plan['bases'][r['base']])}: "
               f"pass@1 {b['pass@1']:.3f} -> {a['pass@1']:.3f} ({100 * (a['pass@1'] - b['pass@1']):+.1f} points); "

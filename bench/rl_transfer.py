@@ -141,12 +141,14 @@ def _all_tasks(path: str):
     return list(load_suite(path))
 
 
-def _suite(path: str):
+def _suite(path: str, rl: bool = False):
+    """The suite's demonstration tasks (with ``rl``, its RL tasks instead) and its held-out demonstrations."""
     from evals.actions import demonstration
     from evals.bundled import load_suite
+    from evals.tasks import demonstration_tasks, rl_tasks
 
     tasks = list(load_suite(path))
-    train = [t for t in tasks if t.split == "train"]
+    train = rl_tasks(tasks) if rl else demonstration_tasks(tasks)
     held = [demonstration(t) for t in tasks if t.split == "eval"]
     return train, held
 
@@ -220,7 +222,7 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
     backend = TorchPeftBackend(path, lora_rank=run.get("rank", 16), learning_rate=run.get("lr", 2e-3),
                                kl_coef=run.get("kl", 0.0), device=args.device, seed=0)
     sampler = Sampler(backend.model, AutoTokenizer.from_pretrained(path), args.device)
-    train, held = _suite(args.suite)
+    train, held = _suite(args.suite, rl=True)
     before = accuracy(sampler, held, args.samples)
     rng, vary_rng = random.Random(0), random.Random(1)
     if run.get("fresh"):  # RL on freshly generated tasks the base never saw, not on its SFT tasks

@@ -15,7 +15,14 @@ Three difficulty levels:
 Bugs come from fixed *kinds* (a wrong operator, an off-by-one range, a flipped comparison, a wrong
 slice, a wrong constant...) instantiated with varied names and constants, so a tiny model trained on
 the train split can learn the kinds and be measured on held-out instances (``split="eval"``, a fixed
-quarter of each level).
+quarter of the first ``per_level`` tasks of each level).
+
+The train split has two parts. The train tasks among the first ``per_level`` of a level are
+*demonstrations* (``metadata.demonstration = true``): the embedded base model is trained on their
+reference solutions (:mod:`training.base_model`). The ``rl_per_level`` tasks generated after them are
+for RL alone (``demonstration = false``): the curriculum and the RL loop draw from those
+(:func:`evals.tasks.rl_tasks`), so RL, as in a production run, trains on tasks the base model has not
+seen solved, where what it learns is what held-out tasks need. No two tasks of a suite share a module.
 
 :func:`build_suite` writes ``OUT/suite.json`` and ``OUT/tasks/<id>/{repo/, task.json}``. Each task is
 validated by running its tests in a sandbox (the base fails every target test and passes every
@@ -36,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -43,10 +51,10 @@ from typing import Any, Callable, Sequence
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
-GENERATOR_VERSION = 3
-TASKS_PER_LEVEL = 60
-EVAL_EVERY = 4  # every 4th task of a level is held out for evaluation
-MAX_DRAWS = 100  # a task whose buggy lines repeat elsewhere in its module is drawn again, this many times at most
+GENERATOR_VERSION = 4
+TASKS_PER_LEVEL = 60  # demonstration and held-out tasks per level
+EVAL_EVERY = 4  # every 4th of those is held out for evaluation
+MAX_DRAWS = 100  # a task whose buggy lines repeat elsewhere in its module (or whose module another task has) is drawn again
 REPORT = ".pytest-report.xml"
 TEST_COMMAND = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
 GIT_DATE = "2024-01-01T00:00:00+00:00"
@@ -124,20 +132,23 @@ class GeneratedTask:
     files: dict[str, str]
     reference_edits: tuple[tuple[str, int, str], ...]  # (file, 1-based line, correct text)
     instruction_head: str
+    demonstration: bool = False  # a train task the embedded base model learns from (RL draws the others)
 
 
 def _fill(line: str, name: str, k: int, w: str) -> str:
     return line.replace("{f}", name).replace("{k}", str(k)).replace("{w}", w)
 
 
-def _generate_one(level: int, index: int, rng: random.Random) -> GeneratedTask:
+def _generate_one(level: int, index: int, rng: random.Random, taken: set[str] | None = None) -> GeneratedTask:
     """One task; drawn again while a buggy line's text (without indentation) is not unique in its
-    module, so that every fix can be named by the code it changes (the compact ``edit`` action)."""
+    module, so that every fix can be named by the code it changes (the compact ``edit`` action), or
+    while its module's text is in ``taken`` (another task of the suite has it)."""
     for _ in range(MAX_DRAWS):
         gen = _draw(level, index, rng)
-        if _edits_are_unique(gen):
+        if _edits_are_unique(gen) and gen.files[f"{gen.module}.py"] not in (taken or ()):
             return gen
-    raise SuiteBuildError(f"task {gen.id}: {MAX_DRAWS} draws, and each repeats a buggy line elsewhere in its module")
+    raise SuiteBuildError(f"task {gen.id}: {MAX_DRAWS} draws, and each repeats a buggy line elsewhere in its "
+                          "module or another task's module")
 
 
 def _edits_are_unique(gen: GeneratedTask) -> bool:
@@ -200,12 +211,28 @@ def _draw(level: int, index: int, rng: random.Random) -> GeneratedTask:
     )
 
 
-def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL) -> list[GeneratedTask]:
-    """Every task of the suite, deterministically from ``seed`` (no file is written)."""
-    out = []
+def default_rl_per_level(per_level: int) -> int:
+    """As many RL tasks per level as there are demonstrations: the train tasks of ``per_level``."""
+    return per_level - len(range(0, per_level, EVAL_EVERY))
+
+
+def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None) -> list[GeneratedTask]:
+    """Every task of the suite, deterministically from ``seed`` (no file is written): per level,
+    ``per_level`` demonstration and held-out tasks, then ``rl_per_level`` RL tasks (default
+    :func:`default_rl_per_level`), numbered on from ``per_level``."""
+    rl_per_level = default_rl_per_level(per_level) if rl_per_level is None else rl_per_level
+    out: list[GeneratedTask] = []
+    taken: set[str] = set()
     for level in (1, 2, 3):
         rng = random.Random(f"posttrain-bundled-{seed}-{level}")
-        out += [_generate_one(level, i, rng) for i in range(per_level)]
+        for i in range(per_level + rl_per_level):
+            gen = _generate_one(level, i, rng, taken)
+            if i >= per_level:
+                gen = dataclasses.replace(gen, split="train")
+            elif gen.split == "train":
+                gen = dataclasses.replace(gen, demonstration=True)
+            taken.add(gen.files[f"{gen.module}.py"])
+            out.append(gen)
     return out
 
 
@@ -248,6 +275,7 @@ def _task_json(gen: GeneratedTask, base_commit: str) -> dict[str, Any]:
             "source_text": gen.files[f"{gen.module}.py"],
             "reference_edits": [list(e) for e in gen.reference_edits],
             "generator_version": GENERATOR_VERSION,
+            "demonstration": gen.demonstration,
         },
     }
 
@@ -307,11 +335,12 @@ def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
     return failing_summary(run.output)
 
 
-def suite_fingerprint(seed: int = 0, per_level: int = TASKS_PER_LEVEL) -> str:
+def suite_fingerprint(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None) -> str:
     """A hash of the generator's output, so a built suite can be reused while nothing changed."""
     digest = hashlib.sha256(f"{GENERATOR_VERSION}:{TEST_COMMAND}".encode())
-    for gen in generate(seed, per_level):
-        digest.update(json.dumps([gen.id, gen.split, gen.files, gen.reference_edits, gen.instruction_head]).encode())
+    for gen in generate(seed, per_level, rl_per_level):
+        digest.update(json.dumps([gen.id, gen.split, gen.demonstration, gen.files, gen.reference_edits,
+                                  gen.instruction_head]).encode())
     return digest.hexdigest()[:16]
 
 
@@ -320,6 +349,7 @@ def build_suite(
     *,
     seed: int = 0,
     per_level: int = TASKS_PER_LEVEL,
+    rl_per_level: int | None = None,
     workers: int = 2,
     sandbox_factory: SandboxFactory | None = None,
 ) -> dict[str, Any]:
@@ -330,7 +360,7 @@ def build_suite(
     """
     out = Path(out).resolve()
     factory = sandbox_factory or default_sandbox_factory()
-    gens = generate(seed, per_level)
+    gens = generate(seed, per_level, rl_per_level)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
@@ -351,10 +381,11 @@ def build_suite(
             (task_dir / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         summary = {
             "generator_version": GENERATOR_VERSION,
-            "fingerprint": suite_fingerprint(seed, per_level),
+            "fingerprint": suite_fingerprint(seed, per_level, rl_per_level),
             "seed": seed,
             "tasks": [g.id for g in gens],
             "splits": {s: sum(g.split == s for g in gens) for s in ("train", "eval")},
+            "demonstrations": sum(g.demonstration for g in gens),
             "by_difficulty": {str(lv): sum(g.difficulty == lv for g in gens) for lv in (1, 2, 3)},
         }
         (tmp / "suite.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -382,25 +413,28 @@ def default_suite_dir() -> Path:
     return Path(home).expanduser().resolve() / "datasets" / "bundled"
 
 
-def ensure_suite(path: str | Path | None = None, *, workers: int = 2, per_level: int = TASKS_PER_LEVEL) -> Path:
+def ensure_suite(path: str | Path | None = None, *, workers: int = 2, per_level: int = TASKS_PER_LEVEL,
+                 rl_per_level: int | None = None) -> Path:
     """The built suite at ``path`` (default :func:`default_suite_dir`), building it if it is missing
-    or was built from a different generator output (another version or ``per_level``).
+    or was built from a different generator output (another version, ``per_level`` or ``rl_per_level``).
 
-    Building validates every task in sandboxes: about two pytest runs per task, so the default 180
+    Building validates every task in sandboxes: about two pytest runs per task, so the default 315
     tasks take a couple of minutes on two idle cores; later calls reuse the build.
     """
     path = Path(path) if path else default_suite_dir()
     index = path / "suite.json"
     if index.is_file():
         try:
-            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint(per_level=per_level):
+            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint(per_level=per_level,
+                                                                                     rl_per_level=rl_per_level):
                 return path
         except json.JSONDecodeError:
             pass
-    build_suite(path, workers=workers, per_level=per_level)
+    build_suite(path, workers=workers, per_level=per_level, rl_per_level=rl_per_level)
     return path
 
 
-def load_suite(path: str | Path | None = None, *, per_level: int = TASKS_PER_LEVEL) -> list[Task]:
+def load_suite(path: str | Path | None = None, *, per_level: int = TASKS_PER_LEVEL,
+               rl_per_level: int | None = None) -> list[Task]:
     """The bundled tasks (built on first use)."""
-    return list(load_bundled(ensure_suite(path, per_level=per_level)).tasks)
+    return list(load_bundled(ensure_suite(path, per_level=per_level, rl_per_level=rl_per_level)).tasks)

@@ -131,6 +131,19 @@ class TaskSet:
         return [t for t in self.tasks if t.split == name]
 
 
+def demonstration_tasks(tasks: Iterable[Task]) -> list[Task]:
+    """The train tasks a base model may learn from by demonstration: all of them, except those a
+    source marks ``metadata.demonstration = false`` (the bundled suite's RL tasks)."""
+    return [t for t in tasks if t.split == "train" and t.metadata.get("demonstration", True) is not False]
+
+
+def rl_tasks(tasks: Iterable[Task]) -> list[Task]:
+    """The train tasks RL draws from: all of them, except those a source marks
+    ``metadata.demonstration = true`` (the bundled suite's demonstrations, which the embedded base
+    model was trained on)."""
+    return [t for t in tasks if t.split == "train" and t.metadata.get("demonstration") is not True]
+
+
 # ---------------------------------------------------------------- Harbor / DeepSWE
 
 

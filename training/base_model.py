@@ -2,8 +2,10 @@
 
 ``build_base_model(OUT, tasks)``:
 
-1. trains a byte-level BPE tokenizer on the demonstrations of the training split (the compact prompts
-   of :mod:`evals.actions` and their reference actions; held-out tasks are never read);
+1. trains a byte-level BPE tokenizer on the demonstrations: the demonstration tasks of the training
+   split (:func:`evals.tasks.demonstration_tasks`), as compact prompts of :mod:`evals.actions` and
+   their reference actions. Held-out tasks are never read, and neither are the bundled suite's RL
+   tasks, so RL trains on tasks the base model has not seen solved;
 2. builds a small Qwen2-style causal LM (``transformers.Qwen2Config``; ~0.4M parameters by default);
 3. trains it briefly (supervised, full weights) on those demonstrations: the loss is on the action
    tokens and the end-of-text token only, so the model learns to answer a prompt with compact
@@ -73,13 +75,16 @@ class BaseModelSpec:
 
 def demonstrations(tasks: Sequence[Any], by_line: bool = False) -> list[tuple[str, str]]:
     """(prompt, actions) of every training task, in ``edit`` actions (with ``by_line``, ``replace``
-    ones); a task without a reference solution is an error."""
+    ones); a task without a reference solution, or one kept for RL (``metadata.demonstration =
+    false``; :func:`evals.tasks.demonstration_tasks` leaves those out), is an error."""
     from evals.actions import demonstration
 
     demos = []
     for task in tasks:
         if getattr(task, "split", "train") != "train":
             raise ValueError(f"task {task.id}: split {task.split!r}; the base model trains on 'train' tasks only")
+        if task.metadata.get("demonstration") is False:
+            raise ValueError(f"task {task.id}: kept for RL (metadata demonstration = false); the base model never sees it solved")
         demos.append(demonstration(task, by_line))
     if not demos:
         raise ValueError("no training task to build demonstrations from")
@@ -430,6 +435,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from evals.bundled import load_suite
+    from evals.tasks import demonstration_tasks
 
     parser = argparse.ArgumentParser(prog="python -m training.base_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default=None, help="bundled suite folder (built if missing)")
@@ -448,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
-    tasks = [t for t in load_suite(args.tasks) if t.split == "train"]
+    tasks = demonstration_tasks(load_suite(args.tasks))
     spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, augment_copies=args.augment_copies,
                          rename_modules=args.rename_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)

@@ -1,7 +1,7 @@
 """The environment of an RL run: engine replicas, and groups of agent episodes on tasks.
 
 :func:`make_environment` starts what the trainer needs around it. With ``environment = "harness"``
-(the default): the training tasks (``split = "train"``) of the task source, ``replicas`` engine
+(the default): the RL tasks of the task source (``split = "train"``, without the base model's demonstrations), ``replicas`` engine
 processes (``python -m serving.engine`` on loopback, each serving the base model and the published
 adapter versions), and a :class:`HarnessRunner` that runs each episode through the evals agent harness
 (:func:`evals.harness.run_episode`: the model acts in a sandbox, its committed work is graded by the
@@ -192,10 +192,11 @@ def load_curriculum(cfg: TrainConfig, task_ids: list[str]) -> Curriculum:
 
 
 def training_tasks(source: str) -> dict[str, Any]:
-    """The ``train`` split of ``source``: a built bundled suite folder is read as it is (the
-    ``task_dataset`` asset built it); anything else goes through the evals loaders."""
+    """The RL tasks of ``source`` (:func:`evals.tasks.rl_tasks`: its ``train`` split without the
+    demonstrations the embedded base model learned from): a built bundled suite folder is read as it
+    is (the ``task_dataset`` asset built it); anything else goes through the evals loaders."""
     from evals.bundled import default_suite_dir
-    from evals.tasks import load_bundled, load_tasks
+    from evals.tasks import load_bundled, load_tasks, rl_tasks
 
     path = Path(source) if source else default_suite_dir()
     if (path / "suite.json").is_file():
@@ -204,9 +205,10 @@ def training_tasks(source: str) -> dict[str, Any]:
         raise FileNotFoundError(f"trainer config key 'tasks': {path} does not exist (materialize task_dataset first)")
     else:
         task_set = load_tasks(path)
-    tasks = {t.id: t for t in task_set.tasks if t.split == "train"}
+    tasks = {t.id: t for t in rl_tasks(task_set.tasks)}
     if not tasks:
-        raise ValueError(f"task source {source or 'bundled suite'}: no task with split 'train'")
+        raise ValueError(f"task source {source or 'bundled suite'}: no task with split 'train' to train on "
+                         "(demonstration tasks are left to the base model)")
     return tasks
 
 

@@ -23,8 +23,9 @@ def test_task_dataset_loads_sources_and_reports_incomplete(small_suite, posttrai
         assert result.success
         meta = result.asset_materializations_for_node("task_dataset")[0].metadata
     frame = pd.read_parquet(storage.datasets_dir() / "tasks.parquet")
-    expected = 6 + (111 if DEEPSWE.is_dir() else 0)
+    expected = 9 + (111 if DEEPSWE.is_dir() else 0)
     assert meta["tasks"].value == expected == len(frame)
+    assert meta["train_roles"].value == {"demonstrations": 3, "rl": 3}
     assert set(frame["source"]) == ({"bundled", "harbor"} if DEEPSWE.is_dir() else {"bundled"})
     incomplete = json.loads((storage.datasets_dir() / "incomplete.json").read_text())
     assert len(incomplete) == (2 if DEEPSWE.is_dir() else 0)

@@ -11,19 +11,30 @@ from evals.tasks import load_tasks, summarize
 
 
 def test_generation_is_deterministic_and_split():
+    """Per level: 60 tasks (every 4th held out, the others demonstrations for the base model), then
+    45 RL tasks; no two tasks share a module's text, so no RL task repeats a held-out one."""
     a, b = bundled.generate(), bundled.generate()
     assert [g.files for g in a] == [g.files for g in b]
-    assert len(a) == 180 and len({g.id for g in a}) == 180
+    assert len(a) == 315 and len({g.id for g in a}) == 315
+    assert len({g.files[f"{g.module}.py"] for g in a}) == 315
     assert {g.difficulty for g in a} == {1, 2, 3}
     held_out = [g for g in a if g.split == "eval"]
     assert len(held_out) == 45 and all(g.split == "train" for g in a if g not in held_out)
+    demonstrations = [g for g in a if g.demonstration]
+    assert len(demonstrations) == 135 and not any(g.demonstration for g in held_out)
+    rl = [g for g in a if g.split == "train" and not g.demonstration]
+    assert len(rl) == 135 and all(int(g.id.split("-")[2]) >= 60 for g in rl)
     assert all(len(g.reference_edits) == (2 if g.difficulty == 3 else 1) for g in a)
+    # the RL tasks come after the others: a suite without them has the same first 60 tasks a level
+    assert [g.files for g in bundled.generate(rl_per_level=0)] == [g.files for g in a if g not in rl]
 
 
 def test_built_suite_is_real(small_suite, small_tasks):
-    assert len(small_tasks) == 6
+    assert len(small_tasks) == 9  # per level: one held out, one demonstration, one RL task
+    assert [t.metadata["demonstration"] for t in small_tasks[:3]] == [False, True, False]
+    assert [t.split for t in small_tasks[:3]] == ["eval", "train", "train"]
     summary = summarize(load_tasks(small_suite))
-    assert summary["tasks"] == 6 and summary["incomplete"] == [] and summary["by_language"] == {"python": 6}
+    assert summary["tasks"] == 9 and summary["incomplete"] == [] and summary["by_language"] == {"python": 9}
     for task in small_tasks:
         repo = task.repo_path
         head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -102,3 +113,24 @@ def test_compact_parser():
     assert len(info.value.actions) == 1
     with pytest.raises(ActionParseError, match="no action"):
         parse_compact("\n\n")
+
+
+def test_the_train_split_is_demonstrations_for_the_base_model_and_rl_tasks_for_the_rest(small_suite, small_tasks):
+    """The base model learns from the demonstration tasks only, and the RL loop draws from the rest
+    of the train split; a task a source does not mark belongs to both (any non-bundled source)."""
+    import dataclasses
+
+    from evals.tasks import demonstration_tasks, rl_tasks
+    from training.base_model import demonstrations
+    from training.episodes import training_tasks
+
+    demos, rl = demonstration_tasks(small_tasks), rl_tasks(small_tasks)
+    assert [t.id for t in demos] == [t.id for t in small_tasks if t.metadata["demonstration"]] and len(demos) == 3
+    assert {t.id for t in rl} == {t.id for t in small_tasks if t.split == "train"} - {t.id for t in demos}
+    assert sorted(training_tasks(str(small_suite))) == sorted(t.id for t in rl)
+    assert len(demonstrations(demos)) == 3
+    with pytest.raises(ValueError, match=f"task {rl[0].id}: kept for RL"):
+        demonstrations(rl[:1])
+    unmarked = [dataclasses.replace(t, metadata={k: v for k, v in t.metadata.items() if k != "demonstration"})
+                for t in small_tasks if t.split == "train"]
+    assert demonstration_tasks(unmarked) == rl_tasks(unmarked) == unmarked
