@@ -18,7 +18,7 @@ EMBEDDED_MODEL_NAME = "embedded-base"
 
 class RunFileConfig(dg.Config):
     """``run_file``: the run TOML (default: the embedded default, ``examples/embedded.toml``).
-    ``attempts_per_task``: base-model attempts per training task (0: the run file's value, else 4).
+    ``attempts_per_task``: base-model attempts per RL task (0: the run file's value, else 4).
     ``sft_steps``: supervised steps when the embedded base model is built here (0: its default)."""
 
     run_file: str = ""
@@ -70,7 +70,8 @@ def ensure_embedded_base(context: dg.AssetExecutionContext, storage: PosttrainSt
 def difficulty_curriculum(
     context: dg.AssetExecutionContext, config: RunFileConfig, storage: PosttrainStorage
 ) -> dg.MaterializeResult:
-    """Pass rates of the base model over k attempts per training task, the tiers from easy to hard
+    """Pass rates of the base model over k attempts per RL task (the train split without the base
+    model's demonstrations, :func:`evals.tasks.rl_tasks`), the tiers from easy to hard
     they define, and the retry queue of tasks no attempt solved."""
     import pandas as pd
     from transformers import AutoTokenizer
@@ -92,7 +93,7 @@ def difficulty_curriculum(
     proc, url = start_engine(str(model), out_dir / "engine.log")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        context.log.info(f"base model on {len(tasks)} training tasks x {attempts} attempts")
+        context.log.info(f"base model on {len(tasks)} RL tasks x {attempts} attempts")
         rows = evaluate(
             tasks, HttpClient(url), tokenizer, platform_sandbox_factory("bwrap"), checkpoint="curriculum-base",
             attempts=attempts, max_turns=config.max_turns, max_new_tokens=config.max_new_tokens,

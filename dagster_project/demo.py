@@ -25,7 +25,7 @@ from dagster_project.sensors import complete_checkpoint_keys
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 # The demo's budget: 44 steps of 4 groups x 8 samples, one policy version of lag, a checkpoint every
-# 22 steps; the curriculum from 2 base-model attempts per training task; episodes of 4 turns (the
+# 22 steps; the curriculum from 2 base-model attempts per RL task; episodes of 4 turns (the
 # base model tests, resets and retries). The learning rate is 1e-3: on the GPU proxies 2e-3 lost
 # held-out accuracy more often than it gained (docs/benchmarks.md, "Base model and RL transfer",
 # "Test and retry" and "Edit by content").
