@@ -43,8 +43,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -227,10 +226,10 @@ def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int 
         rng = random.Random(f"posttrain-bundled-{seed}-{level}")
         for i in range(per_level + rl_per_level):
             gen = _generate_one(level, i, rng, taken)
-            if i >= per_level:
-                gen = dataclasses.replace(gen, split="train")
+            if i >= per_level:  # an RL task
+                gen = replace(gen, split="train")
             elif gen.split == "train":
-                gen = dataclasses.replace(gen, demonstration=True)
+                gen = replace(gen, demonstration=True)
             taken.add(gen.files[f"{gen.module}.py"])
             out.append(gen)
     return out
