@@ -12,6 +12,10 @@ from typing import Any, Mapping
 
 
 DTYPES = ("", "float32", "bfloat16", "float16")
+# What an episode's reward is, from its grading (evals.grading.Scores): ``reward`` is 1 when every
+# target test passes and no existing test breaks, else 0; ``strict_target_score`` is the share of
+# target tests passed, 0 as soon as an existing test breaks (partial credit on multi-bug tasks).
+REWARDS = ("reward", "strict_target_score")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class TrainConfig:
     kl_coef: float = 0.0
     scale_advantages_by_std: bool = False
     temperature: float = 1.0
+    reward: str = "reward"  # one of REWARDS: the grading score an episode is rewarded with
     reuse_grading: bool = True  # grade an identical patch of a task once (its tests must be deterministic)
     max_new_tokens: int = 48
     max_turns: int = 4
@@ -85,6 +90,8 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'recompute' must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"{source}: key 'device' must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"{source}: key 'reward' must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{source}: key 'dtype' must be one of {', '.join(d for d in DTYPES if d)}, got {self.dtype!r}")
 

@@ -77,6 +77,13 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
     )
 
 
+def episode_reward(traj: Any, reward: str = "reward") -> float:
+    """The score named ``reward`` (:data:`training.config.REWARDS`) of a graded episode; 0.0 when its
+    work could not be scored (nothing committed that applies)."""
+    scores = traj.grade.scores if traj.grade is not None else None
+    return float(getattr(scores, reward)) if scores is not None else 0.0
+
+
 class PooledGroupRunner:
     """A :class:`~training.loop.GroupRunner` whose group is ``size`` calls of ``episode`` on a thread
     pool, yielded as each finishes; subclasses define ``episode``."""
@@ -126,7 +133,7 @@ class HarnessRunner(PooledGroupRunner):
                 seed=seed + 7919 * index + 104729 * retry, grade_cache=self.grade_cache,
             )
             if not traj.infra_error:
-                return rollout_from_trajectory(traj, group_id, adapter, float(traj.reward or 0.0))
+                return rollout_from_trajectory(traj, group_id, adapter, episode_reward(traj, self.cfg.reward))
         raise RuntimeError(f"task {task_id}: {INFRA_RETRIES + 1} attempts failed in the sandbox: {traj.error}")
 
 

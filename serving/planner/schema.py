@@ -108,6 +108,8 @@ class TrainerSection:
     tis_cap: float | None = field(default=None, metadata=_key(POSITIVE, doc="truncated importance-sampling cap"))
     scale_advantages_by_std: bool | None = None
     temperature: float | None = field(default=None, metadata=_key(POSITIVE))
+    reward: str | None = field(default=None, metadata=_key(choices=("reward", "strict_target_score"),
+                                                            doc="the grading score an episode is rewarded with"))
     max_new_tokens: int | None = field(default=None, metadata=_key(POSITIVE, doc="per model turn"))
     max_turns: int | None = field(default=None, metadata=_key(POSITIVE, doc="per episode"))
     checkpoint_every: int | None = field(default=None, metadata=_key(POSITIVE, doc="steps between checkpoints"))

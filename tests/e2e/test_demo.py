@@ -7,6 +7,7 @@ evaluated on the held-out split, and the report. The full demo is the same with 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000", "step_000001", "step_000002"]
     steps = pd.read_parquet(run / "metrics" / "steps.parquet")
     assert steps["step"].tolist() == [1, 2] and (steps["samples"] == 8).all()
+    # the run file's trainer keys reach the trainer: the embedded default rewards partial credit
+    assert json.loads((run / "trainer-config.json").read_text())["reward"] == "strict_target_score"
     assert (run / "adapters" / "step_000002" / "adapter_model.safetensors").is_file()
     for key in ("e2e-step_000000", "e2e-step_000002"):
         rows = pd.read_parquet(tmp_path / "evals" / "deepswe" / f"{key}.parquet")

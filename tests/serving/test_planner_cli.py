@@ -192,6 +192,8 @@ def test_the_trainer_reads_the_plans_trainer_table(tmp_path: Path) -> None:
         assert config.run_name == plan.run_name
         assert config.groups_per_step * config.group_size == plan.run_file.async_.collection_size
         assert config.max_policy_lag == plan.run_file.async_.max_policy_lag
+        assert config.reward == (plan.run_file.trainer.reward or "reward")
+    assert TrainConfig.load(write_resolved_plan(resolve(EXAMPLES / "embedded.toml"), tmp_path / "e")).reward == "strict_target_score"
 
 
 def test_embedded_example_with_its_base_model_geometry(tmp_path: Path) -> None:
