@@ -14,10 +14,10 @@ from training.config import REWARDS, TrainConfig
 from training.episodes import episode_reward
 
 
-def _graded(statuses: dict[str, Status], status: str = "graded") -> Trajectory:
+def _graded(statuses: dict[str, Status]) -> Trajectory:
     traj = Trajectory("bundled-l3-000-payroll", "s/0", None, "compact")
     scores = score(["tests/test_a.py::test_a", "tests/test_b.py::test_b"], ["tests/test_c.py::test_c"], statuses)
-    traj.grade = GradeResult(status, scores)
+    traj.grade = GradeResult("graded", scores)
     return traj
 
 
