@@ -34,6 +34,7 @@ answers 5xx (a router restarting, a replica gone), ends the episode with ``stop_
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import json
 import time
@@ -206,13 +207,32 @@ def _the_editable_file(task: Task) -> str:
 
 def replace_once(text: str, old: str, new: str, path: str = "the file") -> str:
     """``text`` with its one occurrence of ``old`` replaced by ``new``; zero or several occurrences
-    raise ``ValueError`` saying which (the agent's observation)."""
+    raise ``ValueError`` saying which (the agent's observation). When ``old`` is not found but a line
+    of ``text`` is close to it (:func:`closest_line`), the error quotes that line, as an editor's
+    "did you mean" would: most missed edits miscopy one constant or operator of the line they mean."""
     if not old:
         raise ValueError("the text to replace is empty")
     found = text.count(old)
+    if found == 0 and (near := closest_line(text, old)) is not None:
+        raise ValueError(f"{old!r} occurs 0 times in {path}; closest line: {near!r}")
     if found != 1:
         raise ValueError(f"{old!r} occurs {found} times in {path}; give text that occurs once")
     return text.replace(old, new)
+
+
+def closest_line(text: str, old: str, min_ratio: float = 0.75) -> str | None:
+    """The line of ``text`` (without indentation) most similar to ``old`` when their similarity
+    (``difflib``'s ratio) is at least ``min_ratio``, else ``None``; the first of equals wins."""
+    target = old.strip()
+    best, best_ratio = None, min_ratio
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        ratio = difflib.SequenceMatcher(None, target, line, autojunk=False).ratio()
+        if ratio > best_ratio or (best is None and ratio >= best_ratio):
+            best, best_ratio = line, ratio
+    return best
 
 
 def error_lines(test_output: str, max_lines: int = 6) -> str:

@@ -301,7 +301,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def _fingerprint(demos: list[tuple[str, str]], spec: BaseModelSpec) -> str:
+def _fingerprint(demos: Sequence[tuple[str, Any]], spec: BaseModelSpec) -> str:
     h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
     for prompt, actions in demos:
         h.update(prompt.encode())
@@ -387,15 +387,17 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     out = Path(out)
     if spec.answer_form not in ANSWER_FORMS:
         raise ValueError(f"answer_form {spec.answer_form!r}: expected one of {', '.join(ANSWER_FORMS)}")
+    started = time.perf_counter()
     demos = demonstrations(tasks, by_line=spec.answer_form == "replace")
-    fingerprint = _fingerprint(demos, spec)
+    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
+                       spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)
+    # The transcripts as trained on, observations included: a change in what the harness says
+    # (an error's wording) is a different base model.
+    fingerprint = _fingerprint(augmented, spec)
     info = out / "build.json"
     if info.is_file() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
         return out
-    started = time.perf_counter()
     torch.manual_seed(spec.seed)
-    augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
-                       spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)
     tokenizer = train_tokenizer([p + "".join(text for text, _ in _segments(a)) for p, a in augmented], spec.vocab_size)
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,

@@ -9,7 +9,7 @@ import pytest
 from evals.actions import JSON_TOOLS, demonstration, parse_json_tools, reference_actions
 from evals.bundled import default_sandbox_factory
 from evals.evaluate import evaluate, write_rows
-from evals.harness import InProcessClient, run_episode
+from evals.harness import InProcessClient, closest_line, run_episode
 
 
 class ScriptedPolicy:
@@ -210,6 +210,22 @@ def test_reset_undoes_every_edit_so_a_retry_starts_from_the_base_commit(small_ta
     assert tools[0] == ("replace_line", "ok") and "SyntaxError" in tools[1][1]
     assert tools[2] == ("reset", "ok") and tools[-2] == ("test", "all tests pass") and tools[-1][0] == "commit"
     assert traj.reward == 1.0 and "BROKEN" not in traj.patch
+
+
+def test_an_edit_that_miscopies_a_line_is_told_the_closest_line(small_tasks, tokenizer):
+    """An ``edit`` whose old text is a line of the module with one constant or operator changed (the
+    common miss of a small model) is told the line it most likely meant, quoted so it can be copied;
+    text like no line of the module gets no suggestion."""
+    task = small_tasks[0]
+    module = task.metadata["module_file"]
+    fix = reference_actions(task)[0]
+    line = fix.args["old"]
+    miscopied = line[:-1] + ("7" if line[-1] != "7" else "8")
+    traj = run_episode(task, ScriptedPolicy(tokenizer, [f"edit {miscopied} => {fix.args['new']}\ntest\n"]), tokenizer,
+                       default_sandbox_factory(), max_turns=1)
+    assert traj.steps[0].observation == f"error: {miscopied!r} occurs 0 times in {module}; closest line: {line!r}"
+    assert closest_line("def f(x):\n    return x + 1\n", "completely different") is None
+    assert closest_line("a = 1\n  b = 2\n", "b = 3") == "b = 2"
 
 
 def test_an_edit_whose_text_is_missing_or_repeated_is_an_error_observation_and_changes_nothing(small_tasks, tokenizer):
