@@ -26,19 +26,21 @@ QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 # The demo's budget: 44 steps of 5 groups x 8 samples (the run file's collection size), one policy
 # version of lag, a checkpoint every 22 steps; the curriculum from 2 base-model attempts per RL task;
-# episodes of 4 turns (the base model tests, resets and retries); the run file's partial-credit
-# reward. 5 groups rather than 6 keep the demo inside 20 minutes now that retries after a missed edit
-# pay and episodes run longer (docs/benchmarks.md, "The closest line"). The learning rate is 1e-3: on the GPU proxies 2e-3 lost held-out accuracy more often than
-# it gained, and 1.5e-3 lost in a demo run (docs/benchmarks.md, "Base model and RL transfer", "Test
-# and retry", "Edit by content" and "Partial credit").
+# episodes of 5 turns (the base model tests, resets and retries); the run file's partial-credit
+# reward. Since a missed edit is told the closest line, retries pay and episodes run longer: 5 groups
+# rather than 6 keep the demo inside 20 minutes (docs/benchmarks.md, "The closest line"). The
+# learning rate is 1e-3: on the GPU proxies 2e-3 lost held-out accuracy more often than it gained,
+# and 1.5e-3 lost in a demo run (docs/benchmarks.md, "Base model and RL transfer", "Test and retry",
+# "Edit by content" and "Partial credit").
+DEMO_TURNS = 5  # turns per episode in the curriculum, the RL run and both evaluations
 DEMO_RUN: dict[str, Any] = {
     "overrides": {
-        "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 1e-3},
+        "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 1e-3, "max_turns": DEMO_TURNS},
         "async": {"group_size": 8, "collection_size": 40, "max_policy_lag": 1},
     },
 }
-DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2}
-DEMO_EVAL: dict[str, Any] = {"attempts": 8}
+DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS}
+DEMO_EVAL: dict[str, Any] = {"attempts": 8, "max_turns": DEMO_TURNS}
 
 
 def _stage(message: str, started: float) -> None:

@@ -243,10 +243,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
         for i, action in enumerate(edits):
             if action.tool == "str_replace":  # a wrong fix, or text that is not in the module
                 old, new = action.args["old"], action.args["new"]
-                # Old text that is not in the module is the base model's most common miss (about
-                # 60% of its wrong edit answers, against 5% wrong fixes: docs/benchmarks.md, "Edit by
-                # content"), so two in three spoiled edits miss the old text.
-                mistake = rng.choice(("old", "old", "new")) if i == spoiled else ""
+                mistake = rng.choice(("new", "new", "old")) if i == spoiled else ""
                 if mistake == "old":
                     old = _wrong_text(old, rng)
                 elif mistake:
