@@ -110,7 +110,7 @@ def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
     rng = random.Random(seed)
     out = list(demos)
     for prompt, actions in demos:
-        funcs = sorted(set(re.findall(r"\bdef (\w+)\(", prompt)), key=len, reverse=True)
+        funcs = sorted(set(re.findall(r"\bdef (\w+)\(", prompt)), key=lambda f: (-len(f), f))  # longest first; ties by name, not hash order
         modules = sorted(set(re.findall(r"^(\w+)\.py:$", prompt, flags=re.M)))
         for _ in range(copies):
             mapping: dict[str, str] = {}

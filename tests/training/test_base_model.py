@@ -131,6 +131,7 @@ def test_edit_transcripts_fail_with_the_harness_observations() -> None:
     from training.base_model import ANSWER, TRIED, transcript
 
     answer = "edit return x + 4 => return x * 4\ncommit\n"
+    listing = "\n".join(re.findall(r"^\d+ (.*)$", PROMPT, flags=re.M))  # the module, where the harness looks
     seen = set()
     for seed in range(30):
         segments = transcript(PROMPT, answer, "retry", random.Random(seed))
@@ -140,7 +141,7 @@ def test_edit_transcripts_fail_with_the_harness_observations() -> None:
             old = re.search(r"^edit (.+?) => ", tried, flags=re.M).group(1)
             if old != "return x + 4":
                 try:
-                    replace_once(PROMPT, old, "", "kitchen.py")
+                    replace_once(listing, old, "", "kitchen.py")
                 except ValueError as exc:
                     assert f"error: {exc}" in observation
                     seen.add("missing")
@@ -153,3 +154,19 @@ def test_an_unknown_answer_form_is_refused_before_anything_is_built(tmp_path) ->
     with pytest.raises(ValueError, match="answer_form 'diff': expected one of edit, replace"):
         build_base_model(tmp_path / "base", [], BaseModelSpec(answer_form="diff"))
     assert not list(tmp_path.iterdir())
+
+
+def test_the_variants_do_not_depend_on_the_interpreters_hash_seed() -> None:
+    """Functions whose names are equally long are renamed in name order, not in set order, so the
+    same demonstrations give the same variants (and the same base model fingerprint) in every process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prompt = PROMPT.replace("shift_size", "scale_costs")  # as long as scale_price
+    code = ("import json; from training.base_model import augment; "
+            f"print(json.dumps(augment([({prompt!r}, {ANSWER_TEXT!r})], copies=4, seed=0)))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)]
+    assert runs[0] == runs[1] == runs[2] and len(json.loads(runs[0])) == 5
