@@ -224,13 +224,16 @@ def closest_line(text: str, old: str, min_ratio: float = 0.75) -> str | None:
     """The line of ``text`` (without indentation) most similar to ``old`` when their similarity
     (``difflib``'s ratio) is at least ``min_ratio``, else ``None``; the first of equals wins."""
     target = old.strip()
-    best, best_ratio = None, min_ratio
-    for line in text.splitlines():
-        line = line.strip()
+    best, best_ratio = None, 0.0
+    for line in (raw.strip() for raw in text.splitlines()):
         if not line:
             continue
-        ratio = difflib.SequenceMatcher(None, target, line, autojunk=False).ratio()
-        if ratio > best_ratio or (best is None and ratio >= best_ratio):
+        matcher = difflib.SequenceMatcher(None, target, line, autojunk=False)
+        floor = max(best_ratio, min_ratio)
+        if matcher.real_quick_ratio() < floor or matcher.quick_ratio() < floor:
+            continue  # upper bounds of the ratio: this line cannot win
+        ratio = matcher.ratio()
+        if ratio > best_ratio and ratio >= min_ratio:
             best, best_ratio = line, ratio
     return best
 

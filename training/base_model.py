@@ -110,7 +110,9 @@ def augment(demos: Sequence[tuple[str, Any]], copies: int, seed: int = 0,
     rng = random.Random(seed)
     out = list(demos)
     for prompt, actions in demos:
-        funcs = sorted(set(re.findall(r"\bdef (\w+)\(", prompt)), key=lambda f: (-len(f), f))  # longest first; ties by name, not hash order
+        # In a fixed order (longest first, then by name), not set order, so the names drawn for them
+        # are the same in every process.
+        funcs = sorted(set(re.findall(r"\bdef (\w+)\(", prompt)), key=lambda f: (-len(f), f))
         modules = sorted(set(re.findall(r"^(\w+)\.py:$", prompt, flags=re.M)))
         for _ in range(copies):
             mapping: dict[str, str] = {}
