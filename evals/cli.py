@@ -21,7 +21,8 @@ def cmd_tasks_inspect(args: argparse.Namespace) -> int:
     from evals.tasks import TaskLoadError, load_tasks, summarize
 
     try:
-        summary = summarize(load_tasks(args.path))
+        task_set = load_tasks(args.path)
+        summary = summarize(task_set)
     except (TaskLoadError, OSError) as exc:
         print(f"posttrain tasks inspect: {exc}", file=sys.stderr)
         return 2
@@ -32,8 +33,8 @@ def cmd_tasks_inspect(args: argparse.Namespace) -> int:
     for lang, n in summary["by_language"].items():
         print(f"  {lang:12s} {n}")
     print(f"median target tests {summary['median_target_tests']:g}, existing tests {summary['median_existing_tests']:g}")
-    for task_id in summary["incomplete"]:
-        print(f"  incomplete: {task_id}")
+    for task in task_set.incomplete:
+        print(f"  incomplete: {task.id}: {task.reason}")
     return 0
 
 

@@ -9,7 +9,8 @@ Sources:
 
 - **Harbor / DeepSWE** (:func:`load_harbor`): a folder of task folders, each with ``task.toml``,
   ``instruction.md`` and ``tests/config.json`` (``f2p_node_ids``, ``p2p_node_ids``, ``grade``). A task
-  folder that lacks a file is returned as an :class:`IncompleteTask` with the reason, never dropped.
+  folder that lacks a file, or whose file is malformed (not UTF-8, not valid TOML/JSON, a bad key), is
+  returned as an :class:`IncompleteTask` with the reason naming the file, never dropped.
 - **SWE-bench** (:func:`load_swebench`): JSONL or Parquet rows with ``instance_id``,
   ``problem_statement``, ``base_commit`` and ``FAIL_TO_PASS`` / ``PASS_TO_PASS`` as JSON strings.
 - **Bundled** (:func:`load_bundled`): the generated suite of small Python repos (see
@@ -147,16 +148,30 @@ def rl_tasks(tasks: Iterable[Task]) -> list[Task]:
 # ---------------------------------------------------------------- Harbor / DeepSWE
 
 
+def _read_text(path: Path) -> str:
+    """A task file's text; a file that is not UTF-8 (as TOML, JSON and Markdown here must be) or
+    cannot be read raises :class:`TaskLoadError` naming it."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TaskLoadError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskLoadError(f"{path}: not UTF-8 text (byte {exc.start} is {raw[exc.start:exc.start + 1]!r}): "
+                            "task files must be UTF-8") from exc
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(_read_text(path))
     except tomllib.TOMLDecodeError as exc:
         raise TaskLoadError(f"{path}: not valid TOML: {exc}") from exc
 
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise TaskLoadError(f"{path}: not valid JSON: {exc}") from exc
 
@@ -185,6 +200,9 @@ def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
     toml_path = task_dir / "task.toml"
     meta_all = _read_toml(toml_path) if toml_path.is_file() else {}
     meta = meta_all.get("metadata", {})
+    for table in ("metadata", "environment", "verifier", "agent"):
+        if not isinstance(meta_all.get(table, {}), dict):
+            raise TaskLoadError(f"{toml_path}: key {table!r} must be a table")
     task_id = str(meta.get("task_id") or task_dir.name)
     language = str(meta.get("language", ""))
     missing = [name for name in ("task.toml", "instruction.md", "tests/config.json") if not (task_dir / name).is_file()]
@@ -207,13 +225,17 @@ def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
     env = meta_all.get("environment", {})
     verifier = meta_all.get("verifier", {})
     agent = meta_all.get("agent", {})
-    limits = ResourceLimits(
-        cpus=float(env.get("cpus", 2)),
-        memory_mb=int(env.get("memory_mb", 8192)),
-        storage_mb=int(env.get("storage_mb", 20480)),
-        agent_timeout_s=float(agent.get("timeout_sec", 5400.0)),
-        test_timeout_s=float(verifier.get("timeout_sec", 1800.0)),
-    )
+    try:
+        limits = ResourceLimits(
+            cpus=float(env.get("cpus", 2)),
+            memory_mb=int(env.get("memory_mb", 8192)),
+            storage_mb=int(env.get("storage_mb", 20480)),
+            agent_timeout_s=float(agent.get("timeout_sec", 5400.0)),
+            test_timeout_s=float(verifier.get("timeout_sec", 1800.0)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise TaskLoadError(f"{toml_path}: a resource limit (environment.cpus, memory_mb, storage_mb, "
+                            f"agent.timeout_sec, verifier.timeout_sec) is not a number: {exc}") from exc
     image = env.get("docker_image")
     if not image:
         raise TaskLoadError(f"{toml_path}: missing key 'environment.docker_image'")
@@ -224,7 +246,7 @@ def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
         id=task_id,
         source="harbor",
         language=language,
-        instruction=(task_dir / "instruction.md").read_text(),
+        instruction=_read_text(task_dir / "instruction.md"),
         target_tests=_str_list(config["f2p_node_ids"], f"{config_path}: key 'f2p_node_ids'"),
         existing_tests=_str_list(config["p2p_node_ids"], f"{config_path}: key 'p2p_node_ids'"),
         # Harbor runs the task's verifier script; the scripts are not part of the shared copy.
@@ -240,15 +262,35 @@ def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
     )
 
 
+def _harbor_identity(task_dir: Path) -> tuple[str, str]:
+    """The task's id and language from its task.toml where that can be read, else (folder name, "")."""
+    try:
+        meta = _read_toml(task_dir / "task.toml").get("metadata", {})
+    except TaskLoadError:
+        meta = {}
+    if not isinstance(meta, dict):
+        meta = {}
+    return str(meta.get("task_id") or task_dir.name), str(meta.get("language", ""))
+
+
 def load_harbor(root: str | Path) -> TaskSet:
-    """Every task folder under ``root`` (a dataset folder with ``tasks/``, or one task folder)."""
+    """Every task folder under ``root`` (a dataset folder with ``tasks/``, or one task folder).
+
+    One broken task does not sink the dataset: a task folder with a missing file, or a file that is
+    malformed (not UTF-8, not valid TOML or JSON, a missing or wrongly typed key), is returned among
+    ``incomplete`` with the reason, which names the file; the other tasks load.
+    """
     root = Path(root)
     if not root.is_dir():
         raise TaskLoadError(f"{root}: not a folder")
     tasks: list[Task] = []
     incomplete: list[IncompleteTask] = []
     for task_dir in _harbor_task_dirs(root):
-        loaded = load_harbor_task(task_dir)
+        try:
+            loaded = load_harbor_task(task_dir)
+        except TaskLoadError as exc:
+            task_id, language = _harbor_identity(task_dir)
+            loaded = IncompleteTask(task_id, "harbor", str(task_dir), str(exc), language)
         (incomplete if isinstance(loaded, IncompleteTask) else tasks).append(loaded)
     if not tasks and not incomplete:
         raise TaskLoadError(f"{root}: no Harbor task folders (a folder with task.toml) found")

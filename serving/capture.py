@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30001)
     parser.add_argument("--staging-dir", default=None,
                         help="where sharded adapter uploads are assembled; SGLang must see it (a volume both containers mount)")
+    parser.add_argument("--http-idle-timeout-s", type=float, default=None,
+                        help="close a kept-alive client connection after this long without a request "
+                             "(default: serving.http.HttpLimits.idle_timeout_s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.http import serve_sidecar
+    from serving.http import HttpLimits, serve_sidecar
 
-    server = serve_sidecar(args.upstream, host=args.host, port=args.port, staging_dir=args.staging_dir)
+    server = serve_sidecar(args.upstream, host=args.host, port=args.port, staging_dir=args.staging_dir,
+                           limits=HttpLimits(idle_timeout_s=args.http_idle_timeout_s) if args.http_idle_timeout_s else None)
     return server.run_in_foreground(f"capture sidecar for {args.upstream} on {server.url}")
 
 

@@ -50,7 +50,7 @@ from typing import Any
 
 from serving.adapters import newest_adapter, newest_version, version_sort_key
 from serving.client import EngineError, HttpPool
-from serving.http import HttpError, JsonServer, Request, Text
+from serving.http import HttpError, HttpLimits, JsonServer, Request, Text
 from serving.protocol import BadRequest, parse_adapter_name, parse_generate, parse_metrics
 
 POOLS = ("reserved", "on_demand")
@@ -644,7 +644,7 @@ class Router:
 
 
 class RouterServer(JsonServer):
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None):
         self.router = router
         routes = {
             ("POST", "/generate"): lambda r: router.generate(r.json(), r.body),
@@ -660,7 +660,7 @@ class RouterServer(JsonServer):
                                                 "replicas": len(router.replicas)},
             ("GET", "/metrics"): lambda r: Text("".join(f"posttrain:{k} {float(v)!r}\n" for k, v in router.metrics().items())),
         }
-        super().__init__(routes, host, port)
+        super().__init__(routes, host, port, limits=limits)
 
     def _end_session(self, req: Request) -> Any:
         body = req.json()
@@ -709,8 +709,9 @@ class RouterServer(JsonServer):
         self.router.close()
 
 
-def serve_router(router: Router, host: str = "127.0.0.1", port: int = 0) -> RouterServer:
-    return RouterServer(router, host, port).start()
+def serve_router(router: Router, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None) -> RouterServer:
+    """Serve ``router`` from a background thread; ``limits`` bounds slow or odd clients (``serving.http``)."""
+    return RouterServer(router, host, port, limits).start()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -719,6 +720,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="kv_headroom", choices=sorted(POLICIES))
     parser.add_argument("--worker", action="append", default=[], metavar="URL[@POOL:GPUS]")
     parser.add_argument("--adapters-volume", default=None, help="shared folder of published adapter versions")
+    parser.add_argument("--http-idle-timeout-s", type=float, default=HttpLimits.idle_timeout_s,
+                        help="close a kept-alive client connection after this long without a request")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -733,7 +736,7 @@ def run(args: argparse.Namespace) -> int:
         url, _, rest = spec.partition("@")
         pool, _, gpus = rest.partition(":")
         router.add_replica_when_up(url, pool or "on_demand", int(gpus or 1))
-    server = serve_router(router, args.host, args.port)
+    server = serve_router(router, args.host, args.port, HttpLimits(idle_timeout_s=args.http_idle_timeout_s))
     return server.run_in_foreground(f"router ({args.policy}) on {server.url} over {len(router.replicas)} replicas")
 
 

@@ -297,9 +297,14 @@ def load_run_file(path: str | Path) -> RunFile:
     """Read and validate a run TOML file; raise ``PlanError`` naming the file and the keys."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise PlanError([f"{path}: cannot read the run file: {exc.strerror or exc}"]) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError([f"{path}: not UTF-8 text (byte {exc.start} is {raw[exc.start:exc.start + 1]!r}): "
+                         "a run file must be UTF-8, as TOML requires"]) from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dagster_project.cli import main
-from evals.tasks import TaskLoadError, load_harbor, load_swebench, load_tasks, summarize
+from evals.tasks import TaskLoadError, load_harbor, load_harbor_task, load_swebench, load_tasks, summarize
 
 from .conftest import DEEPSWE
 
@@ -62,12 +62,17 @@ def test_harbor_incomplete_and_malformed(tmp_path):
     assert task_set.incomplete[0].id == "partial" and task_set.incomplete[0].language == "go"
     assert task_set.tasks[0].target_tests == ("t1", "t2")
 
+    # a malformed task is reported incomplete with the reason; the others still load
     bad = _harbor_task(tmp_path, "broken", {"f2p_node_ids": ["x"], "grade": {"format": "junit"}})
     with pytest.raises(TaskLoadError, match=r"broken/tests/config.json: missing key 'p2p_node_ids'"):
-        load_harbor(tmp_path)
+        load_harbor_task(bad)
+    task_set = load_harbor(tmp_path)
+    assert [t.id for t in task_set.tasks] == ["good"]
+    reasons = {t.id: t.reason for t in task_set.incomplete}
+    assert "broken/tests/config.json: missing key 'p2p_node_ids'" in reasons["broken"]
     (bad / "tests" / "config.json").write_text("{not json")
-    with pytest.raises(TaskLoadError, match="broken/tests/config.json: not valid JSON"):
-        load_harbor(tmp_path)
+    reasons = {t.id: t.reason for t in load_harbor(tmp_path).incomplete}
+    assert "broken/tests/config.json: not valid JSON" in reasons["broken"]
 
 
 def _swe_rows():
