@@ -9,6 +9,8 @@ a daemon that died or stopped answering raises :class:`PxdConnectionError`.
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
 import select
@@ -21,6 +23,16 @@ from sandboxes.errors import SandboxError
 
 # margin on top of a request's own timeout before the client gives up on the daemon
 ANSWER_MARGIN_S = 30.0
+# what an answer may be: pxd's own cap on an answer body (``pxd.MAX_ANSWER_BYTES``) plus a margin,
+# and at most this many header lines of at most this many bytes each (pxd sends three)
+MAX_ANSWER_BODY_BYTES = 256 * 1024 * 1024 + 64 * 1024
+MAX_HEADER_LINES = 100
+MAX_LINE_BYTES = 8 * 1024
+MAC_HEADER = "x-pxd-mac"
+
+
+class _Malformed(Exception):
+    """The answer stream broke the protocol; the message says how."""
 
 
 class PxdError(RuntimeError):
@@ -49,6 +61,9 @@ class ExecResult:
     duration_s: float
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    results: bytes | None = None  # what the command wrote to its results_fd (None: no results_fd asked)
+    results_truncated: bool = False
+    others_killed: int | None = None  # with kill_others: how many other processes were killed
 
     @property
     def output(self) -> str:
@@ -60,9 +75,27 @@ class ExecResult:
 
     @classmethod
     def from_answer(cls, a: dict) -> "ExecResult":
-        return cls(exit_code=a["exit_code"], stdout=a["stdout"], stderr=a["stderr"], truncated=a["truncated"],
-                   timed_out=a["timed_out"], duration_s=a["duration_s"],
-                   stdout_bytes=a.get("stdout_bytes", 0), stderr_bytes=a.get("stderr_bytes", 0))
+        """Build from pxd's answer; a field of the wrong type raises ``_Malformed`` naming it."""
+        def get(name, kind, default=...):
+            if name not in a and default is not ...:
+                return default
+            value = a.get(name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise _Malformed(f"field {name!r} must be {getattr(kind, '__name__', kind)}, got {value!r:.80}")
+            return value
+
+        results = None
+        if "results_b64" in a:
+            try:
+                results = base64.b64decode(get("results_b64", str), validate=True)
+            except ValueError:
+                raise _Malformed("field 'results_b64' is not base64") from None
+        return cls(exit_code=get("exit_code", int), stdout=get("stdout", str), stderr=get("stderr", str),
+                   truncated=get("truncated", bool), timed_out=get("timed_out", bool),
+                   duration_s=float(get("duration_s", (int, float))),
+                   stdout_bytes=get("stdout_bytes", int, 0), stderr_bytes=get("stderr_bytes", int, 0),
+                   results=results, results_truncated=get("results_truncated", bool, False),
+                   others_killed=get("others_killed", int, None))
 
 
 @dataclass(frozen=True)
@@ -104,13 +137,16 @@ class _FdStream:
             raise EOFError
         self.buf += data
 
-    def readline(self, deadline: float) -> bytes:
+    def readline(self, deadline: float, limit: int = MAX_LINE_BYTES) -> bytes:
+        """One line, newline included; a line longer than ``limit`` raises ``_Malformed``."""
         while True:
-            i = self.buf.find(b"\n")
+            i = self.buf.find(b"\n", 0, limit)
             if i >= 0:
                 line = bytes(self.buf[: i + 1])
                 del self.buf[: i + 1]
                 return line
+            if len(self.buf) >= limit:
+                raise _Malformed(f"a line longer than {limit} bytes: {bytes(self.buf[:80])!r}...")
             self._fill(deadline)
 
     def read(self, n: int, deadline: float) -> bytes:
@@ -122,21 +158,32 @@ class _FdStream:
 
 
 class PxdClient:
-    """One connection to a pxd daemon. Build it with :meth:`over_fds` or :meth:`over_unix_socket`."""
+    """One connection to a pxd daemon. Build it with :meth:`over_fds` or :meth:`over_unix_socket`.
 
-    def __init__(self, read_fd: int, write_fd: int, *, name: str = "pxd", owned: tuple = ()):
+    The connection starts with a random key sent to the daemon (``PXD-KEY <hex>``, before any
+    request); every answer must carry ``X-Pxd-Mac``, the HMAC-SHA256 under that key of its sequence
+    number on this connection, its status line and its body. An answer that is malformed, too big,
+    or fails that check raises :class:`PxdConnectionError` and closes the client: after one bad
+    answer nothing more on the stream is trusted."""
+
+    def __init__(self, read_fd: int, write_fd: int, *, name: str = "pxd", owned: tuple = (), key: bytes):
         self._rstream = _FdStream(read_fd)
         self._write_fd = write_fd
         self._lock = threading.Lock()
         self._owned = owned
         self._closed = False
+        self._key = key
+        self._seq = 0
         self.name = name
         # set by the owner (a Sandbox) to explain a lost daemon: wall time, memory limit...
         self.explain_loss = lambda: ""
 
     @classmethod
     def over_fds(cls, read_fd: int, write_fd: int, name: str = "pxd") -> "PxdClient":
-        return cls(read_fd, write_fd, name=name)
+        """A client on a daemon's stdout (``read_fd``) and stdin (``write_fd``); sends the key now."""
+        client = cls(read_fd, write_fd, name=name, key=os.urandom(32))
+        client._send_key()
+        return client
 
     @classmethod
     def over_unix_socket(cls, path: str, timeout_s: float = 10.0) -> "PxdClient":
@@ -144,7 +191,22 @@ class PxdClient:
         sock.settimeout(timeout_s)
         sock.connect(path)
         sock.settimeout(None)
-        return cls(sock.fileno(), sock.fileno(), name=f"pxd@{path}", owned=(sock,))
+        client = cls(sock.fileno(), sock.fileno(), name=f"pxd@{path}", owned=(sock,), key=os.urandom(32))
+        client._send_key()
+        return client
+
+    def _send_key(self) -> None:
+        try:
+            self._write_all(b"PXD-KEY " + self._key.hex().encode() + b"\n")
+        except OSError as exc:
+            self.close()
+            raise PxdConnectionError(f"{self.name}: cannot hand the daemon its key ({type(exc).__name__})") from None
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._write_fd, view)
+            view = view[n:]
 
     def wait_ready(self, timeout_s: float) -> None:
         """Read the daemon's ``PXD-READY`` line (first line on a stdio connection)."""
@@ -152,10 +214,18 @@ class PxdClient:
             line = self._rstream.readline(time.monotonic() + timeout_s)
         except TimeoutError:
             raise PxdConnectionError(f"{self.name}: not ready after {timeout_s:g} s") from None
-        except EOFError:
+        except (EOFError, OSError):
             raise PxdConnectionError(f"{self.name}: the daemon exited before it was ready") from None
+        except _Malformed as exc:
+            self.close()
+            raise PxdConnectionError(f"{self.name}: unexpected first line: {exc}") from None
         if not line.startswith(b"PXD-READY"):
+            self.close()
             raise PxdConnectionError(f"{self.name}: unexpected first line {line[:200]!r}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True
@@ -165,7 +235,9 @@ class PxdClient:
     # -- the wire --------------------------------------------------------------------------------
 
     def request(self, method: str, route: str, body: dict | None = None, *, wait_s: float = ANSWER_MARGIN_S) -> dict:
-        """Send one request and return the JSON answer; raise :class:`PxdError` on a 4xx/5xx."""
+        """Send one request and return the JSON answer; raise :class:`PxdError` on a 4xx/5xx and
+        :class:`PxdConnectionError` (closing the client) when the daemon is gone or the answer is
+        not a well-formed, authenticated one."""
         payload = json.dumps(body or {}, separators=(",", ":")).encode()
         msg = (f"{method} {route} HTTP/1.1\r\nHost: pxd\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
@@ -175,20 +247,8 @@ class PxdClient:
                 raise PxdConnectionError(f"{self.name}: the connection is closed" + (f": {why}" if why else ""))
             deadline = time.monotonic() + wait_s
             try:
-                view = memoryview(msg)
-                while view:
-                    n = os.write(self._write_fd, view)
-                    view = view[n:]
-                status_line = self._rstream.readline(deadline)
-                length = 0
-                while True:
-                    line = self._rstream.readline(deadline)
-                    if line in (b"\r\n", b"\n"):
-                        break
-                    name, _, value = line.decode("latin-1").partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value.strip())
-                data = self._rstream.read(length, deadline) if length else b""
+                self._write_all(msg)
+                status, answer = self._read_answer(deadline)
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
                 self._closed = True
                 why = self.explain_loss()
@@ -197,14 +257,68 @@ class PxdClient:
             except TimeoutError:
                 self._closed = True  # the stream is out of step now
                 raise PxdConnectionError(f"{self.name}: no answer to {route} within {wait_s:g} s") from None
-        try:
-            status = int(status_line.split()[1])
-            answer = json.loads(data) if data else {}
-        except (IndexError, ValueError):
-            raise PxdConnectionError(f"{self.name}: malformed answer {status_line[:100]!r}") from None
+            except _Malformed as exc:
+                self.close()
+                raise PxdConnectionError(f"{self.name}: malformed answer to {route}: {exc}; "
+                                         "the connection is closed") from None
+            self._seq += 1
         if status != 200:
-            raise PxdError(status, answer.get("error", "unknown error"), route)
+            error = answer.get("error")
+            raise PxdError(status, error if isinstance(error, str) else f"unknown error {answer!r:.200}", route)
         return answer
+
+    def _read_answer(self, deadline: float) -> tuple:
+        """(status, JSON object) of the next answer; any breach of the protocol raises ``_Malformed``."""
+        status_line = self._rstream.readline(deadline)
+        parts = status_line.rstrip(b"\r\n").split(b" ", 2)
+        if len(parts) < 2 or parts[0] != b"HTTP/1.1" or not (parts[1].isdigit() and len(parts[1]) == 3):
+            raise _Malformed(f"bad status line {status_line[:100]!r}")
+        status = int(parts[1])
+        headers = {}
+        for _ in range(MAX_HEADER_LINES + 1):
+            line = self._rstream.readline(deadline)
+            if line in (b"\r\n", b"\n"):
+                break
+            name, sep, value = line.decode("latin-1").partition(":")
+            if not sep:
+                raise _Malformed(f"bad header line {line[:100]!r}")
+            name = name.strip().lower()
+            if name in headers and name in ("content-length", MAC_HEADER):
+                raise _Malformed(f"header {name!r} given twice")
+            headers[name] = value.strip()
+        else:
+            raise _Malformed(f"more than {MAX_HEADER_LINES} header lines")
+        text = headers.get("content-length", "0")
+        if not (text.isascii() and text.isdigit()) or len(text) > 12:
+            raise _Malformed(f"Content-Length is not a non-negative integer: {text[:40]!r}")
+        length = int(text)
+        if length > MAX_ANSWER_BODY_BYTES:
+            raise _Malformed(f"Content-Length {length} is over the cap of {MAX_ANSWER_BODY_BYTES} bytes")
+        data = self._rstream.read(length, deadline) if length else b""
+        mac = headers.get(MAC_HEADER)
+        if mac is None:
+            raise _Malformed(f"no X-Pxd-Mac header (answer {self._seq})")
+        signed = b"%d\n%s\n" % (self._seq, status_line.rstrip(b"\r\n")) + data
+        want = hmac.new(self._key, signed, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(want.encode(), mac.lower().encode("latin-1")):
+            raise _Malformed(f"bad X-Pxd-Mac (answer {self._seq}): forged, replayed or out of order")
+        try:
+            answer = json.loads(data) if data else {}
+        except ValueError as exc:
+            raise _Malformed(f"body is not JSON ({exc})") from None
+        if not isinstance(answer, dict):
+            raise _Malformed(f"body is a JSON {type(answer).__name__}, not an object")
+        return status, answer
+
+    def parse(self, route: str, answer: dict, build):
+        """``build(answer)``; an answer without the fields it needs closes the client and raises
+        :class:`PxdConnectionError` naming the route (pxd always sends them)."""
+        try:
+            return build(answer)
+        except (KeyError, TypeError, ValueError, AttributeError, _Malformed) as exc:
+            self.close()
+            raise PxdConnectionError(f"{self.name}: malformed answer to {route}: "
+                                     f"{type(exc).__name__}: {exc}; the connection is closed") from None
 
     # -- the API ---------------------------------------------------------------------------------
 
@@ -213,18 +327,30 @@ class PxdClient:
 
     def exec(self, argv: list[str] | None = None, *, shell: str | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: str | None = None, timeout_s: float = 60.0,
-             head_bytes: int = 32768, tail_bytes: int = 32768, merge_stderr: bool = False) -> ExecResult:
-        """Run ``argv`` (a list) or ``shell`` (a ``/bin/sh -c`` string) in the workspace or ``cwd``."""
+             head_bytes: int = 32768, tail_bytes: int = 32768, merge_stderr: bool = False,
+             results_fd: int | None = None, results_cap_bytes: int | None = None,
+             kill_others: bool = False) -> ExecResult:
+        """Run ``argv`` (a list) or ``shell`` (a ``/bin/sh -c`` string) in the workspace or ``cwd``.
+
+        ``results_fd`` (3..9) gives the command a pipe at that descriptor whose contents (up to
+        ``results_cap_bytes``, default 1 MiB) come back as ``results``; ``kill_others`` kills every
+        other process of the sandbox after the command ends and before the answer (PID-1 pxd only)."""
         body = {"argv": argv, "shell": shell, "cwd": cwd, "env": env, "stdin": stdin, "timeout_s": timeout_s,
-                "head_bytes": head_bytes, "tail_bytes": tail_bytes, "merge_stderr": merge_stderr}
+                "head_bytes": head_bytes, "tail_bytes": tail_bytes, "merge_stderr": merge_stderr,
+                "results_fd": results_fd, "results_cap_bytes": results_cap_bytes,
+                "kill_others": kill_others or None}
         answer = self.request("POST", "/exec", {k: v for k, v in body.items() if v is not None},
                               wait_s=timeout_s + ANSWER_MARGIN_S)
-        return ExecResult.from_answer(answer)
+        result = self.parse("/exec", answer, ExecResult.from_answer)
+        if results_fd is not None and result.results is None:
+            self.parse("/exec", answer, lambda a: a["results_b64"])
+        return result
 
     def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """The file's bytes (``max_bytes`` caps them; see :meth:`read_file_info` for the flag)."""
         a = self.read_file_info(path, max_bytes=max_bytes)
-        return a["content"].encode() if a["encoding"] == "utf-8" else base64.b64decode(a["content"])
+        return self.parse("/file/read", a, lambda a: a["content"].encode() if a["encoding"] == "utf-8"
+                          else base64.b64decode(a["content"], validate=True))
 
     def read_file_info(self, path: str, *, max_bytes: int | None = None) -> dict:
         body = {"path": path}
@@ -239,26 +365,29 @@ class PxdClient:
         else:
             body = {"path": path, "content": base64.b64encode(data).decode(), "encoding": "base64"}
         body.update(mode=mode, make_dirs=make_dirs)
-        return self.request("POST", "/file/write", body)["size"]
+        return self.parse("/file/write", self.request("POST", "/file/write", body), lambda a: int(a["size"]))
 
     def git_status(self, cwd: str | None = None) -> GitStatus:
         a = self.request("POST", "/git/status", {"cwd": cwd} if cwd else {})
-        return GitStatus(clean=a["clean"], files=[GitFile(**f) for f in a["files"]])
+        return self.parse("/git/status", a, lambda a: GitStatus(clean=a["clean"], files=[GitFile(**f) for f in a["files"]]))
 
     def git_diff(self, *, staged: bool = False, base: str | None = None, cwd: str | None = None) -> str:
         body = {"staged": staged, "base": base, "cwd": cwd}
-        return self.request("POST", "/git/diff", {k: v for k, v in body.items() if v is not None})["diff"]
+        a = self.request("POST", "/git/diff", {k: v for k, v in body.items() if v is not None})
+        return self.parse("/git/diff", a, lambda a: a["diff"])
 
     def git_commit(self, message: str, *, add_all: bool = True, cwd: str | None = None) -> CommitResult:
         body = {"message": message, "add_all": add_all}
         if cwd:
             body["cwd"] = cwd
         a = self.request("POST", "/git/commit", body)
-        return CommitResult(committed=a["committed"], commit=a.get("commit"), reason=a.get("reason", ""))
+        return self.parse("/git/commit", a, lambda a: CommitResult(committed=a["committed"], commit=a.get("commit"),
+                                                                    reason=a.get("reason", "")))
 
     def open_session(self, *, cwd: str | None = None, env: dict[str, str] | None = None) -> "ShellSession":
         body = {k: v for k, v in {"cwd": cwd, "env": env}.items() if v is not None}
-        return ShellSession(self, self.request("POST", "/session/open", body)["session_id"])
+        a = self.request("POST", "/session/open", body)
+        return ShellSession(self, self.parse("/session/open", a, lambda a: str(a["session_id"])))
 
 
 class ShellSession:
@@ -275,7 +404,7 @@ class ShellSession:
         a = self.client.request("POST", "/session/exec", {
             "session_id": self.session_id, "command": command, "timeout_s": timeout_s,
             "head_bytes": head_bytes, "tail_bytes": tail_bytes}, wait_s=timeout_s + ANSWER_MARGIN_S)
-        return ExecResult.from_answer(a)
+        return self.client.parse("/session/exec", a, ExecResult.from_answer)
 
     def close(self) -> None:
         try:

@@ -3,9 +3,12 @@
 Run it locally (no sandbox, for debugging) on a folder, talking HTTP/1.1 over stdin/stdout::
 
     python3 sandboxes/pxd.py --workspace /tmp/ws --stdio
-    # then type:  GET /health HTTP/1.1<CR><LF>Content-Length: 0<CR><LF><CR><LF>
+    # then type the key line, then requests:
+    #   PXD-KEY 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f<LF>
+    #   GET /health HTTP/1.1<CR><LF>Content-Length: 0<CR><LF><CR><LF>
 
-or on a unix socket (several clients at once, one thread per connection)::
+or on a unix socket (several clients at once, one thread per connection; each connection starts
+with its own ``PXD-KEY`` line)::
 
     python3 sandboxes/pxd.py --workspace /tmp/ws --socket /tmp/pxd.sock
 
@@ -14,7 +17,15 @@ The runtimes in ``sandboxes/runtimes.py`` start it as the first process of a san
 daemon's life to the harness (stdin closes, pxd exits, the sandbox ends).
 
 The protocol is HTTP/1.1 with JSON bodies and ``Content-Length`` framing, one request at a time per
-connection (keep-alive). Routes (all bodies JSON objects; errors are ``4xx`` with ``{"error": ...}``):
+connection (keep-alive). The connection's first line, before any request, is the client's
+``PXD-KEY <64 hex digits>``: a random 32-byte key (on stdin, never in argv or the environment,
+which other processes may read). Every answer then carries ``X-Pxd-Mac``, the hex HMAC-SHA256
+under that key of ``b"%d\n%s\n" % (seq, status_line) + body``, where ``seq`` counts the answers on
+the connection from 0 and ``status_line`` has no CRLF. The client rejects an answer with a
+missing or wrong MAC, so an answer forged, replayed or reordered by anyone without the key is
+never taken for pxd's. No answer body exceeds ``MAX_ANSWER_BYTES`` (a larger one becomes a 500).
+
+Routes (all bodies JSON objects; errors are ``4xx`` with ``{"error": ...}``):
 
 - ``GET /health``: pid, uptime, workspace, protocol version.
 - ``POST /exec``: run ``argv`` (list) or ``shell`` (string, ``/bin/sh -c``) with ``cwd`` (inside the
@@ -22,11 +33,29 @@ connection (keep-alive). Routes (all bodies JSON objects; errors are ``4xx`` wit
   stream), ``merge_stderr``. Answers ``exit_code`` (128+N when killed by signal N), ``stdout``,
   ``stderr``, ``truncated``, ``timed_out``, ``stdout_bytes``/``stderr_bytes`` (totals produced),
   ``duration_s``. The command's whole process group is killed when it ends or times out.
+  ``results_fd`` (3..9): the command also gets the write end of a fresh pipe at that descriptor,
+  read while it runs up to ``results_cap_bytes`` (default 1 MiB, at most 16 MiB); the answer adds
+  ``results_b64`` and ``results_truncated``. ``kill_others``: once the command ends (exit or
+  timeout) every other process of the sandbox is SIGKILLed, then the pipes are drained and the
+  answer adds ``others_killed`` (how many were alive); refused (400) unless pxd is PID 1, where
+  ``kill(-1)`` reaches only the sandbox.
 - ``POST /session/open``, ``/session/exec``, ``/session/close``: a persistent ``bash`` whose working
   folder and exported variables carry over between commands.
 - ``POST /file/read``, ``/file/write``: paths relative to the workspace (absolute paths only when
   inside it); ``..`` components and symlinks are refused, size limits apply.
 - ``POST /git/status``, ``/git/diff``, ``/git/commit``.
+
+Who can reach the channel: only pxd holds the protocol pipes inside the sandbox (it closes what it
+inherited; every descriptor it opens is close-on-exec; no parent or helper process stays inside).
+pxd makes itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so a command of the same uid can
+neither ptrace it, nor ``pidfd_getfd`` its descriptors, nor open its ``/proc/<pid>/fd``, ``mem`` or
+``environ``. It is PID 1 of the sandbox's PID namespace (bwrap ``--as-pid-1``; gVisor starts it so)
+and installs no handler for a terminating signal there, so Linux drops every signal sent to it
+from inside, SIGKILL included; the host ends it by closing stdin, by cgroup or with ``runsc kill``.
+gVisor delivers such signals to its PID 1 anyway, so there pxd runs as gVisor's root with a few
+capabilities and starts every command as the sandbox user (``--command-uid``), which may not signal
+it. As PID 1 pxd reaps orphans: it waits only for zombie children it did not start (found in
+/proc), never stealing the exit status of its own commands.
 
 This file uses only the standard library: it runs under whatever ``python3`` the sandbox has.
 """
@@ -34,7 +63,11 @@ This file uses only the standard library: it runs under whatever ``python3`` the
 from __future__ import annotations
 
 import base64
+import ctypes
 import errno
+import fcntl
+import hashlib
+import hmac
 import json
 import os
 import selectors
@@ -52,6 +85,15 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 24 * 3600.0
 DEFAULT_CAP_BYTES = 32 * 1024
 MAX_CAP_BYTES = 16 * 1024 * 1024
+DEFAULT_RESULTS_CAP_BYTES = 1024 * 1024
+MAX_RESULTS_CAP_BYTES = 16 * 1024 * 1024
+# no answer body is larger (a bigger one becomes a 500); the client refuses anything above this plus
+# a margin, so a forged Content-Length cannot make the host buffer more
+MAX_ANSWER_BYTES = 256 * 1024 * 1024
+KEY_PREFIX = b"PXD-KEY "
+MAC_HEADER = "X-Pxd-Mac"
+DRAIN_AFTER_EXIT_S = 0.5  # how long output pipes may stay open after the command's group is killed
+DRAIN_AFTER_KILL_S = 5.0  # the same after kill_others, when every writer is dead
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error"}
 
@@ -98,12 +140,38 @@ def read_message(rfile):
     return line.decode("latin-1").rstrip("\r\n"), headers, body
 
 
-def write_response(wfile, status: int, obj) -> None:
+def answer_mac(key: bytes, seq: int, status_line: bytes, body: bytes) -> str:
+    """The MAC of one answer: HMAC-SHA256 over the decimal sequence number, a newline, the status line
+    (without its CRLF), a newline and the body. The client checks it against its own count."""
+    return hmac.new(key, b"%d\n%s\n" % (seq, status_line) + body, hashlib.sha256).hexdigest()
+
+
+def write_response(wfile, status: int, obj, key: bytes | None = None, seq: int = 0) -> None:
+    """Write one answer; with ``key``, add its ``X-Pxd-Mac`` (answer number ``seq`` on this connection)."""
     body = json.dumps(obj, separators=(",", ":")).encode()
-    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    if len(body) > MAX_ANSWER_BYTES:
+        status = 500
+        body = json.dumps({"error": f"the answer is {len(body)} bytes, over pxd's cap of {MAX_ANSWER_BYTES}; "
+                                    "ask for less (smaller head_bytes/tail_bytes/max_bytes)"}).encode()
+    status_line = f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}".encode()
+    mac = f"{MAC_HEADER}: {answer_mac(key, seq, status_line, body)}\r\n".encode() if key is not None else b""
+    head = (status_line + b"\r\nContent-Type: application/json\r\n" + mac
+            + f"Content-Length: {len(body)}\r\n\r\n".encode())
     wfile.write(head + body)
     wfile.flush()
+
+
+def read_key(rfile) -> bytes:
+    """The connection's first line, ``PXD-KEY <64 hex digits>``: the key that authenticates answers."""
+    line = rfile.readline(256)
+    hexkey = line[len(KEY_PREFIX):].strip() if line.startswith(KEY_PREFIX) else b""
+    try:
+        key = bytes.fromhex(hexkey.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) != 32:
+        raise RequestError("the first line must be 'PXD-KEY <64 hex digits>' (the answer key)")
+    return key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +336,7 @@ class Daemon:
             raise RequestError(f"{field}: {where!r} is not a folder")
         try:
             os.mkdir(comp, 0o755, dir_fd=fd)
+            _chown_new(comp, fd)
         except FileExistsError:
             pass  # a concurrent request made it first
         return Daemon._open_component(fd, comp, where, field, create=False)
@@ -310,7 +379,16 @@ class Daemon:
         tail = _bounded(body, "tail_bytes", DEFAULT_CAP_BYTES, 0, MAX_CAP_BYTES)
         stdin = _field(body, "stdin", str)
         merge = _field(body, "merge_stderr", bool, False)
-        return run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge)
+        results_fd = _field(body, "results_fd", int)
+        if results_fd is not None and not 3 <= results_fd <= 9:
+            raise RequestError(f"field 'results_fd' must be between 3 and 9, got {results_fd}")
+        results_cap = _bounded(body, "results_cap_bytes", DEFAULT_RESULTS_CAP_BYTES, 0, MAX_RESULTS_CAP_BYTES)
+        kill_others = _field(body, "kill_others", bool, False)
+        if kill_others and not is_init():
+            raise RequestError("kill_others needs pxd to be PID 1 of the sandbox's PID namespace; this pxd is "
+                               f"pid {os.getpid()} (the unisolated debug runtime?) and would kill host processes")
+        return run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge,
+                           results_fd=results_fd, results_cap=results_cap, kill_others=kill_others)
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -415,6 +493,8 @@ class Daemon:
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
+                    if COMMAND_IDS is not None:
+                        os.fchown(f.fileno(), *COMMAND_IDS)
                     os.fchmod(f.fileno(), mode)
             except BaseException:
                 os.unlink(tmp, dir_fd=dfd)
@@ -521,31 +601,55 @@ GIT_ENV = {
 }
 
 
-def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge) -> dict:
-    """Run one command in its own process group; capture head and tail; kill the group at the end."""
+def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge, *, results_fd=None,
+                results_cap=DEFAULT_RESULTS_CAP_BYTES, kill_others=False) -> dict:
+    """Run one command in its own process group; capture head and tail; kill the group at the end.
+
+    With ``results_fd`` the command also gets the write end of a fresh pipe at that descriptor,
+    read up to ``results_cap`` bytes. With ``kill_others`` every other process of the sandbox is
+    killed once the command ends, before the pipes are drained and the answer is made."""
     started = time.monotonic()
+    results_r = results_w = None
+    extra = {}
+    spawned = False
+    if results_fd is not None:
+        results_r, results_w = os.pipe()
+        # the write end lands at results_fd in the child; every descriptor pxd opened is close-on-exec
+        # (pxd closed what it inherited at start), so nothing else reaches the command
+        extra = dict(close_fds=False, preexec_fn=lambda: os.dup2(results_w, results_fd, inheritable=True))
     try:
-        proc = subprocess.Popen(
+        proc = _Child(
             argv, cwd=cwd, env=env, start_new_session=True,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE, **extra,
         )
+        spawned = True
     except FileNotFoundError:
         raise RequestError(f"command not found: {argv[0]!r}")
     except PermissionError:
         raise RequestError(f"command not executable: {argv[0]!r}")
     except OSError as exc:
         raise RequestError(f"cannot start {argv[0]!r}: {exc.strerror}")
+    finally:
+        if results_w is not None:
+            os.close(results_w)
+            if not spawned:
+                os.close(results_r)
     out, err = Capture(head, tail), Capture(head, tail)
+    results = Capture(results_cap, 0)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, out)
     if not merge:
         sel.register(proc.stderr, selectors.EVENT_READ, err)
+    if results_r is not None:
+        sel.register(results_r, selectors.EVENT_READ, results)
     if stdin is not None:
         threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True).start()
     deadline = started + timeout_s
     timed_out = False
     exited_at = None
+    drain_s = DRAIN_AFTER_EXIT_S
+    others_killed = None
     try:
         while sel.get_map():
             now = time.monotonic()
@@ -553,12 +657,15 @@ def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge) -> dict:
                 # the command is done: anything it left behind goes with it
                 exited_at = now
                 _kill_group(proc.pid)
-            if exited_at is not None and now - exited_at > 0.5:
-                break  # a writer escaped the process group; stop waiting for its EOF
             if exited_at is None and now >= deadline:
                 timed_out = True
                 _kill_group(proc.pid)
                 exited_at = now
+            if exited_at is not None and kill_others and others_killed is None:
+                others_killed = kill_other_processes()
+                exited_at, drain_s = time.monotonic(), DRAIN_AFTER_KILL_S
+            if exited_at is not None and now - exited_at > drain_s:
+                break  # a writer escaped the process group; stop waiting for its EOF
             wait = 0.05 if exited_at is None else 0.01
             if exited_at is None:
                 wait = min(wait, max(0.0, deadline - now))
@@ -569,28 +676,40 @@ def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge) -> dict:
                 else:
                     sel.unregister(key.fileobj)
         if not timed_out and exited_at is None:
-            # both pipes closed; the command may still be running
+            # every pipe closed; the command may still be running
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
+        if kill_others and others_killed is None:
+            others_killed = kill_other_processes()
     finally:
         sel.close()
         _kill_group(proc.pid)
         returncode = proc.wait()
+        if is_init():
+            settle_group(proc.pid)
         for f in (proc.stdout, proc.stderr, proc.stdin):
             if f is not None:
                 try:
                     f.close()
                 except OSError:
                     pass
-    return {
+        if results_r is not None:
+            os.close(results_r)
+    answer = {
         "exit_code": _exit_code(returncode), "timed_out": timed_out,
         "stdout": out.text(), "stderr": "" if merge else err.text(),
         "truncated": out.truncated or err.truncated,
         "stdout_bytes": out.total, "stderr_bytes": err.total,
         "duration_s": round(time.monotonic() - started, 6),
     }
+    if results_r is not None:
+        answer["results_b64"] = base64.b64encode(bytes(results.head)).decode()
+        answer["results_truncated"] = results.total > len(results.head)
+    if others_killed is not None:
+        answer["others_killed"] = others_killed
+    return answer
 
 
 def _feed(pipe, data: bytes) -> None:
@@ -606,7 +725,7 @@ class Session:
 
     def __init__(self, shell: str, cwd: str, env: dict):
         self.id = os.urandom(8).hex()
-        self.proc = subprocess.Popen(
+        self.proc = _Child(
             [shell] + (["--noprofile", "--norc"] if shell.endswith("bash") else []),
             cwd=cwd, env=env, start_new_session=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -708,6 +827,161 @@ class _MarkedStream:
             del self.pending[:-keep]
 
 
+# ---------------------------------------------------------------------------------------------
+# pxd's own processes, the orphans it reaps as PID 1, and its protection
+
+
+COMMAND_IDS = None  # (uid, gid) commands run as when pxd itself runs as another user (gVisor: root)
+
+
+def set_command_ids(uid: int) -> None:
+    """Run every command as ``uid`` (its group the same number), pxd staying the user it is: a
+    command then cannot signal pxd at all (gVisor delivers signals to its PID 1 from inside)."""
+    global COMMAND_IDS
+    if os.getuid() == uid:
+        return
+    if os.geteuid() != 0:
+        raise SystemExit(f"pxd: --command-uid {uid} needs pxd to run as root (it runs as uid {os.getuid()})")
+    COMMAND_IDS = (uid, uid)
+
+
+def _chown_new(name: str, dir_fd: int) -> None:
+    """Give what pxd just made to the command user, so the agent's commands may change it."""
+    if COMMAND_IDS is not None:
+        os.chown(name, *COMMAND_IDS, dir_fd=dir_fd, follow_symlinks=False)
+
+
+class _Child(subprocess.Popen):
+    """A process pxd starts and waits for itself; the orphan reaper leaves its exit status alone."""
+
+    def __init__(self, *args, **kwargs):
+        if COMMAND_IDS is not None:
+            kwargs.update(user=COMMAND_IDS[0], group=COMMAND_IDS[1], extra_groups=[])
+        with _children_lock:
+            super().__init__(*args, **kwargs)
+            _children[self.pid] = self
+
+
+_children_lock = threading.Lock()
+_children: dict = {}  # pid -> _Child not yet known to be waited for
+
+
+def is_init() -> bool:
+    """Whether pxd is PID 1 of its PID namespace (bwrap --as-pid-1, gVisor), where the kernel drops
+    every signal sent from inside the namespace that pxd has no handler for, SIGKILL included."""
+    return os.getpid() == 1
+
+
+def _proc_table() -> list:
+    """(pid, state, ppid, process group) of every process visible in /proc."""
+    table = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        table.append((int(name), fields[0].decode(), int(fields[1]), int(fields[2])))
+    return table
+
+
+def reap_orphans() -> int:
+    """Wait for every zombie child of pxd it did not start itself (orphans re-parented to PID 1);
+    pxd's own children are left to the code that started them, which needs their exit status."""
+    me, reaped = os.getpid(), 0
+    with _children_lock:
+        for pid in [pid for pid, child in _children.items() if child.returncode is not None]:
+            del _children[pid]
+        for pid, state, ppid, _ in _proc_table():
+            if state == "Z" and ppid == me and pid not in _children:
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        reaped += 1
+                except ChildProcessError:
+                    pass
+    return reaped
+
+
+def settle_group(pgid: int, give_up_s: float = 1.0) -> None:
+    """After a command's group is killed: wait for its members to die and reap the orphans among
+    them, so the next command sees none of them (not even as zombies)."""
+    give_up = time.monotonic() + give_up_s
+    me = os.getpid()
+    while time.monotonic() < give_up:
+        reap_orphans()
+        left = [pid for pid, state, ppid, group in _proc_table()
+                if group == pgid and (state not in ("Z", "X") or ppid == me)]
+        with _children_lock:
+            left = [pid for pid in left if pid not in _children]
+        if not left:
+            return
+        time.sleep(0.002)
+
+
+def _reaper_loop(period_s: float = 0.25) -> None:
+    while True:
+        time.sleep(period_s)
+        try:
+            reap_orphans()
+        except OSError:
+            pass
+
+
+def kill_other_processes(give_up_s: float = 5.0) -> int:
+    """SIGKILL every process in the sandbox but pxd (repeated until none is left alive, so a fork
+    bomb's newest children go too) and reap the orphans; returns how many distinct processes were
+    alive. Only as PID 1: ``kill(-1)`` spares the caller and the namespace's init, nothing else."""
+    me = os.getpid()
+    seen = set()
+    give_up = time.monotonic() + give_up_s
+    while time.monotonic() < give_up:
+        alive = {pid for pid, state, _, _ in _proc_table() if pid != me and state not in ("Z", "X")}
+        if not alive:
+            break
+        seen |= alive
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reap_orphans()
+        time.sleep(0.005)
+    reap_orphans()
+    return len(seen)
+
+
+def protect_self() -> None:
+    """Make pxd non-dumpable: processes of the same uid can then neither ptrace it, nor take its
+    descriptors with pidfd_getfd, nor open its /proc/<pid>/fd, mem or environ (all need
+    CAP_SYS_PTRACE, which nothing in a sandbox has)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_DUMPABLE = 4
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise SystemExit(f"pxd: prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(ctypes.get_errno())}")
+
+def close_inherited_fds() -> None:
+    """Close every descriptor above 2 that pxd inherited: what pxd opens later is close-on-exec, so
+    then nothing but what a request asks for reaches a command."""
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass  # the listing's own descriptor
+
+
+def reserve_results_fds() -> None:
+    """Hold descriptors 3..9 with close-on-exec placeholders, so that no pipe pxd makes (nor
+    subprocess's own error pipe) lands there and a command's ``results_fd`` replaces only a placeholder."""
+    placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    for fd in range(3, 10):
+        if fd != placeholder:
+            os.dup2(placeholder, fd, inheritable=False)
+    if placeholder > 9:
+        os.close(placeholder)
+
+
 ROUTES = {
     "/health": ("GET", Daemon.health),
     "/exec": ("POST", Daemon.exec),
@@ -722,19 +996,22 @@ ROUTES = {
 }
 
 
-def serve_stream(daemon: Daemon, rfile, wfile) -> None:
-    """Answer requests on one connection until it closes."""
+def serve_stream(daemon: Daemon, rfile, wfile, key: bytes | None = None) -> None:
+    """Answer requests on one connection until it closes; with ``key``, every answer carries its MAC
+    over its sequence number on this connection (0, 1, 2, ...)."""
+    seq = 0
     while True:
         try:
             message = read_message(rfile)
         except RequestError as exc:
-            write_response(wfile, exc.status, {"error": str(exc)})
+            write_response(wfile, exc.status, {"error": str(exc)}, key, seq)
             return
         if message is None:
             return
         start_line, _headers, body = message
         status, obj = daemon.handle(start_line, body)
-        write_response(wfile, status, obj)
+        write_response(wfile, status, obj, key, seq)
+        seq += 1
 
 
 def listen_unix(path: str) -> socket.socket:
@@ -747,11 +1024,17 @@ def listen_unix(path: str) -> socket.socket:
 
 
 def serve_socket(daemon: Daemon, server: socket.socket) -> None:
+    """One thread per connection; each connection starts with its client's ``PXD-KEY`` line."""
 
     def one(conn):
         with conn, conn.makefile("rb") as r, conn.makefile("wb") as w:
             try:
-                serve_stream(daemon, r, w)
+                key = read_key(r)
+            except RequestError as exc:
+                write_response(w, exc.status, {"error": str(exc)})
+                return
+            try:
+                serve_stream(daemon, r, w, key)
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
@@ -760,18 +1043,19 @@ def serve_socket(daemon: Daemon, server: socket.socket) -> None:
         threading.Thread(target=one, args=(conn,), daemon=True).start()
 
 
-USAGE = "usage: pxd.py --workspace DIR (--stdio | --socket PATH) [--max-file-bytes N]"
+USAGE = "usage: pxd.py --workspace DIR (--stdio | --socket PATH) [--max-file-bytes N] [--command-uid UID]"
 
 
 def parse_args(argv: list) -> dict:
     """``--name value`` pairs and the ``--stdio`` switch (no argparse: it costs startup time in every sandbox)."""
-    opts = {"workspace": None, "socket": None, "stdio": False, "max_file_bytes": 8 * 1024 * 1024}
+    opts = {"workspace": None, "socket": None, "stdio": False, "max_file_bytes": 8 * 1024 * 1024,
+            "command_uid": None}
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--stdio":
             opts["stdio"] = True
-        elif arg in ("--workspace", "--socket", "--max-file-bytes") and i + 1 < len(argv):
+        elif arg in ("--workspace", "--socket", "--max-file-bytes", "--command-uid") and i + 1 < len(argv):
             opts[arg[2:].replace("-", "_")] = argv[i + 1]
             i += 1
         elif arg in ("-h", "--help"):
@@ -786,25 +1070,45 @@ def parse_args(argv: list) -> dict:
         opts["max_file_bytes"] = int(opts["max_file_bytes"])
     except ValueError:
         sys.exit(f"pxd: --max-file-bytes must be an integer, got {opts['max_file_bytes']!r}")
+    if opts["command_uid"] is not None:
+        if not opts["command_uid"].isdigit():
+            sys.exit(f"pxd: --command-uid must be a user id, got {opts['command_uid']!r}")
+        opts["command_uid"] = int(opts["command_uid"])
     return opts
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if os.getpid() == 1:
-        become_init()
+    close_inherited_fds()
+    reserve_results_fds()
+    protect_self()
+    if args["command_uid"] is not None:
+        set_command_ids(args["command_uid"])
+    if is_init():
+        # PID 1 of the sandbox: no handler for any terminating signal, so none sent from inside the
+        # namespace is delivered (Python's own SIGINT handler goes too); the host ends the sandbox
+        # by closing stdin, by its cgroup or with runsc kill. Orphans are reaped here.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        threading.Thread(target=_reaper_loop, daemon=True).start()
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     daemon = Daemon(args["workspace"], max_file_bytes=args["max_file_bytes"])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         if args["stdio"]:
-            rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
-            # commands must never write into the protocol stream: move stdout away from fd 1
-            proto_out = os.fdopen(os.dup(1), "wb")
+            rfile = sys.stdin.buffer
+            try:
+                key = read_key(rfile)
+            except RequestError as exc:
+                sys.stderr.write(f"pxd: {exc}\n")
+                return 2
+            # commands must never write into the protocol stream: move stdout away from fd 1, above
+            # the descriptors a command may ask for as its results_fd
+            proto_out = os.fdopen(fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 10), "wb")
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.close(devnull)
             write_ready(proto_out)
-            serve_stream(daemon, rfile, proto_out)
+            serve_stream(daemon, rfile, proto_out, key)
         else:
             server = listen_unix(args["socket"])  # listening before the ready line goes out
             threading.Thread(target=serve_socket, args=(daemon, server), daemon=True).start()
@@ -816,26 +1120,6 @@ def main(argv=None) -> int:
     finally:
         daemon.close()
     return 0
-
-
-def become_init() -> None:
-    """As PID 1 (gVisor starts pxd so), stay a reaper of orphaned processes and serve from a child.
-
-    Orphans are re-parented to PID 1; without a reaper their zombies would pile up. The parent
-    only waits; it exits with the serving child's status."""
-    child = os.fork()
-    if child == 0:
-        return
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGTERM))
-    while True:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            os._exit(0)
-        except InterruptedError:
-            continue
-        if pid == child:
-            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def write_ready(wfile) -> None:

@@ -28,6 +28,19 @@ calls go to gVisor's user-space kernel, not the host's. The image root is read-o
 pipe (gVisor can lose output written to a regular file). Known limit of runsc 20221219 with newer coreutils: ``ls PATH`` fails with
 "Invalid argument" (its statx call is refused); ``ls`` without a path, ``find`` and Python work.
 
+The answer channel: the host hands pxd a random key as the first line on its stdin and checks the
+MAC on every answer (``sandboxes/pxd.py`` describes the protocol), and no command can reach the
+pipes: pxd is the sandbox's PID 1 (bwrap ``--as-pid-1``, so no bwrap process stays inside holding
+them) and non-dumpable, which keeps processes of its uid from tracing it, taking its descriptors
+(``pidfd_getfd``, ``/proc/1/fd``) or signalling it (PID 1 of a namespace gets no signal from
+inside that it has no handler for). Under gVisor, which delivers those signals, pxd runs as
+gVisor's root with only the capabilities to start commands as the sandbox user and manage their
+files (``PXD_GVISOR_CAPS``); the commands run as uid 1000 as before. bwrap cannot give pxd a uid
+of its own cheaply: an unprivileged user namespace maps one uid, and a second one needs a
+privileged uid map (bwrap as root), which would give up running bwrap as the unprivileged sandbox
+user. :meth:`Sandbox.exec` passes ``results_fd`` (a results channel the command's output cannot
+mix into) and ``kill_others`` (nothing the command left behind outlives the answer) to pxd.
+
 unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
 it runs only with ``allow_unisolated=True``; nothing ever falls back to it.
 """
@@ -63,6 +76,10 @@ PXD_SOURCE = Path(__file__).with_name("pxd.py")
 PXD_IN_SANDBOX = "/opt/pxd/pxd.py"
 SANDBOX_HOME = "/home/sandbox"
 READY_TIMEOUT_S = 30.0
+# pxd's capabilities in gVisor (none reach a command: they are dropped when it becomes the
+# sandbox user): start commands as that user, signal them (kill_others), and write the sandbox
+# user's files and folders (the workspace is theirs) giving new ones to them
+PXD_GVISOR_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
 GVISOR_OVERHEAD_MIB = 128  # memory for the gVisor sentry and gofer, added to a sandbox's limit
 
 
@@ -379,6 +396,9 @@ class BwrapRuntime:
         root = sb.rootfs.merged
         argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                 "--hostname", "sandbox", "--new-session", "--disable-userns",
+                # pxd is the PID namespace's init: no bwrap process inside holds its pipes, and no
+                # signal sent from inside reaches it
+                "--as-pid-1",
                 "--bind", str(root), "/", "--bind", str(sb.rootfs.workspace), WORKDIR]
         for path in host_toolchain():
             # mount points made here, in the sandbox's own layer: the sandbox user may not write there
@@ -441,11 +461,15 @@ class GvisorRuntime:
         return {
             "ociVersion": "1.0.2",
             "process": {
-                "terminal": False, "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
-                "args": pxd_argv(os.path.realpath(sys.executable)),
+                # pxd runs as gVisor's root with only the capabilities it needs to run commands as
+                # the sandbox user and manage their files; gVisor delivers signals sent from inside
+                # to its PID 1, so a different uid is what keeps commands from killing pxd
+                "terminal": False, "user": {"uid": 0, "gid": 0},
+                "args": [*pxd_argv(os.path.realpath(sys.executable)), "--command-uid", str(SANDBOX_UID)],
                 "env": [f"{k}={v}" for k, v in sb.env.items()], "cwd": WORKDIR,
                 "noNewPrivileges": True,
-                "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+                "capabilities": {**{k: list(PXD_GVISOR_CAPS) for k in ("bounding", "effective", "permitted")},
+                                 "inheritable": [], "ambient": []},
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
                             {"type": "RLIMIT_NPROC", "hard": limits.pids, "soft": limits.pids}],
             },
@@ -598,12 +622,18 @@ class Sandbox:
     # -- the evals-facing shortcuts ---------------------------------------------------------------
 
     def exec(self, command: str | list[str], *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
-             cwd: str | None = None, env: dict[str, str] | None = None) -> ExecResult:
+             cwd: str | None = None, env: dict[str, str] | None = None, results_fd: int | None = None,
+             kill_others: bool = False) -> ExecResult:
         """Run a shell string (``/bin/sh -c``) or an argv list in the workspace; stdout and stderr are
-        merged into ``stdout`` (and ``output``), capped to the first and last ``output_cap_bytes / 2``."""
+        merged into ``stdout`` (and ``output``), capped to the first and last ``output_cap_bytes / 2``.
+
+        ``results_fd`` (3..9): what the command writes to that descriptor comes back as ``results``
+        (up to 1 MiB, ``results_truncated`` beyond), on a channel the command's output cannot mix
+        into. ``kill_others``: after the command ends, every other process of the sandbox is killed
+        before the answer is made, so nothing it left behind writes to results or files later."""
         head = output_cap_bytes // 2
         kwargs = dict(cwd=cwd, env=env, timeout_s=timeout_s, head_bytes=head, tail_bytes=output_cap_bytes - head,
-                      merge_stderr=True)
+                      merge_stderr=True, results_fd=results_fd, kill_others=kill_others)
         if isinstance(command, str):
             return self.pxd.exec(shell=command, **kwargs)
         return self.pxd.exec(list(command), **kwargs)
