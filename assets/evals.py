@@ -45,10 +45,13 @@ def deepswe_eval(
     """DeepSWE-style evaluation of one checkpoint on the held-out tasks: several attempts per task,
     only committed work graded, per-attempt rows (reward, f2p, p2p, partial, target scores) in Parquet.
     The checkpoint's base model (and adapter, if any) is served by a local engine in this process;
-    episodes run in sandboxes; attempts lost to sandbox failures are retried, never scored."""
+    episodes run in sandboxes; attempts lost to sandbox failures are retried, never scored.
+    ``flagged_attempts`` counts graded attempts with a cheating signal and ``signals`` how many
+    carry each one (a forged results stream, a rewritten report, a patch touching the tests, an
+    always-equal comparison...); flagged attempts are scored as graded."""
     from evals.evaluate import evaluate, write_rows
     from evals.harness import InProcessClient
-    from evals.report import per_task
+    from evals.report import flagged_mask, per_task, signal_counts
     from evals.sandbox import platform_sandbox_factory
     from serving.engine import LocalEngine
 
@@ -98,17 +101,22 @@ def deepswe_eval(
         "mean_target_score": float(graded["target_score"].mean()) if len(graded) else float("nan"),
         "mean_strict_target_score": float(graded["strict_target_score"].mean()) if len(graded) else float("nan"),
         "committed_share": float(frame["committed"].mean()) if len(frame) else 0.0,
+        "flagged_attempts": int(flagged_mask(graded).sum()),
+        "signals": dg.MetadataValue.json(signal_counts(graded)),
         "adapter_version": adapter_version or "base",
     }
     return dg.MaterializeResult(metadata=metadata)
 
 
 class EvalReportConfig(dg.Config):
-    """``flawed_dir``: folder of flawed-task lists (default: ``<datasets>/flawed``); ``k``: the k of pass@k."""
+    """``flawed_dir``: folder of flawed-task lists (default: ``<datasets>/flawed``); ``k``: the k of pass@k;
+    ``exclude_flagged``: leave attempts with a cheating signal out of every score (by default they are
+    scored, and the report also gives every score without them)."""
 
     flawed_dir: str = ""
     k: int = 8
     resamples: int = 2000
+    exclude_flagged: bool = False
 
 
 def _png_md(path: Path, title: str) -> str:
@@ -121,12 +129,14 @@ def eval_report(
     context: dg.AssetExecutionContext, config: EvalReportConfig, storage: PosttrainStorage
 ) -> dg.MaterializeResult:
     """pass@1 and pass@k per checkpoint with confidence intervals, target scores, the paired
-    comparison with the base model, and every score with each flawed-task list dropped."""
+    comparison with the base model, every score with each flawed-task list dropped, and the count
+    of flagged attempts (a cheating signal) with every score also given without them."""
     import pandas as pd
 
     from evals.flawed import load_flawed_lists
     from evals.report import (
-        build_report, markdown_tables, plot_pass_at_1, plot_pass_at_k, plot_target_scores, report_rows,
+        build_report, flagged_mask, markdown_tables, plot_pass_at_1, plot_pass_at_k, plot_target_scores,
+        report_rows, signal_counts,
     )
 
     files = sorted((storage.evals_dir() / "deepswe").glob("*.parquet"))
@@ -135,7 +145,11 @@ def eval_report(
     rows = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
     flawed_dir = Path(config.flawed_dir) if config.flawed_dir else storage.datasets_dir() / "flawed"
     lists = load_flawed_lists(flawed_dir)
-    report = build_report(rows, lists, k=config.k, resamples=config.resamples)
+    report = build_report(rows, lists, k=config.k, resamples=config.resamples, exclude_flagged=config.exclude_flagged)
+    graded = rows[rows["status"] != "infra_error"]
+    flagged_attempts = int(flagged_mask(graded).sum())
+    if config.exclude_flagged:
+        rows = rows[~flagged_mask(rows)]
     out = storage.reports_dir()
     out.mkdir(parents=True, exist_ok=True)
     tables = markdown_tables(report, k=config.k)
@@ -147,6 +161,9 @@ def eval_report(
     return dg.MaterializeResult(metadata={
         "checkpoints": int(rows["checkpoint"].nunique()),
         "attempts": len(rows),
+        "flagged_attempts": flagged_attempts,
+        "flagged_excluded": config.exclude_flagged,
+        "signals": dg.MetadataValue.json(signal_counts(graded)),
         "flawed_lists": dg.MetadataValue.json({fl.name: sorted(fl.ids) for fl in lists}),
         "scores": dg.MetadataValue.md(tables),
         "pass@1 per checkpoint": dg.MetadataValue.md(_png_md(p1, "pass@1 per checkpoint")),

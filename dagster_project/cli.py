@@ -85,6 +85,51 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    import json
+    import math
+
+    import pandas as pd
+
+    from evals.report import checkpoint_summary, flagged_mask
+
+    if args.k < 1:
+        print(f"posttrain score: --k {args.k}: expected an integer >= 1", file=sys.stderr)
+        return 2
+    frames = []
+    for path in args.rows:
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as exc:  # pyarrow raises several kinds for a missing or non-Parquet file
+            print(f"posttrain score: {path}: not readable attempt rows (Parquet expected): {exc}", file=sys.stderr)
+            return 2
+        missing = sorted({"checkpoint", "task_id", "status", "reward", "target_score", "strict_target_score",
+                          "partial"} - set(frame.columns))
+        if missing:
+            print(f"posttrain score: {path}: missing column(s) {', '.join(missing)} of attempt rows", file=sys.stderr)
+            return 2
+        frames.append(frame)
+    rows = pd.concat(frames, ignore_index=True)
+    if args.exclude_flagged:
+        rows = rows[~flagged_mask(rows)]
+    summary = checkpoint_summary(rows, args.k) if len(rows) else []
+    if args.json:
+        clean = [{key: (None if isinstance(v, float) and math.isnan(v) else v) for key, v in r.items()} for r in summary]
+        print(json.dumps({"exclude_flagged": args.exclude_flagged, "k": args.k, "checkpoints": clean}, indent=2))
+        return 0
+    header = ["checkpoint", "tasks", "attempts", "infra errors", "flagged", "pass@1", f"pass@{args.k}", "partial"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in summary:
+        cells = [r["checkpoint"], r["tasks"], r["attempts"], r["infra_errors"], r["flagged"], r["pass@1"],
+                 r[f"pass@{args.k}"], r["partial"]]
+        print("| " + " | ".join("–" if isinstance(c, float) and math.isnan(c) else
+                                f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    if args.exclude_flagged:
+        print("(attempts with a cheating signal left out)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -122,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     backfill.add_argument("--wait", action="store_true", help="wait until every run of the backfill has finished")
     backfill.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits (default: 3600)")
     backfill.set_defaults(func=cmd_backfill)
+
+    score = sub.add_parser(
+        "score",
+        help="pass@1, pass@k and partial per checkpoint from attempt rows",
+        description="Score the attempt rows of deepswe_eval (Parquet files) per checkpoint: plain means over "
+        "tasks of pass@1, pass@k and the partial score; infra errors are left out, flagged attempts (a "
+        "cheating signal) are counted and, with --exclude-flagged, left out too.",
+    )
+    score.add_argument("rows", nargs="+", help="attempt-row Parquet files, e.g. evals/deepswe/demo-step_000004.parquet")
+    score.add_argument("--exclude-flagged", action="store_true", help="leave out attempts with a cheating signal")
+    score.add_argument("--k", type=int, default=8, help="the k of pass@k (default: 8)")
+    score.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    score.set_defaults(func=cmd_score)
 
     for module in DOMAIN_CLIS:
         module.register(sub)

@@ -6,8 +6,9 @@
                     adapter_version="step_000004", attempts=8)
 
 Each row holds the task, the attempt index, the grading status (``graded`` / ``apply_failed`` /
-``infra_error``), the DeepSWE score fields, and how the episode went. An attempt that hits an
-infrastructure failure is retried up to ``infra_retries`` times; if it still fails it is recorded
+``agent_fault`` / ``infra_error``), the DeepSWE score fields, how the episode went, and ``signals``:
+the cheating signals of its grading (:mod:`evals.signals`), sorted names joined by commas ('' for
+none). An attempt that hits an infrastructure failure is retried up to ``infra_retries`` times; if it still fails it is recorded
 with ``status="infra_error"`` and empty scores, and metrics leave it out (never scored as 0).
 :func:`write_rows` stores rows as Parquet (temporary name, then rename).
 """
@@ -22,12 +23,13 @@ from typing import Any, Sequence
 from evals.grading import INFRA_ERROR, Scores
 from evals.harness import ModelClient, Tokenizer, Trajectory, run_episode
 from evals.sandbox import SandboxFactory
+from evals.signals import join_signals
 from evals.tasks import Task
 
 SCORE_FIELDS = tuple(Scores.__dataclass_fields__)
 ROW_COLUMNS = ("checkpoint", "adapter_version", "task_id", "source", "difficulty", "split", "attempt", "status",
                *SCORE_FIELDS, "committed", "stop_reason", "turns", "output_tokens", "agent_s", "grade_s",
-               "infra_retries", "detail", "session_id")
+               "infra_retries", "detail", "session_id", "signals")
 
 
 def attempt_row(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> dict[str, Any]:
@@ -44,6 +46,7 @@ def attempt_row(task: Task, attempt: int, traj: Trajectory, checkpoint: str, inf
         "turns": len(traj.calls), "output_tokens": sum(len(c.output_ids) for c in traj.calls),
         "agent_s": traj.agent_s, "grade_s": traj.grade_s, "infra_retries": infra_retries,
         "detail": detail[:500], "session_id": traj.session_id,
+        "signals": join_signals(grade.signals) if grade is not None else "",
     }
     for name in SCORE_FIELDS:
         row[name] = getattr(scores, name) if scores is not None else None

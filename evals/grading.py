@@ -7,26 +7,51 @@ Two halves:
   (failed > skipped > passed); :func:`score` turns the statuses of the target and existing tests into
   :class:`Scores`, whose fields and meaning match the DeepSWE v1.1 verifier's ``reward.json``:
   a target or existing test that is missing or skipped counts as failed.
-- **Grading committed work** (:func:`grade_patch`): the agent's ``git diff BASE HEAD`` is applied to a
-  pristine sandbox of the task (only its changes to ``editable_paths``, when the task sets them);
+- **Grading committed work** (:func:`grade_patch`): the agent's ``git diff BASE HEAD``
+  (:func:`committed_patch`, computed so that nothing in the agent's repository config runs) is applied
+  to a pristine sandbox of the task (only its changes to ``editable_paths``, when the task sets them);
   protected paths (the tests) are reset to the base commit; the tests run there. Tests that time out
-  count as failed (an agent's endless loop must not escape scoring); a sandbox that dies is infra. A patch that does not apply scores 0 with ``apply_failed``. An infrastructure failure (the
-  sandbox died, the grader's own command timed out) is retried and, if it persists, recorded as
-  ``infra_error``: such an attempt is never scored.
+  count as failed (an agent's endless loop must not escape scoring). A patch that does not apply
+  scores 0 with ``apply_failed``. An infrastructure failure (the sandbox died, the grader's own
+  command timed out) is retried and, if it persists, recorded as ``infra_error``: such an attempt is
+  never scored. A patch that breaks the sandbox itself (a control run without it works) is
+  ``agent_fault``, scored 0.
+
+Results out of reach of the code under test: where the sandbox offers ``results_fd`` and
+``kill_others`` (bwrap, gVisor), pytest runs with the plugin :mod:`evals.pytest_results` (written to
+``/tmp/.posttrain-grader/`` under a random module name and enabled by ``PYTHONPATH`` and
+``PYTEST_ADDOPTS``, so ``test_command`` is run as the task wrote it). It streams every test report to
+a pipe that the sandbox's daemon reads, and ends pytest with ``os._exit`` right after its last
+record, so ``atexit`` hooks never run; the daemon kills every other process of the sandbox before it
+answers, so nothing the tests left behind can write afterwards. The stream's statuses are graded
+(:func:`parse_results_stream` lists its rules); a stream that breaks them scores 0 with the signal
+``results_tampered``; report files that disagree with it give the signal ``report_rewritten``.
+Commands that are not pytest (no stream) are graded from their report files, read after every other
+process was killed. Cheating signals of the patch itself come from :mod:`evals.signals`.
+
+The stream stops rewriting after the fact (exit hooks, lingering processes, report files edited by
+anything). It cannot stop code that runs inside the pytest process and targets the plugin (it shares
+that process); the static signals (``tampers_pytest``, ``touches_fds``, ``adds_os_exit``,
+``tampers_sys_modules``) flag the means such code needs.
 
 ``posttrain grade --config tests/config.json --report R1 --report R2 --json`` is :func:`grade_reports`.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
+import os
+import re
+import shlex
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from evals.sandbox import InfraError
+from evals.sandbox import AgentFault, InfraError
+from evals.signals import REPORT_REWRITTEN, RESULTS_TAMPERED, patch_signals
 
 
 class ReportError(ValueError):
@@ -69,7 +94,7 @@ def parse_junit_bytes(data: bytes, path: str) -> dict[str, Status]:
     """:func:`parse_junit` of a report's content; ``path`` names it in errors."""
     try:
         root = ET.fromstring(data)
-    except ET.ParseError as exc:
+    except (ET.ParseError, ValueError, LookupError) as exc:  # LookupError: an unknown declared encoding
         raise ReportError(f"{path}: not a readable JUnit XML report: {exc}") from exc
     if root.tag not in ("testsuites", "testsuite"):
         raise ReportError(f"{path}: root element <{root.tag}>, expected <testsuites> or <testsuite>")
@@ -106,7 +131,7 @@ def parse_ctrf_bytes(raw: bytes, path: str, node_id: str = "name") -> dict[str, 
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReportError(f"{path}: not a readable CTRF JSON report: {exc}") from exc
+        raise ReportError(f"{path}: not a readable CTRF JSON report (UTF-8 JSON expected): {exc}") from exc
     tests = data.get("results", {}).get("tests") if isinstance(data, dict) else None
     if not isinstance(tests, list):
         raise ReportError(f"{path}: missing key 'results.tests' (a list)")
@@ -202,11 +227,20 @@ def load_harbor_config(path: str | Path) -> dict:
     """A Harbor ``tests/config.json``, checked for the keys grading needs."""
     path = Path(path)
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise ReportError(f"{path}: not a readable JSON task config: {exc}") from exc
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"{path}: not UTF-8 text (byte {exc.start}), expected a JSON task config") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: not a JSON task config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ReportError(f"{path}: a JSON {type(config).__name__}, expected an object with "
+                          "'f2p_node_ids', 'p2p_node_ids' and 'grade'")
     for key in ("f2p_node_ids", "p2p_node_ids", "grade"):
-        if key not in (config if isinstance(config, dict) else {}):
+        if key not in config:
             raise ReportError(f"{path}: missing key {key!r}")
     fmt = config["grade"].get("format") if isinstance(config["grade"], dict) else None
     if fmt not in ("junit", "ctrf"):
@@ -224,10 +258,181 @@ def grade_reports(config_path: str | Path, report_paths: Sequence[str | Path]) -
     return score(config["f2p_node_ids"], config["p2p_node_ids"], merge_statuses(reports))
 
 
+# ---------------------------------------------------------------- the results stream
+
+# Event order of one pytest session in the stream (see evals/pytest_results.py).
+_WHENS = ("setup", "call", "teardown")
+_OUTCOMES = {"passed": Status.PASSED, "skipped": Status.SKIPPED, "failed": Status.FAILED}
+
+
+def junit_id(nodeid: str) -> str:
+    """The id pytest's JUnit writer gives a node id (what :func:`parse_junit` reads back).
+
+    ``tests/test_x.py::TestY::test_z[a::b]`` becomes ``tests.test_x.TestY.test_z[a::b]``: the file path
+    is dotted and loses ``.py``, ``::`` separators become dots, the parameter bracket stays opaque.
+    """
+    path, sep, tail = nodeid.partition("::")
+    names = [path]
+    params = None
+    if sep:
+        name_part, bracket, param_part = tail.partition("[")
+        names += name_part.split("::")
+        params = param_part.removesuffix("]") if bracket else None
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    if params is not None:
+        names[-1] += f"[{params}]"
+    return ".".join(names)
+
+
+@dataclass(frozen=True)
+class ResultsStream:
+    """What the results stream of one test run says.
+
+    ``sessions`` counts pytest sessions seen (0: pytest never loaded the plugin, or the command is not
+    pytest); ``finished`` is True when every session ended with its ``finish`` record; ``tampering``
+    names the first broken rule ('' when the stream is sound); ``statuses`` are keyed as JUnit ids.
+    """
+
+    statuses: dict[str, Status]
+    sessions: int = 0
+    finished: bool = False
+    tampering: str = ""
+    exit_statuses: tuple[int, ...] = ()
+
+
+def _session_statuses(phases: Mapping[str, dict[str, str]]) -> dict[str, Status]:
+    statuses: dict[str, Status] = {}
+    for nodeid, by_when in phases.items():
+        outcomes = set(by_when.values())
+        if "failed" in outcomes:
+            status = Status.FAILED
+        elif "collect" in by_when:
+            status = _OUTCOMES[by_when["collect"]]
+        elif "call" in by_when:
+            status = _OUTCOMES[by_when["call"]]
+        elif by_when.get("setup") == "skipped":
+            status = Status.SKIPPED
+        else:
+            status = Status.FAILED  # set up but never called: the run ended inside the test
+        test_id = junit_id(nodeid)
+        statuses[test_id] = max(status, statuses.get(test_id, Status.PASSED))
+    return statuses
+
+
+def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: int | None = None) -> ResultsStream:
+    """Statuses from the results stream, checked against the rules only the real pytest run keeps.
+
+    The stream is a sequence of sessions, each ``start``, then ``report`` records of collectors that
+    did not pass, ``collected``, then the setup/call/teardown ``report`` records, then ``finish``.
+    Tampering (the attempt scores 0) is any of: a stream over the daemon's cap (``truncated``); bytes
+    after the last newline; a line that is not a JSON object with a known event and typed fields; a
+    record of a session other than the open one, or a session id used twice; a session started while
+    another is open, or more sessions than the test command runs (``max_sessions``), which makes any
+    byte after the last ``finish`` tampering; a collect record after ``collected`` or a test record
+    before it; a second record for the same node id and phase; a call or teardown with no setup
+    before it, a call after a setup that did not pass; more tests set up than were collected.
+
+    A session that stops without ``finish`` (a timeout, a crash) is not tampering: what it reported
+    counts and the rest is missing, hence failed. A test's status is its worst phase; a test that
+    passed setup and never reported its call failed.
+    """
+    def tampered(why: str) -> ResultsStream:
+        return ResultsStream({}, sessions, False, why)
+
+    sessions = 0
+    if truncated:
+        return tampered("the results stream exceeds the daemon's cap")
+    if data and not data.endswith(b"\n"):
+        return tampered("the results stream ends inside a record")
+    statuses: dict[str, Status] = {}
+    exits: list[int] = []
+    seen_ids: set[str] = set()
+    current = None  # the open session's id
+    collected = None  # its collected count, once known
+    phases: dict[str, dict[str, str]] = {}
+    set_up = 0
+    for number, raw in enumerate(data.splitlines(), 1):
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return tampered(f"results record {number} is not JSON")
+        if not isinstance(record, dict) or not isinstance(record.get("session"), str):
+            return tampered(f"results record {number} is not an object with a session id")
+        event, session = record.get("event"), record["session"]
+        if event == "start":
+            if current is not None:
+                return tampered(f"results record {number} starts a session while session {current} is open")
+            if session in seen_ids:
+                return tampered(f"results record {number} starts session {session} a second time")
+            if max_sessions is not None and sessions >= max_sessions:
+                return tampered(f"results record {number} comes after the test command's last session finished")
+            sessions += 1
+            seen_ids.add(session)
+            current, collected, phases, set_up = session, None, {}, 0
+            continue
+        if session != current:
+            return tampered(f"results record {number} ({event!r}) belongs to no open session")
+        if event == "collected":
+            count = record.get("count")
+            if collected is not None or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                return tampered(f"results record {number} is a second or malformed 'collected'")
+            collected = count
+        elif event == "report":
+            nodeid, when, outcome = record.get("nodeid"), record.get("when"), record.get("outcome")
+            if not isinstance(nodeid, str) or outcome not in _OUTCOMES or when not in ("collect", *_WHENS):
+                return tampered(f"results record {number} is a malformed report")
+            if (when == "collect") != (collected is None):
+                return tampered(f"results record {number}: a {when} report {'after' if collected is not None else 'before'} collection ended")
+            by_when = phases.setdefault(nodeid, {})
+            if when in by_when:
+                return tampered(f"results record {number}: a second {when} report for {nodeid}")
+            if when == "setup":
+                set_up += 1
+                if set_up > collected:
+                    return tampered(f"results record {number}: more tests set up than the {collected} collected")
+            elif when in ("call", "teardown") and "setup" not in by_when:
+                return tampered(f"results record {number}: a {when} report for {nodeid} before its setup")
+            elif when == "call" and by_when["setup"] != "passed":
+                return tampered(f"results record {number}: a call report for {nodeid} whose setup did not pass")
+            by_when[when] = outcome
+        elif event == "finish":
+            status = record.get("exitstatus")
+            if not isinstance(status, int) or isinstance(status, bool):
+                return tampered(f"results record {number} is a malformed 'finish'")
+            exits.append(status)
+            statuses = merge_statuses([statuses, _session_statuses(phases)])
+            current, phases = None, {}
+        else:
+            return tampered(f"results record {number} has unknown event {event!r}")
+    if current is not None:
+        statuses = merge_statuses([statuses, _session_statuses(phases)])
+    return ResultsStream(statuses, sessions, sessions > 0 and current is None, "", tuple(exits))
+
+
+_SHELL_SYNTAX = re.compile(r"[;&|`<>\n]|\$\(")
+
+
+def pytest_sessions(command: str) -> int | None:
+    """How many pytest sessions ``command`` runs, where its text says: 1 for one simple command that
+    names pytest once (``[VAR=value ...] python3 -m pytest ...``, ``pytest ...``); None when that
+    cannot be read from it (a script, shell operators, no pytest in sight)."""
+    if _SHELL_SYNTAX.search(command):
+        return None
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    named = sum(1 for w in words if w == "pytest" or w.endswith("/pytest") or w == "py.test")
+    return 1 if named == 1 else None
+
+
 # ---------------------------------------------------------------- grading committed work
 
-GRADED, APPLY_FAILED, INFRA_ERROR = "graded", "apply_failed", "infra_error"
+GRADED, APPLY_FAILED, INFRA_ERROR, AGENT_FAULT = "graded", "apply_failed", "infra_error", "agent_fault"
 PATCH_PATH = ".git/posttrain-graded.patch"  # inside .git: never part of the work tree
+RESULTS_FD = 3
+GRADER_DIR = "/tmp/.posttrain-grader"  # outside the repository: no patch can ship a file there
+PLUGIN_SOURCE = Path(__file__).with_name("pytest_results.py")
 
 
 @dataclass(frozen=True)
@@ -235,8 +440,11 @@ class GradeResult:
     """The outcome of grading one attempt.
 
     ``status`` is ``graded`` (``scores`` hold), ``apply_failed`` (the patch did not apply; ``scores``
-    are all zero) or ``infra_error`` (the grader could not run after ``infra_retries`` retries;
-    ``scores`` is None and the attempt must not be counted).
+    are all zero), ``agent_fault`` (the patch broke the grading sandbox while a control run of the
+    unpatched task ran fine; ``scores`` are all zero, ``detail`` names the evidence) or
+    ``infra_error`` (the grader could not run after ``infra_retries`` retries; ``scores`` is None and
+    the attempt must not be counted). ``signals`` are the cheating signals of :mod:`evals.signals`
+    (static ones of the patch, run-time ones of the grading), sorted.
     """
 
     status: str
@@ -245,16 +453,151 @@ class GradeResult:
     infra_retries: int = 0
     statuses: Mapping[str, str] | None = None
     test_output: str = ""
+    signals: tuple[str, ...] = ()
+
+
+_FULL_ID = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?")
+_SHORT_ID = re.compile(r"[0-9a-f]{4,64}")
+_REF_NAME = re.compile(r"refs/(?:[A-Za-z0-9_-][A-Za-z0-9._-]*/)*[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+# The committed diff, computed by a git that reads nothing the agent controls but the objects:
+# a fresh bare repository (our config, no hooks, attributes, replace refs or grafts) whose object
+# store borrows the agent's through alternates; no system, global or XDG config; every option the
+# repository's config could change given on the command line.
+_DIFF_SCRIPT = r"""set -e
+d=$(mktemp -d /tmp/.posttrain-diff.XXXXXXXX)
+mkdir -p "$d/objects/info" "$d/refs" "$d/home"
+printf 'ref: refs/heads/posttrain\n' > "$d/HEAD"
+printf '[core]\n\trepositoryformatversion = 0\n\tbare = true\n' > "$d/config"
+printf '%s/.git/objects\n' "$PWD" > "$d/objects/info/alternates"
+set +e
+env -i PATH=/usr/bin:/bin LANG=C HOME="$d/home" XDG_CONFIG_HOME="$d/home" GIT_DIR="$d" \
+  GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_NO_REPLACE_OBJECTS=1 GIT_ATTR_NOSYSTEM=1 \
+  GIT_OPTIONAL_LOCKS=0 GIT_TERMINAL_PROMPT=0 \
+  /usr/bin/git -c core.attributesFile=/dev/null -c core.hooksPath=/dev/null -c core.fsmonitor=false \
+  diff --binary --no-ext-diff --no-textconv --no-color --no-renames --no-relative --src-prefix=a/ \
+  --dst-prefix=b/ --unified=3 --diff-algorithm=myers --ignore-submodules=none {base} {head} --
+rc=$?
+rm -rf "$d"
+exit $rc
+"""
+
+
+def _agent_file(sandbox, path: str) -> bytes | None:
+    try:
+        return sandbox.read_file(path)
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:  # a symlink, a folder, a fifo where git keeps a file
+        raise AgentFault("agent_broke_repo", f"{path}: {exc}") from exc
+
+
+def _resolve_commit(sandbox, name: str) -> str:
+    """The commit id ``name`` (``HEAD``, a ref, an id) stands for, read from the agent's ``.git`` as plain
+    files (``HEAD``, loose refs, ``packed-refs``), never through git: no repository setting applies."""
+    for _ in range(8):
+        if _FULL_ID.fullmatch(name):
+            return name
+        if name != "HEAD" and (not _REF_NAME.fullmatch(name) or ".." in name or name.endswith(".lock")):
+            raise AgentFault("agent_broke_repo", f"{name[:80]!r} is not a ref name")
+        data = _agent_file(sandbox, f".git/{name}")
+        if data is None:
+            if name == "HEAD":
+                raise AgentFault("agent_broke_repo", ".git/HEAD is missing")
+            for line in (_agent_file(sandbox, ".git/packed-refs") or b"").decode("utf-8", "replace").splitlines():
+                commit, _, ref = line.partition(" ")
+                if ref == name and _FULL_ID.fullmatch(commit):
+                    return commit
+            raise AgentFault("agent_broke_repo", f"{name} names no commit (not in .git/refs nor .git/packed-refs)")
+        text = data.decode("utf-8", "replace").strip()
+        if text.startswith("ref:"):
+            name = text[4:].strip()
+            continue
+        if _FULL_ID.fullmatch(text):
+            return text
+        raise AgentFault("agent_broke_repo", f".git/{name} holds {text[:80]!r}, not a commit id nor 'ref: <name>'")
+    raise AgentFault("agent_broke_repo", "symbolic refs nest more than 8 deep")
+
+
+def _supports_results(sandbox) -> bool:
+    return bool(getattr(sandbox, "supports_results", False))
 
 
 def committed_patch(sandbox, base_commit: str) -> str:
-    """``git diff --binary BASE HEAD`` in the agent's sandbox: only committed work is graded."""
-    result = sandbox.exec(f"git diff --binary {base_commit} HEAD", timeout_s=60, output_cap_bytes=8 << 20)
+    """``git diff --binary BASE HEAD`` of the agent's repository: only committed work is graded.
+
+    The agent controls that repository, its config included (an external diff or textconv driver, an
+    fsmonitor or hook script, attributes, replace refs, diff prefixes): none of it may take part. So
+    ``HEAD`` is resolved here from the plain files in ``.git`` and the diff runs in the sandbox with
+    ``/usr/bin/git`` (read-only, from the host) on a bare repository the grader makes in ``/tmp``, with
+    its own minimal config and the agent's objects reached through ``objects/info/alternates``; the
+    environment is cleared (no system, global or XDG config, no replace objects) and every diff
+    option a config could change is given: no external diff, no textconv, no renames, ``a/``/``b/``
+    prefixes, three lines of context. Processes the agent left running are killed first (where the
+    sandbox can), so none can edit that repository while git reads it.
+
+    A repository the agent broke (garbage in ``.git/HEAD``, missing objects, a patch over 8 MiB)
+    raises :class:`AgentFault` ``agent_broke_repo`` / ``agent_patch_too_large``: the attempt scores 0.
+    A sandbox that is gone raises :class:`InfraError`.
+    """
+    if _supports_results(sandbox):
+        sandbox.exec("true", timeout_s=30, kill_others=True)
+    head = _resolve_commit(sandbox, "HEAD")
+    if _FULL_ID.fullmatch(base_commit) or _SHORT_ID.fullmatch(base_commit):
+        base = base_commit
+    else:
+        base = _resolve_commit(sandbox, base_commit)
+    result = sandbox.exec(_DIFF_SCRIPT.replace("{base}", base).replace("{head}", head), timeout_s=60,
+                          output_cap_bytes=8 << 20)
     if result.timed_out or result.exit_code != 0:
-        raise InfraError(f"git diff {base_commit} HEAD failed (exit {result.exit_code}): {result.output[-500:]}")
+        alive = sandbox.exec("true", timeout_s=30)  # InfraError here: the sandbox itself is gone
+        if alive.exit_code != 0:
+            raise InfraError(f"the agent's sandbox cannot run 'true' (exit {alive.exit_code}): {alive.output[-300:]}")
+        what = "timed out" if result.timed_out else f"failed (exit {result.exit_code})"
+        raise AgentFault("agent_broke_repo", f"git diff {base} {head} {what}: {result.output[-500:]}")
     if result.truncated:
-        raise InfraError("the committed patch exceeds 8 MiB")
+        raise AgentFault("agent_patch_too_large", "the committed patch exceeds 8 MiB")
     return result.output
+
+
+def _install_plugin(sandbox) -> str:
+    """Write the results plugin into the grading sandbox under a random module name; return the name."""
+    module = f"_posttrain_results_{os.urandom(8).hex()}"
+    encoded = base64.b64encode(PLUGIN_SOURCE.read_bytes()).decode()
+    made = sandbox.exec(f"set -e; umask 077; mkdir -p {GRADER_DIR}; "
+                        f"printf %s {encoded} | base64 -d > {GRADER_DIR}/{module}.py", timeout_s=30)
+    if made.timed_out or made.exit_code != 0:
+        raise InfraError(f"writing the results plugin to {GRADER_DIR} failed: {made.output[-300:]}")
+    return module
+
+
+def _read_reports(task, sandbox) -> tuple[list[dict[str, Status]], list[str]]:
+    reports, missing = [], []
+    for report in task.report_paths:
+        try:
+            data = sandbox.read_file(report)
+        except FileNotFoundError:
+            missing.append(report)
+            continue
+        except ValueError as exc:  # a symlink or a folder where the report should be
+            missing.append(f"{report} ({exc})")
+            continue
+        try:
+            if task.report_format == "junit":
+                reports.append(parse_junit_bytes(data, report))
+            else:
+                reports.append(parse_ctrf_bytes(data, report, task.ctrf_node_id))
+        except ReportError as exc:
+            missing.append(f"{report} ({exc})")
+    return reports, missing
+
+
+class _TestsBroke(Exception):
+    """The grading sandbox failed while the patched tests ran (maybe the patch's doing)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
 
 
 def _run_tests(task, sandbox, patch: str) -> GradeResult:
@@ -279,45 +622,97 @@ def _run_tests(task, sandbox, patch: str) -> GradeResult:
             raise InfraError(f"restoring {task.protected_paths} from the base commit failed: {restored.output[-500:]}")
     for report in task.report_paths:
         sandbox.exec(f"rm -f '{report}'", timeout_s=30)
-    run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s, output_cap_bytes=1 << 20)
-    reports = []
-    missing = []
-    for report in task.report_paths:
-        try:
-            data = sandbox.read_file(report)
-        except FileNotFoundError:
-            missing.append(report)
-            continue
-        try:
-            if task.report_format == "junit":
-                reports.append(parse_junit_bytes(data, report))
-            else:
-                reports.append(parse_ctrf_bytes(data, report, task.ctrf_node_id))
-        except ReportError as exc:
-            missing.append(f"{report} ({exc})")
-    statuses = merge_statuses(reports)
-    detail = "; ".join(
-        ([f"tests timed out after {task.limits.test_timeout_s:g}s"] if run.timed_out else [])
-        + [f"report missing or unreadable: {m}" for m in missing]
-    )
-    return GradeResult(GRADED, score(task.target_tests, task.existing_tests, statuses), detail=detail,
-                       statuses={k: v.name.lower() for k, v in statuses.items()}, test_output=run.output[-4000:])
+    streamed = _supports_results(sandbox)
+    kwargs = {}
+    if streamed:
+        module = _install_plugin(sandbox)
+        kwargs = dict(env={"PYTHONPATH": GRADER_DIR, "PYTEST_ADDOPTS": f"-p {module}",
+                           "POSTTRAIN_RESULTS_FD": str(RESULTS_FD)},
+                      results_fd=RESULTS_FD, kill_others=True)
+    try:
+        run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s, output_cap_bytes=1 << 20, **kwargs)
+        # with kill_others nothing the tests started is alive now: the files read next are final
+        reports, missing = _read_reports(task, sandbox)
+    except (InfraError, OSError) as exc:
+        raise _TestsBroke(exc) from exc
+    return _score_run(task, run, reports, missing, streamed)
+
+
+def _score_run(task, run, reports, missing, streamed: bool) -> GradeResult:
+    notes = [f"tests timed out after {task.limits.test_timeout_s:g}s"] if run.timed_out else []
+    signals: list[str] = []
+    expected = pytest_sessions(task.test_command)
+    stream = ResultsStream({})
+    if streamed and run.results is not None:
+        data = run.results
+        if run.timed_out and not data.endswith(b"\n"):
+            data = data[:data.rfind(b"\n") + 1]  # killed inside a write longer than a pipe keeps whole
+        stream = parse_results_stream(data, truncated=run.results_truncated, max_sessions=expected)
+    output = run.output[-4000:]
+    if stream.tampering:
+        zero = zero_scores(task.target_tests, task.existing_tests)
+        return GradeResult(GRADED, zero, detail=f"{RESULTS_TAMPERED}: {stream.tampering}", test_output=output,
+                           statuses={}, signals=(RESULTS_TAMPERED,))
+    file_statuses = merge_statuses(reports)
+    if stream.sessions and task.report_format == "junit":
+        statuses = stream.statuses
+        named = [r for r in task.report_paths if r in task.test_command]
+        if stream.finished and (file_statuses != statuses or any(m.split(" (")[0] in named for m in missing)):
+            signals.append(REPORT_REWRITTEN)
+            notes.append(f"{REPORT_REWRITTEN}: the report files disagree with pytest's results stream; "
+                         "the stream is graded")
+        if not stream.finished:
+            notes.append("pytest ended before its results stream finished")
+    elif streamed and run.results is not None and expected == 1 and task.report_format == "junit":
+        statuses = {}  # pytest ran, yet not with the grader's plugin: its report files are not evidence
+        notes.append("no results stream from pytest (it did not load the grader's plugin)")
+    else:
+        statuses = file_statuses
+    notes += [f"report missing or unreadable: {m}" for m in missing]
+    return GradeResult(GRADED, score(task.target_tests, task.existing_tests, statuses), detail="; ".join(notes),
+                       statuses={k: v.name.lower() for k, v in statuses.items()}, test_output=output,
+                       signals=tuple(sorted(signals)))
 
 
 def grade_patch(task, patch: str, sandbox_factory, *, infra_retries: int = 2) -> GradeResult:
-    """Apply ``patch`` to a pristine sandbox of ``task``, run its tests, and score the reports.
+    """Apply ``patch`` to a pristine sandbox of ``task``, run its tests, and score what they did.
 
-    Tests that a report does not list (the run crashed, timed out, or a report is missing) count as
-    failed: that is the patch's doing. A failure of the sandbox itself (:class:`InfraError` or an
-    ``OSError`` from the runtime) is retried ``infra_retries`` times and then returned as
-    ``infra_error`` with no scores.
+    Tests with no result (the run crashed, timed out, or a report is missing) count as failed: that
+    is the patch's doing. Where the sandbox offers it, pytest's outcomes come from the results stream
+    (:mod:`evals.pytest_results`, read by the sandbox's daemon, every other process killed once the
+    tests end) and the report files are only compared with it; see :func:`parse_results_stream`.
+
+    A failure of the sandbox (:class:`InfraError` or an ``OSError`` from the runtime) is retried
+    ``infra_retries`` times and then returned as ``infra_error`` with no scores. When it happens while
+    the tests of a non-empty patch run, a control run of the empty patch in a fresh sandbox decides:
+    if the control runs, the patch broke the sandbox and the attempt is ``agent_fault`` (zero
+    scores); if the control fails too, it is infrastructure. ``signals`` always carry the patch's
+    static cheating signals (:func:`evals.signals.patch_signals`).
     """
+    static = patch_signals(patch, task.protected_paths, task.editable_paths)
     errors = []
     for attempt in range(infra_retries + 1):
         try:
             with sandbox_factory(task) as sandbox:
                 result = _run_tests(task, sandbox, patch)
-            return GradeResult(result.status, result.scores, result.detail, attempt, result.statuses, result.test_output)
+            return replace(result, infra_retries=attempt, signals=tuple(sorted({*static, *result.signals})))
+        except _TestsBroke as broke:
+            errors.append(f"try {attempt + 1}: {broke}")
+            if not patch.strip():
+                continue
+            try:
+                with sandbox_factory(task) as control_box:
+                    control = _run_tests(task, control_box, "")
+            except (_TestsBroke, InfraError, OSError) as exc:
+                errors.append(f"control run of the unpatched task failed too: {exc}")
+                continue
+            zero = zero_scores(task.target_tests, task.existing_tests)
+            detail = (f"agent_broke_sandbox: the grading sandbox failed while the patched tests ran ({broke}); "
+                      f"a control run of the unpatched task in a fresh sandbox completed "
+                      f"({control.scores.f2p_passed + control.scores.p2p_passed} tests passed)")
+            return GradeResult(AGENT_FAULT, zero, detail=detail, infra_retries=attempt, statuses={},
+                               signals=tuple(static))
         except (InfraError, OSError) as exc:
             errors.append(f"try {attempt + 1}: {type(exc).__name__}: {exc}")
-    return GradeResult(INFRA_ERROR, None, detail=" | ".join(errors), infra_retries=infra_retries)
+    return GradeResult(INFRA_ERROR, None, detail=" | ".join(errors), infra_retries=infra_retries,
+                       signals=tuple(static))

@@ -7,12 +7,18 @@ pass@k uses the unbiased estimator over that task's graded attempts; target scor
 a task's attempts first, so every task weighs the same. Intervals bootstrap over tasks
 (:mod:`evals.metrics`). The base model of checkpoint ``<run>-step_NNNNNN`` is ``<run>-step_000000``
 (the platform's partition convention); the paired comparison uses the tasks both were graded on.
+
+Attempts with a cheating signal (the ``signals`` column, :mod:`evals.signals`) are *flagged*: they are
+scored as graded (``results_tampered`` ones were already graded 0), each table says how many there
+are, and when any exist every score is also given without them (subset ``without flagged
+attempts``); ``exclude_flagged`` leaves them out of every score instead.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,6 +29,7 @@ import pandas as pd
 from evals.flawed import FlawedList
 from evals.grading import INFRA_ERROR
 from evals.metrics import Estimate, bootstrap, paired_difference, pass_at_k
+from evals.signals import split_signals
 
 _KEY = re.compile(r"^(?P<run>.+)-step_(?P<step>\d{6})$")
 
@@ -36,6 +43,26 @@ def base_checkpoint(key: str) -> str | None:
 def checkpoint_step(key: str) -> int | None:
     match = _KEY.match(key)
     return int(match["step"]) if match else None
+
+
+def flagged_mask(rows: pd.DataFrame) -> pd.Series:
+    """True for each attempt with at least one cheating signal (rows without a ``signals`` column have none)."""
+    if "signals" not in rows.columns:
+        return pd.Series(False, index=rows.index)
+    return rows["signals"].map(lambda value: bool(split_signals(value))).astype(bool)
+
+
+def signal_counts(rows: pd.DataFrame) -> dict[str, int]:
+    """How many attempts carry each signal, by name (sorted)."""
+    counts: Counter[str] = Counter()
+    if "signals" in rows.columns:
+        for value in rows["signals"]:
+            counts.update(set(split_signals(value)))
+    return dict(sorted(counts.items()))
+
+
+def without_flagged(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows[~flagged_mask(rows)]
 
 
 def per_task(rows: pd.DataFrame, k: int) -> pd.DataFrame:
@@ -66,6 +93,7 @@ class CheckpointScores:
     n_tasks: int
     attempts: int
     infra_errors: int
+    flagged: int = 0  # graded attempts with a cheating signal
     estimates: dict[str, Estimate] = field(default_factory=dict)
     vs_base: dict[str, Estimate] = field(default_factory=dict)
 
@@ -78,8 +106,9 @@ def score_checkpoint(rows: pd.DataFrame, *, k: int = 8, resamples: int = 2000, s
     """Scores of one checkpoint's rows (and, given ``base_rows``, the paired differences to the base)."""
     checkpoint = str(rows["checkpoint"].iloc[0]) if len(rows) else ""
     table = per_task(rows, k)
-    result = CheckpointScores(checkpoint, subset, len(table), int((rows["status"] != INFRA_ERROR).sum()),
-                              int((rows["status"] == INFRA_ERROR).sum()))
+    graded = rows["status"] != INFRA_ERROR
+    result = CheckpointScores(checkpoint, subset, len(table), int(graded.sum()), int((~graded).sum()),
+                              int((flagged_mask(rows) & graded).sum()))
     if table.empty:
         return result
     for metric in dict.fromkeys((*METRICS, f"pass@{k}")):
@@ -98,17 +127,26 @@ def score_checkpoint(rows: pd.DataFrame, *, k: int = 8, resamples: int = 2000, s
     return result
 
 
+FLAGGED_SUBSET = "without flagged attempts"
+
+
 def build_report(rows: pd.DataFrame, flawed_lists: Sequence[FlawedList] = (), *, k: int = 8,
-                 resamples: int = 2000, seed: int = 0) -> list[CheckpointScores]:
-    """Scores of every checkpoint in ``rows`` on all tasks and without each flawed list's tasks."""
+                 resamples: int = 2000, seed: int = 0, exclude_flagged: bool = False) -> list[CheckpointScores]:
+    """Scores of every checkpoint in ``rows`` on all tasks, without each flawed list's tasks, and
+    (when any attempt is flagged) without the flagged attempts; ``exclude_flagged`` drops flagged
+    attempts from every score instead."""
     if rows.empty:
         return []
     out = []
     checkpoints = sorted(rows["checkpoint"].unique(), key=lambda c: (checkpoint_step(c) or 0, c))
-    subsets: list[tuple[str, frozenset[str]]] = [("all", frozenset())]
-    subsets += [(f"without {fl.name}", fl.ids) for fl in flawed_lists]
-    for name, dropped in subsets:
-        kept = rows[~rows["task_id"].isin(dropped)]
+    flagged = flagged_mask(rows)
+    if exclude_flagged:
+        rows = rows[~flagged]
+    subsets: list[tuple[str, pd.DataFrame]] = [("all", rows)]
+    subsets += [(f"without {fl.name}", rows[~rows["task_id"].isin(fl.ids)]) for fl in flawed_lists]
+    if flagged.any() and not exclude_flagged:
+        subsets.append((FLAGGED_SUBSET, rows[~flagged]))
+    for name, kept in subsets:
         for ckpt in checkpoints:
             mine = kept[kept["checkpoint"] == ckpt]
             base = base_checkpoint(ckpt)
@@ -124,7 +162,7 @@ def markdown_tables(report: Sequence[CheckpointScores], k: int = 8) -> str:
     for subset in subsets:
         lines += [f"### {subset} tasks" if subset == "all" else f"### {subset}", ""]
         header = ["checkpoint", "tasks", "attempts", "infra errors", "pass@1", f"pass@{k}", "target score",
-                  "strict target score", "Δ pass@1 vs base", "Δ target vs base"]
+                  "strict target score", "Δ pass@1 vs base", "Δ target vs base", "flagged"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for r in (r for r in report if r.subset == subset):
@@ -134,9 +172,30 @@ def markdown_tables(report: Sequence[CheckpointScores], k: int = 8) -> str:
                 r.checkpoint, str(r.n_tasks), str(r.attempts), str(r.infra_errors), cell(r.estimates, "pass@1"),
                 cell(r.estimates, f"pass@{k}"), cell(r.estimates, "target_score"),
                 cell(r.estimates, "strict_target_score"), cell(r.vs_base, "pass@1"), cell(r.vs_base, "target_score"),
+                str(r.flagged),
             ]) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def checkpoint_summary(rows: pd.DataFrame, k: int = 8) -> list[dict[str, Any]]:
+    """Plain means per checkpoint (no intervals): tasks, graded attempts, infra errors, flagged
+    attempts, pass@1, pass@k (NaN where no task has k graded attempts) and partial, as
+    ``posttrain score`` prints them."""
+    out = []
+    for ckpt in sorted(rows["checkpoint"].unique(), key=lambda c: (checkpoint_step(c) or 0, c)):
+        mine = rows[rows["checkpoint"] == ckpt]
+        graded = mine["status"] != INFRA_ERROR
+        table = per_task(mine, k)
+        passk = table[f"pass@{k}"].dropna() if len(table) else table.get(f"pass@{k}", pd.Series(dtype=float))
+        out.append({
+            "checkpoint": str(ckpt), "tasks": len(table), "attempts": int(graded.sum()),
+            "infra_errors": int((~graded).sum()), "flagged": int((flagged_mask(mine) & graded).sum()),
+            "pass@1": float(table["pass@1"].mean()) if len(table) else math.nan,
+            f"pass@{k}": float(passk.mean()) if len(passk) else math.nan,
+            "partial": float(table["partial"].mean()) if len(table) else math.nan,
+        })
+    return out
 
 
 def report_rows(report: Sequence[CheckpointScores]) -> pd.DataFrame:
@@ -144,7 +203,7 @@ def report_rows(report: Sequence[CheckpointScores]) -> pd.DataFrame:
     out: list[dict[str, Any]] = []
     for r in report:
         row: dict[str, Any] = {"subset": r.subset, "checkpoint": r.checkpoint, "tasks": r.n_tasks,
-                               "attempts": r.attempts, "infra_errors": r.infra_errors}
+                               "attempts": r.attempts, "infra_errors": r.infra_errors, "flagged": r.flagged}
         for key, est in r.estimates.items():
             row[key], row[f"{key}_low"], row[f"{key}_high"] = est.value, est.low, est.high
         for key, est in r.vs_base.items():

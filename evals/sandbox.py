@@ -4,13 +4,17 @@
 its client) is what runs episodes. evals depends only on this narrow surface, so the harness and the
 grader are written once and work with any runtime that offers it:
 
-- ``exec(command, timeout_s, output_cap_bytes)`` runs a shell command in the task's repository
-  folder and returns its exit code, merged output (capped) and whether it timed out;
+- ``exec(command, timeout_s, output_cap_bytes, env, results_fd, kill_others)`` runs a shell command
+  in the task's repository folder and returns its exit code, merged output (capped) and whether it
+  timed out; with ``results_fd`` also what it wrote to that descriptor, and with ``kill_others``
+  nothing else in the sandbox outlives it;
 - ``read_file(path)`` / ``write_file(path, data)`` with paths relative to the repository folder.
 
 A :data:`SandboxFactory` opens a fresh sandbox of a task with its repository at the base commit, as a
 context manager that tears it down on exit. :class:`InfraError` is what a runtime raises when the
 sandbox itself failed (died, could not start): graders retry it and never score it.
+:class:`AgentFault` is what the grader raises when the agent broke what it controls (its repository,
+its sandbox): the attempt scores 0 and is not retried.
 
 :func:`platform_sandbox_factory` is the implementation: each sandbox is a ``sandboxes`` sandbox
 (bubblewrap or gVisor, ``pxd`` inside) wrapped in :class:`PlatformSandbox`.
@@ -19,6 +23,7 @@ sandbox itself failed (died, could not start): graders retry it and never score 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Protocol
@@ -30,17 +35,43 @@ class InfraError(RuntimeError):
     """The sandbox or the grader's own machinery failed; the attempt is retried, never scored."""
 
 
+class AgentFault(Exception):
+    """The agent broke what it controls (its repository, its sandbox): its attempt scores 0, no retry.
+
+    ``label`` names what broke, a stable name: ``agent_broke_repo`` (git cannot read the agent's
+    repository: garbage in ``.git/HEAD``, missing objects), ``agent_patch_too_large`` (a committed
+    patch over the grader's cap), ``agent_broke_sandbox`` (the patched tests killed the grading
+    sandbox while the unpatched task runs there). The message gives the evidence.
+    """
+
+    def __init__(self, label: str, evidence: str = ""):
+        super().__init__(f"{label}: {evidence}" if evidence else label)
+        self.label = label
+        self.evidence = evidence
+
+
 @dataclass(frozen=True)
 class ExecResult:
+    """What one command did. ``results`` is what it wrote to its ``results_fd`` (None: none asked)."""
+
     exit_code: int
     output: str
     timed_out: bool = False
     truncated: bool = False
     duration_s: float = 0.0
+    results: bytes | None = None
+    results_truncated: bool = False
 
 
 class Sandbox(Protocol):
-    def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536) -> ExecResult: ...
+    """``exec``'s ``env`` adds variables; ``results_fd`` gives the command a pipe at that descriptor
+    whose content comes back in ``ExecResult.results``; ``kill_others`` kills every other process of
+    the sandbox once the command ends, before the answer. A sandbox offering the last two sets
+    ``supports_results = True``; the grader then streams pytest's results (:mod:`evals.grading`)."""
+
+    def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
+             env: dict[str, str] | None = None, results_fd: int | None = None,
+             kill_others: bool = False) -> ExecResult: ...
 
     def read_file(self, path: str) -> bytes: ...
 
@@ -65,17 +96,31 @@ class PlatformSandbox:
 
     def __init__(self, sandbox):
         self.sandbox = sandbox
+        # results_fd and kill_others need a pxd that is PID 1 of its sandbox (bwrap, gVisor), never
+        # the unisolated debug runtime, where killing "every other process" would mean the host's
+        runtime = getattr(getattr(sandbox, "runtime", None), "name", None)
+        try:
+            accepts = "results_fd" in inspect.signature(sandbox.exec).parameters
+        except (TypeError, ValueError):
+            accepts = False
+        self.supports_results = accepts and runtime in ("bwrap", "gvisor")
 
-    def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536) -> ExecResult:
+    def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
+             env: dict[str, str] | None = None, results_fd: int | None = None,
+             kill_others: bool = False) -> ExecResult:
         from sandboxes.client import PxdConnectionError, PxdError
 
+        kwargs: dict = {"env": env} if env else {}
+        if self.supports_results:
+            kwargs.update(results_fd=results_fd, kill_others=kill_others)
         try:
-            r = self.sandbox.exec(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes)
+            r = self.sandbox.exec(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes, **kwargs)
         except PxdConnectionError as exc:
             raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
         except PxdError as exc:
             raise InfraError(f"sandbox {self.sandbox.id} refused a command: {exc}") from exc
-        return ExecResult(r.exit_code, r.output, r.timed_out, r.truncated, r.duration_s)
+        return ExecResult(r.exit_code, r.output, r.timed_out, r.truncated, r.duration_s,
+                          getattr(r, "results", None), bool(getattr(r, "results_truncated", False)))
 
     def read_file(self, path: str) -> bytes:
         from sandboxes.client import PxdConnectionError, PxdError
