@@ -29,6 +29,15 @@ turn ``t+1`` is the exact ``input_ids + output_ids`` of turn ``t`` followed by t
 A sandbox failure (:class:`evals.sandbox.InfraError`), or a model server that cannot be reached or
 answers 5xx (a router restarting, a replica gone), ends the episode with ``stop_reason
 "infra_error"`` and no reward: callers retry such episodes and never count them as failures.
+
+What the agent breaks is its own failed attempt, never an infrastructure error (an agent that could
+turn a likely 0 into "not scored" would learn to): an edit of a path inside ``.git`` is refused (an
+error observation); a repository the agent's commands broke (:class:`evals.sandbox.AgentFault` from
+reading the committed patch) and a sandbox that its own command took down (the runtime's processes
+killed from inside, its memory or wall-time limit reached: :func:`agent_exhaustion`) end the episode
+with ``stop_reason`` set to the fault's label (:data:`AGENT_BROKE_SANDBOX`, ``agent_memory_limit``,
+``agent_wall_time``, ``agent_killed_sandbox``) and a grade of status ``agent_fault`` with zero scores.
+A sandbox that dies for no reason it can name stays an infrastructure error.
 """
 
 from __future__ import annotations
@@ -37,15 +46,17 @@ import contextlib
 import difflib
 import hashlib
 import json
+import posixpath
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from evals.actions import Action, ActionParseError, observation, parse_actions, render_prompt
 from evals.bundled import apply_edits, failing_summary
-from evals.grading import GRADED, INFRA_ERROR, GradeResult, committed_patch, grade_patch
-from evals.sandbox import InfraError, Sandbox, SandboxFactory
+from evals.grading import AGENT_FAULT, GRADED, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
+from evals.sandbox import AgentFault, InfraError, Sandbox, SandboxFactory
 from evals.tasks import Task
 from serving.client import EngineClient as HttpClient  # the HTTP ModelClient (replica, sidecar or router)
 from serving.client import EngineError
@@ -53,6 +64,14 @@ from serving.client import EngineError
 __all__ = ["HttpClient", "InProcessClient", "ModelCall", "ModelClient", "Step", "Trajectory", "run_episode"]
 
 OBSERVATION_CAP_CHARS = 2000
+# stop reasons of an attempt the agent itself ended by breaking its sandbox (scored 0, never retried)
+AGENT_BROKE_SANDBOX = "agent_broke_sandbox"
+AGENT_KILLED_SANDBOX = "agent_killed_sandbox"
+AGENT_MEMORY_LIMIT = "agent_memory_limit"
+AGENT_WALL_TIME = "agent_wall_time"
+EDIT_TOOLS = ("str_replace", "replace_line", "write_file")
+# actions that run code the agent wrote or controls (its commands, its tests, git hooks it may have left)
+AGENT_COMMANDS = ("bash", "test", "commit", "reset")
 
 
 class ModelClient(Protocol):
@@ -150,8 +169,10 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
     """
     args = action.args
     try:
-        if action.tool in ("str_replace", "replace_line", "write_file"):
+        if action.tool in EDIT_TOOLS:
             path = str(args["path"]) if "path" in args else _the_editable_file(task)
+            if inside_git(path):
+                return f"error: {path} is inside .git, which edits may not change (edit the work tree, then commit)", False
             if action.tool == "str_replace":
                 data = replace_once(sandbox.read_file(path).decode(), str(args["old"]), str(args["new"]), path).encode()
             elif action.tool == "replace_line":
@@ -194,6 +215,59 @@ def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 
     except (ValueError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         return f"error: {exc}", False
     return f"error: unknown tool {action.tool!r}", False
+
+
+def inside_git(path: str) -> bool:
+    """True when ``path`` (relative to the repository folder, or absolute) names ``.git`` or a file in
+    it, however it is spelled (``./.git/HEAD``, ``src/../.git/config``)."""
+    return ".git" in posixpath.normpath(path.replace("\\", "/")).split("/")
+
+
+def agent_exhaustion(sandbox: Sandbox) -> tuple[str, str] | None:
+    """``(label, explanation)`` when a sandbox that stopped answering during the agent's own command
+    was ended by that command, else None (an infrastructure failure).
+
+    The explanation is the runtime's (``sandboxes.runtimes.Sandbox.why_gone``): the wall-time limit
+    reached; the memory limit (the cgroup's OOM killer fired); or the runtime exited on its own with a
+    code above 128, which it does when the processes inside it were killed from inside (an agent's
+    ``kill -9 -1``, a test that kills its daemon). A runtime killed from the host (exit by a signal,
+    a lost node) or a daemon that hangs says nothing about the agent.
+    """
+    box = getattr(sandbox, "sandbox", sandbox)
+    why_gone = getattr(box, "why_gone", None)
+    if not callable(why_gone):
+        return None
+    why = why_gone()
+    if getattr(box, "expired", False):
+        return AGENT_WALL_TIME, why
+    if _oom_kills(box) > 0:
+        return AGENT_MEMORY_LIMIT, f"{why}; the sandbox's memory limit was reached (its cgroup's OOM killer fired)"
+    code = getattr(getattr(box, "proc", None), "returncode", None)
+    if isinstance(code, int) and code > 128:
+        return AGENT_KILLED_SANDBOX, f"{why}; the processes inside the sandbox were killed from inside (signal {code - 128})"
+    return None
+
+
+def _oom_kills(box: Any) -> int:
+    """How many processes the sandbox's cgroup OOM-killed (0 when unknown)."""
+    for folder in getattr(getattr(box, "cgroup", None), "paths", []):
+        for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
+            try:
+                for line in (Path(folder) / name).read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit():
+                        return int(value)
+            except OSError:
+                continue
+    return 0
+
+
+class _AgentEnded(Exception):
+    """The agent's own doing ended the episode: ``label`` is its stop reason."""
+
+    def __init__(self, label: str, detail: str) -> None:
+        super().__init__(detail)
+        self.label = label
 
 
 def _the_editable_file(task: Task) -> str:
@@ -339,7 +413,16 @@ def run_episode(
                     if test_key is not None and test_key in grade_cache:
                         obs, committed = grade_cache[test_key], False
                     else:
-                        obs, committed = execute(action, task, sandbox(), written=written)
+                        box = sandbox()
+                        try:
+                            obs, committed = execute(action, task, box, written=written)
+                        except InfraError as exc:
+                            ended = agent_exhaustion(box) if action.tool in AGENT_COMMANDS else None
+                            if ended is None:
+                                raise
+                            traj.steps.append(Step(turn, asdict(action), f"the sandbox is gone: {ended[1]}",
+                                                   time.monotonic() - s0))
+                            raise _AgentEnded(ended[0], str(exc) if ended[1] in str(exc) else f"{exc}; {ended[1]}") from exc
                         if test_key is not None:
                             grade_cache[test_key] = obs
                     if action.tool == "bash":
@@ -360,6 +443,14 @@ def run_episode(
                 traj.stop_reason = "max_turns"
             if grade:
                 traj.patch = committed_patch(opened[0], task.base_commit or "HEAD") if opened else ""
+    except (AgentFault, _AgentEnded) as exc:  # the agent's failed attempt: scored 0, not retried
+        traj.stop_reason = getattr(exc, "label", "") or AGENT_BROKE_SANDBOX
+        traj.error = str(exc)
+        traj.agent_s = time.monotonic() - started
+        if grade:
+            detail = str(exc) if str(exc).startswith(traj.stop_reason) else f"{traj.stop_reason}: {exc}"
+            traj.grade = GradeResult(AGENT_FAULT, zero_scores(task.target_tests, task.existing_tests), detail=detail[:2000])
+        return traj
     except InfraError as exc:
         traj.stop_reason = INFRA_ERROR
         traj.error = str(exc)
@@ -394,4 +485,4 @@ class InProcessClient:
 
 def graded_ok(traj: Trajectory) -> bool:
     """True when the trajectory carries a real score (not an infra error, not ungraded)."""
-    return traj.grade is not None and traj.grade.status != INFRA_ERROR and traj.grade.status in (GRADED, "apply_failed")
+    return traj.grade is not None and traj.grade.status in (GRADED, "apply_failed", AGENT_FAULT)

@@ -3,11 +3,14 @@
     python -m training --config RUN_DIR/trainer-config.json --run-dir RUN_DIR
 
 ``--config`` is a JSON file of :class:`training.config.TrainConfig` keys (or a resolved run plan with
-a ``trainer`` table). The trainer starts its environment (engine replicas with their adapter
+a ``trainer`` table). The trainer first locks the run directory (``RUN_DIR/trainer.lock``: a second
+trainer on it is refused, naming the first one's pid), then starts its environment (engine replicas with their adapter
 receivers, the sandboxed agent harness: :mod:`training.episodes`), resumes from the newest complete
-checkpoint in ``RUN_DIR/checkpoints/`` if there is one, and then loops: producers generate groups
+checkpoint in ``RUN_DIR/checkpoints/`` that loads (a damaged one is reported and skipped), and then loops: producers generate groups
 and store each finished rollout; the trainer takes whole groups within the policy lag, takes a GRPO
-step, checkpoints every ``checkpoint_every`` steps, and publishes the new adapter version. Launched by
+step, checkpoints every ``checkpoint_every`` steps, and publishes the new adapter version. An episode
+lost to the infrastructure drops its group (``logs/lost-episodes.jsonl``); the run stops only when
+``max_consecutive_infra_failures`` are lost in a row, the store cannot be written, or the engine is gone. Launched by
 the ``rl_run`` asset it reports through Dagster Pipes; run by hand it prints one line per step.
 """
 
@@ -21,7 +24,7 @@ import torch
 
 from training.config import TrainConfig
 from training.episodes import make_environment
-from training.loop import Producer, RunState
+from training.loop import Producer, RunLock, RunState
 from training.progress import Reporter
 
 
@@ -35,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
 
     with Reporter() as report:
+        lock = RunLock(run_dir)  # one trainer per run directory, held until this process exits
         env = make_environment(cfg, run_dir)  # engine replicas + adapter receivers + harness
-        state = RunState(cfg, run_dir, env.curriculum, receivers=env.receivers)
+        state = RunState(cfg, run_dir, env.curriculum, receivers=env.receivers, lock=lock, log=report.info)
         report.info(f"run {cfg.run_name}: step {state.step} of {cfg.steps}"
                     + (f" (resumed from checkpoint {state.resumed_from})" if state.resumed_from else ""))
         producer = Producer(state, env.runner)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for step in range(state.step + 1, cfg.steps + 1):
                 taken = state.take(step, produce=(lambda: producer.produce_step(step)) if sync else None,
-                                   should_stop=lambda: _raise_first(producer.errors))  # generate + store
+                                   should_stop=lambda: _raise_first(producer.errors),
+                                   producers_alive=producer.alive)  # generate + store
                 row = state.train(step, taken)  # one GRPO step on whole groups
                 if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                     state.checkpoint(step, {"loss": row["loss"], "solve_rate": row["solve_rate"]})
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _raise_first(errors: list[BaseException]) -> None:
     if errors:
-        raise RuntimeError(f"a producer failed: {errors[0]!r}") from errors[0]
+        raise RuntimeError(f"a producer failed: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ A checkpoint holds the adapter (peft folder with safetensors), the optimizer sta
 (Python, torch), the curriculum state, a snapshot of the rollout store, and ``metadata.json``, which is
 written last: the Dagster sensor treats a folder as complete once that file exists, and the rename
 makes the whole folder appear at once. Step 0 is the base model: only ``metadata.json``, no adapter.
+
+:func:`check_checkpoint` reads every file of a checkpoint before a resume changes anything; a file
+that does not load raises :class:`CheckpointLoadError` naming it, and the trainer falls back to the
+checkpoint before (``training.loop.RunState``). Nothing is unpickled beyond tensors and plain
+containers (``torch.load(..., weights_only=True)``): a checkpoint file cannot run code.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import json
 import os
 import random
 import shutil
+import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +31,14 @@ STEP_PREFIX = "step_"
 
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (e.g. the disk is full); nothing of it was left behind."""
+
+
+class CheckpointLoadError(ValueError):
+    """A file of a checkpoint does not load; the message names the file and the reason."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -91,12 +106,94 @@ def write_checkpoint(
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every RNG state as plain lists and a tensor (what ``torch.load(weights_only=True)`` reads)."""
+    version, internal, gauss = random.getstate()
+    return {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
+
+
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """The RNG states saved at ``path``, checked for the shape :func:`set_rng_state` needs."""
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    python = state.get("python") if isinstance(state, dict) else None
+    if (not isinstance(python, (list, tuple)) or len(python) != 3 or not isinstance(python[1], (list, tuple))
+            or not isinstance(state.get("torch"), torch.Tensor)):
+        raise ValueError("expected {'python': [version, [state ints], gauss], 'torch': tensor}")
+    return state
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`check_checkpoint` read: the parts the trainer applies itself."""
+
+    metadata: dict[str, Any]
+    rng: dict[str, Any] | None
+    curriculum: Any
+
+
+def check_checkpoint(ckpt: Path) -> LoadedCheckpoint:
+    """Read every file of checkpoint ``ckpt`` (metadata, adapter safetensors, optimizer, RNG,
+    curriculum, store snapshot); the first that does not load raises :class:`CheckpointLoadError`
+    naming it. The adapter and optimizer are only read here (the backend loads them)."""
+    from safetensors.torch import load_file
+
+    from training.curriculum import Curriculum
+
+    ckpt = Path(ckpt)
+
+    def fail(path: Path, exc: BaseException) -> CheckpointLoadError:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return CheckpointLoadError(f"checkpoint file {path} does not load ({type(exc).__name__}: {reason})", path)
+
+    meta_path = ckpt / "metadata.json"
+    try:
+        metadata = json.loads(meta_path.read_bytes().decode("utf-8"))
+        if not isinstance(metadata, dict):
+            raise ValueError("expected a JSON object")
+    except (OSError, ValueError) as exc:
+        raise fail(meta_path, exc) from exc
+    weights = sorted((ckpt / "adapter").glob("*.safetensors"))
+    if metadata.get("adapter") and not weights:
+        raise fail(ckpt / "adapter", FileNotFoundError("no *.safetensors file in the adapter folder"))
+    for path in weights:
+        try:
+            load_file(str(path), device="cpu")
+        except Exception as exc:  # safetensors raises its own SafetensorError on a cut or foreign file
+            raise fail(path, exc) from exc
+    optimizer = ckpt / "optimizer.pt"
+    if optimizer.exists():
+        try:
+            torch.load(optimizer, weights_only=True, map_location="cpu")
+        except Exception as exc:  # UnpicklingError, EOFError, RuntimeError from the zip reader...
+            raise fail(optimizer, exc) from exc
+    rng = None
+    if (ckpt / "rng.pt").exists() or metadata.get("adapter"):
+        try:
+            rng = load_rng_state(ckpt / "rng.pt")
+        except Exception as exc:
+            raise fail(ckpt / "rng.pt", exc) from exc
+    try:
+        curriculum = Curriculum.load(ckpt / "curriculum.json")
+    except Exception as exc:
+        raise fail(ckpt / "curriculum.json", exc) from exc
+    snapshot = ckpt / "store.sqlite"
+    if snapshot.exists():
+        try:
+            conn = sqlite3.connect(f"file:{snapshot}?mode=ro", uri=True)
+            try:
+                result = conn.execute("PRAGMA quick_check").fetchone()
+            finally:
+                conn.close()
+            if result is None or result[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {result[0] if result else 'no answer'}")
+        except sqlite3.Error as exc:
+            raise fail(snapshot, exc) from exc
+    return LoadedCheckpoint(metadata, rng, curriculum)
 
 
 def read_metadata(ckpt: Path) -> dict[str, Any]:

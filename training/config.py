@@ -52,6 +52,10 @@ class TrainConfig:
     replicas: int = 1  # local engine replicas; more than 1 run behind the router, and one that dies is replaced
     engine_max_total_tokens: int = 0  # each local replica's KV token budget (0: the engine's default)
     engine_max_running_requests: int = 0  # each local replica's admission (0: the engine's default)
+    # episodes in a row lost to the infrastructure (after their retries) that stop the run; fewer only
+    # drop their groups (training.loop)
+    max_consecutive_infra_failures: int = 20
+    take_timeout_s: float = 3600.0  # how long the trainer waits for a step's groups before it stops the run
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "trainer config") -> "TrainConfig":
@@ -77,6 +81,11 @@ class TrainConfig:
                 raise ValueError(f"{source}: key {key!r} must be >= 1, got {getattr(self, key)}")
         if self.replicas < 1:
             raise ValueError(f"{source}: key 'replicas' must be >= 1, got {self.replicas}")
+        if self.max_consecutive_infra_failures < 1:
+            raise ValueError(f"{source}: key 'max_consecutive_infra_failures' must be >= 1, "
+                             f"got {self.max_consecutive_infra_failures}")
+        if not self.take_timeout_s > 0:
+            raise ValueError(f"{source}: key 'take_timeout_s' must be > 0 seconds, got {self.take_timeout_s}")
         for key in ("max_policy_lag", "producer_workers", "engine_max_total_tokens", "engine_max_running_requests"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{source}: key {key!r} must be >= 0, got {getattr(self, key)}")
@@ -105,10 +114,17 @@ class TrainConfig:
         if not path.is_file():
             raise FileNotFoundError(f"trainer config {path} is missing")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"trainer config {path}: not UTF-8 text (byte {exc.start}); expected a JSON object "
+                             "of trainer keys (or a resolved run plan)") from exc
         except json.JSONDecodeError as exc:
-            raise ValueError(f"trainer config {path}: not valid JSON: {exc}") from exc
-        if isinstance(data, dict) and "trainer" in data and isinstance(data["trainer"], dict):
+            raise ValueError(f"trainer config {path}: not valid JSON: {exc}; expected a JSON object of trainer "
+                             "keys (or a resolved run plan)") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"trainer config {path}: a JSON {type(data).__name__}; expected a JSON object of "
+                             "trainer keys (or a resolved run plan)")
+        if "trainer" in data and isinstance(data["trainer"], dict):
             data = {**_local_engine_keys(data.get("inference")), **data["trainer"]}
         return cls.from_mapping(data, str(path))
 

@@ -19,7 +19,10 @@ to the router first (:class:`FleetRunner`), so a replica that joined during a pu
 A trajectory becomes a :class:`~training.rollout.Rollout` from the exact token ids the engine returned:
 the sequence is the last call's input plus its output (each call's context extends the previous one
 by its output and the observation's tokens), the loss mask covers every call's output tokens, and the
-logprobs are the engine's. An episode lost to a sandbox failure is retried, never scored as a failure.
+logprobs are the engine's. An episode lost to a sandbox failure is retried, never scored as a failure;
+one whose failure persists through its retries raises :class:`EpisodeInfraError`, and the producer
+drops its group (:class:`training.loop.Producer`) instead of stopping the run. What the agent broke
+itself (its repository, its sandbox) is a finished episode scored 0 (:mod:`evals.harness`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.loop import AdapterRef, GroupRunner
+from training.loop import AdapterRef, EpisodeInfraError, GroupRunner
 from training.publish import newest_version
 from training.rollout import Rollout
 
@@ -73,7 +76,8 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
         rollout_id=f"{group_id}-{traj.session_id.rsplit('/', 1)[-1]}", group_id=group_id, task_id=traj.task_id,
         adapter_version=adapter.version, input_ids=ids, loss_mask=mask, serving_logprobs=logprobs, reward=reward,
         info={"stop_reason": traj.stop_reason, "turns": len(calls), "committed": traj.committed,
-              "agent_s": traj.agent_s, "grade_s": traj.grade_s},
+              "agent_s": traj.agent_s, "grade_s": traj.grade_s,
+              "grade_status": getattr(getattr(traj, "grade", None), "status", None)},
     )
 
 
@@ -95,9 +99,21 @@ class PooledGroupRunner:
         raise NotImplementedError
 
     def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterator[Rollout]:
+        """Each episode's rollout as it finishes. An episode that raises :class:`EpisodeInfraError`
+        does not cut the others short: every episode finishes first, then the first such error is
+        raised (the group is incomplete; the producer drops it)."""
         futures = [self.pool.submit(self.episode, task_id, adapter, group_id, i, seed) for i in range(size)]
+        lost: list[EpisodeInfraError] = []
         for fut in as_completed(futures):
-            yield fut.result()
+            try:
+                rollout = fut.result()
+            except EpisodeInfraError as exc:
+                lost.append(exc)
+                continue
+            yield rollout
+        if lost:
+            lost[0].lost = lost
+            raise lost[0]
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -134,7 +150,7 @@ class HarnessRunner(PooledGroupRunner):
             )
             if not traj.infra_error:
                 return rollout_from_trajectory(traj, group_id, adapter, episode_reward(traj, self.cfg.reward))
-        raise RuntimeError(f"task {task_id}: {INFRA_RETRIES + 1} attempts failed in the sandbox: {traj.error}")
+        raise EpisodeInfraError(task_id, group_id, index, INFRA_RETRIES + 1, traj.error)
 
 
 def free_port() -> int:

@@ -7,14 +7,27 @@
   as it finishes. With ``producer_workers = 0`` the trainer produces each step's groups itself,
   synchronously and deterministically (group ids and seeds depend only on the step).
 - :class:`RunState`: the trainer side: backend, curriculum, store, metrics; opened fresh or resumed
-  from the newest complete checkpoint; takes batches within the policy lag, steps, checkpoints.
+  from the newest complete checkpoint that loads (a damaged one is reported and the one before it is
+  used); takes batches within the policy lag, steps, checkpoints.
+
+No single episode stops a run. An episode that fails in the infrastructure through its retries
+(:class:`EpisodeInfraError`) is written to ``logs/lost-episodes.jsonl`` (task, group, episode, error)
+and its group is dropped from the store (never trained on) and replaced by another group. The run
+stops only on failures that are not one episode's: ``max_consecutive_infra_failures`` episodes in a
+row lost that way (:class:`InfraCircuitOpen`), the store unwritable, the engine gone for good.
+
+One trainer per run directory: :class:`RunLock` holds ``RUN_DIR/trainer.lock`` (``flock``, released
+by the OS when the process dies) from before the resume to the end; a second trainer is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import random
+import sys
 import shutil
 import threading
 import time
@@ -25,7 +38,8 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from training.backends import StepResult, TrainBatch, TrainerBackend, load_backend
-from training.checkpoint import complete_steps, checkpoint_path, read_metadata, rng_state, set_rng_state, write_checkpoint
+from training.checkpoint import (CheckpointLoadError, check_checkpoint, checkpoint_path, complete_steps, rng_state,
+                                 set_rng_state, write_checkpoint)
 from training.config import TrainConfig
 from training.curriculum import Curriculum
 from training.grpo import group_advantages
@@ -46,8 +60,59 @@ class AdapterRef:
 
 class GroupRunner(Protocol):
     def run_group(self, task_id: str, adapter: AdapterRef, group_id: str, size: int, seed: int) -> Iterable[Rollout]:
-        """Run ``size`` episodes of ``task_id`` with ``adapter``; yield each rollout as it finishes."""
+        """Run ``size`` episodes of ``task_id`` with ``adapter``; yield each rollout as it finishes.
+        An episode lost to the infrastructure raises :class:`EpisodeInfraError` (after the others)."""
         ...
+
+
+class EpisodeInfraError(RuntimeError):
+    """One episode failed in the infrastructure (sandbox, model server) on every retry; the message
+    names the task, the group, the episode and the last error. ``lost`` lists every episode of the
+    group that was lost so (this one first)."""
+
+    def __init__(self, task_id: str, group_id: str, index: int, attempts: int, error: str) -> None:
+        super().__init__(f"task {task_id}, group {group_id}, episode {index}: {attempts} attempts failed "
+                         f"in the infrastructure; last error: {error}")
+        self.task_id, self.group_id, self.index, self.error = task_id, group_id, index, error
+        self.lost: list[EpisodeInfraError] = [self]
+
+
+class InfraCircuitOpen(RuntimeError):
+    """Too many episodes in a row failed in the infrastructure: the sandboxes or the engine are down,
+    not one episode. Stops the run."""
+
+
+class RunDirInUse(RuntimeError):
+    """Another live trainer holds the run directory's lock."""
+
+
+class TakeTimeout(TimeoutError):
+    """The trainer waited longer than ``take_timeout_s`` for a step's groups."""
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``RUN_DIR/trainer.lock``, which holds the owner's pid. The OS
+    releases it when the process dies (SIGKILL included), so a stale file never blocks a resume."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / "trainer.lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirInUse(f"run directory {Path(run_dir)} is in use by another trainer (pid {holder} holds "
+                              f"{self.path}); stop that trainer first, or give this one another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
 
 
 def group_seed(seed: int, group_id: str) -> int:
@@ -67,23 +132,68 @@ class Producer:
         self._threads: list[threading.Thread] = []
         self._seq = state.store.counts()["groups"]
         self.errors: list[BaseException] = []
+        self._failures_lock = threading.Lock()
+        self._consecutive_failures: list[EpisodeInfraError] = []
+        self.lost_log = self.state.run_dir / "logs" / "lost-episodes.jsonl"
 
-    def produce(self, task_id: str, group_id: str, adapter: AdapterRef) -> None:
+    def produce(self, task_id: str, group_id: str, adapter: AdapterRef) -> bool:
+        """Run and store one group; False when it lost an episode to the infrastructure and was dropped."""
         store = self.state.store
         store.add_group(group_id, task_id, adapter.version, self.cfg.group_size)
         seed = group_seed(self.cfg.seed, group_id)
-        for rollout in self.runner.run_group(task_id, adapter, group_id, self.cfg.group_size, seed):
-            store.put(rollout)
+        try:
+            for rollout in self.runner.run_group(task_id, adapter, group_id, self.cfg.group_size, seed):
+                store.put(rollout)
+                with self._failures_lock:
+                    self._consecutive_failures.clear()
+        except EpisodeInfraError as exc:
+            self._group_lost(task_id, group_id, exc)
+            return False
+        return True
+
+    def _group_lost(self, task_id: str, group_id: str, exc: EpisodeInfraError) -> None:
+        """Record the lost episodes, drop their group, and open the circuit after too many in a row."""
+        self.state.store.drop_group(group_id, str(exc))
+        self.lost_log.parent.mkdir(parents=True, exist_ok=True)
+        with self._failures_lock, open(self.lost_log, "a") as log:
+            for lost in exc.lost:
+                log.write(json.dumps({"time_s": time.time(), "task_id": lost.task_id, "group_id": lost.group_id,
+                                      "episode": lost.index, "error": lost.error}) + "\n")
+                print(f"episode lost, group {group_id} dropped: {lost}", file=sys.stderr, flush=True)
+            self._consecutive_failures.extend(exc.lost)
+            failures = list(self._consecutive_failures)
+        if len(failures) >= self.cfg.max_consecutive_infra_failures:
+            tasks = sorted({f.task_id for f in failures})
+            raise InfraCircuitOpen(self._circuit_message(f"{len(failures)} episodes in a row (tasks {', '.join(tasks)})",
+                                                         str(failures[-1])))
+
+    def _circuit_message(self, what: str, last: str) -> str:
+        return (f"{what} failed in the infrastructure (trainer config key 'max_consecutive_infra_failures' = "
+                f"{self.cfg.max_consecutive_infra_failures}): the sandboxes or the engine are failing, not one "
+                f"episode; see {self.lost_log}. Last: {last}")
 
     def produce_step(self, step: int) -> None:
-        """Synchronous mode: this step's groups, named by step, skipping any already stored."""
+        """Synchronous mode: this step's groups, named by step, skipping any already stored. A group
+        dropped for a lost episode is replaced by a group of the curriculum's next task (``-rN``)."""
         tasks = self.state.next_tasks(self.cfg.groups_per_step)
         adapter = self.state.current_adapter()
         done = self.state.store.complete_group_ids()
+        dropped = self.state.store.dropped_group_ids()
         for i, task in enumerate(tasks):
-            group_id = f"s{step:06d}-g{i:02d}"
-            if group_id not in done:
-                self.produce(task, group_id, adapter)
+            for attempt in range(self.cfg.max_consecutive_infra_failures + 1):
+                if attempt:  # drawn on a resume too, so the curriculum's draws are the same
+                    task = self.state.next_tasks(1)[0]
+                group_id = f"s{step:06d}-g{i:02d}" + (f"-r{attempt}" if attempt else "")
+                if group_id in done or (group_id not in dropped and self.produce(task, group_id, adapter)):
+                    break
+            else:
+                raise InfraCircuitOpen(self._circuit_message(
+                    f"step {step}: group {i} was dropped {self.cfg.max_consecutive_infra_failures + 1} times, each "
+                    "time because an episode", f"group {group_id} of task {task}"))
+
+    def alive(self) -> int:
+        """How many producer threads are running."""
+        return sum(t.is_alive() for t in self._threads)
 
     def start(self) -> None:
         for i in range(self.cfg.producer_workers):
@@ -128,17 +238,14 @@ class TakenBatch:
 class RunState:
     """The trainer's state, opened from ``run_dir`` (fresh, or resumed from its newest checkpoint)."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, curriculum: Curriculum, receivers: list[str] = ()) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, curriculum: Curriculum, receivers: list[str] = (),
+                 lock: RunLock | None = None, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
-        self.backend: TrainerBackend = load_backend(
-            cfg.backend, model_path=cfg.base_model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            learning_rate=cfg.learning_rate, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, seed=cfg.seed,
-            recompute=cfg.recompute, **cfg.backend_placement(),
-        )
+        self.lock = lock or RunLock(self.run_dir)  # before anything reads or rewinds the run's state
+        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.backend = self._new_backend()
         self.store = RolloutStore(self.run_dir / "store" / "rollouts.sqlite")
         self.publisher = AdapterPublisher(self.run_dir / "adapters", receivers, streams=cfg.publish_streams)
         self._lock = threading.Lock()
@@ -146,9 +253,9 @@ class RunState:
         self.step = 0
         self.resumed_from: int | None = None
         done = complete_steps(self.run_dir)
-        if done and done[-1] > 0:
-            self._resume(done[-1])
-        elif not done:
+        if done:
+            self._resume_newest(done)
+        else:
             self._write_base_checkpoint()
         self.metrics = MetricsWriter(self.run_dir / "metrics", resume_step=self.step)
         (self.run_dir / "trainer-config.json").write_text(json.dumps(cfg.to_json(), indent=1))
@@ -156,12 +263,49 @@ class RunState:
 
     # -- resume ---------------------------------------------------------------------------------
 
+    def _new_backend(self) -> TrainerBackend:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        return load_backend(
+            cfg.backend, model_path=cfg.base_model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+            learning_rate=cfg.learning_rate, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, seed=cfg.seed,
+            recompute=cfg.recompute, **cfg.backend_placement(),
+        )
+
+    def _resume_newest(self, steps: list[int]) -> None:
+        """Resume from the newest of ``steps`` whose checkpoint loads; each one that does not is
+        reported (file and reason) and the one before it is tried. Step 0 (the base model) means
+        starting over with every stored rollout unused."""
+        failures: list[str] = []
+        for step in reversed(steps):
+            try:
+                if step == 0:
+                    check_checkpoint(checkpoint_path(self.run_dir, 0))
+                    if failures:
+                        self.store.rewind_to(0)
+                else:
+                    self._resume(step)
+            except CheckpointLoadError as exc:
+                failures.append(str(exc))
+                self.log(f"warning: {exc}; trying the checkpoint before it")
+                continue
+            if failures:
+                self.log(f"warning: resuming from checkpoint {step}, the newest that loads")
+            return
+        raise CheckpointLoadError(f"no checkpoint of {self.run_dir} loads:\n  " + "\n  ".join(failures))
+
     def _resume(self, step: int) -> None:
         ckpt = checkpoint_path(self.run_dir, step)
-        read_metadata(ckpt)
-        self.backend.load_state(ckpt)
-        self.curriculum = Curriculum.load(ckpt / "curriculum.json")
-        set_rng_state(torch.load(ckpt / "rng.pt", weights_only=False))
+        loaded = check_checkpoint(ckpt)  # every file, before anything is changed
+        try:
+            self.backend.load_state(ckpt)
+        except Exception as exc:
+            self.backend = self._new_backend()  # half-loaded: start the next try from a clean one
+            raise CheckpointLoadError(f"checkpoint {ckpt}: the backend could not load it ({type(exc).__name__}: {exc})",
+                                      ckpt) from exc
+        self.curriculum = loaded.curriculum
+        set_rng_state(loaded.rng)
         self.step = step
         self.resumed_from = step
         self.store.rewind_to(step)
@@ -200,14 +344,18 @@ class RunState:
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def take(self, step: int, produce: Callable[[], None] | None = None, should_stop: Callable[[], None] = lambda: None) -> TakenBatch:
+    def take(self, step: int, produce: Callable[[], None] | None = None, should_stop: Callable[[], None] = lambda: None,
+             *, timeout_s: float | None = None, producers_alive: Callable[[], int] | None = None) -> TakenBatch:
         """Whole groups for ``step``, waiting until enough are complete; stale ones are discarded.
 
         The trainer at ``step`` updates adapter version ``step - 1``; a group sampled at version ``v``
         has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
+        Waiting longer than ``timeout_s`` (default: the config's ``take_timeout_s``) raises
+        :class:`TakeTimeout`, saying what was waited for (``producers_alive`` counts the producers).
         """
         if produce is not None:
             produce()
+        timeout_s = self.cfg.take_timeout_s if timeout_s is None else timeout_s
         min_version = max(0, step - 1 - self.cfg.max_policy_lag)
         groups: list[Group] = []
         discarded: list[Group] = []
@@ -219,6 +367,13 @@ class RunState:
             if len(groups) >= self.cfg.groups_per_step:
                 return TakenBatch(groups, discarded, time.perf_counter() - started)
             should_stop()
+            if time.perf_counter() - started > timeout_s:
+                alive = "unknown" if producers_alive is None else producers_alive()
+                raise TakeTimeout(
+                    f"step {step}: waited {timeout_s:g} s for {self.cfg.groups_per_step} whole groups sampled at "
+                    f"adapter version >= {min_version}; {len(groups)} taken, {self.store.ready_groups()} more "
+                    f"complete in the store {self.store.path}; producers alive: {alive} "
+                    f"(trainer config key 'take_timeout_s')")
             time.sleep(0.02)
 
     def build_batch(self, groups: list[Group]) -> tuple[TrainBatch | None, int]:
@@ -280,7 +435,7 @@ class RunState:
     def checkpoint(self, step: int, extra: dict[str, Any]) -> Path:
         def fill(tmp: Path) -> None:
             self.backend.save_state(tmp)
-            torch.save(rng_state(), tmp / "rng.pt")
+            torch.save(rng_state(), tmp / "rng.pt")  # plain lists and a tensor: loads with weights_only
             with self._lock:
                 self.curriculum.save(tmp / "curriculum.json")
             self.store.snapshot(tmp / "store.sqlite")

@@ -13,7 +13,11 @@ Layout: ``rollouts`` (one row per rollout, tokens and logprobs as packed little-
 its rollouts are stored. Status moves ``ready -> consumed`` (used by step N) or ``ready -> discarded``
 (too stale when the trainer looked). :meth:`RolloutStore.rewind_to` undoes the status changes of steps
 after a checkpoint, so a resumed run sees exactly the rollouts that were unused at that checkpoint,
-plus every rollout finished since.
+plus every rollout finished since. A group that lost an episode to the infrastructure is *dropped*
+(:meth:`RolloutStore.drop_group`, table ``dropped_groups``): never complete, never trained on.
+
+A write that fails (the disk is full, the file read-only) raises :class:`StoreWriteError` naming the
+store's file and the cause.
 
 A damaged file (truncated or overwritten by something other than SQLite) is refused when the store
 opens, with :class:`StoreDamagedError` naming the file; :func:`salvage` copies every whole group
@@ -24,6 +28,7 @@ checksums its frames and keeps every transaction up to the last whole one.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import threading
 import time
@@ -60,6 +65,11 @@ CREATE TABLE IF NOT EXISTS rollouts (
 );
 CREATE INDEX IF NOT EXISTS rollouts_by_group ON rollouts(group_id);
 CREATE INDEX IF NOT EXISTS rollouts_by_status ON rollouts(status);
+CREATE TABLE IF NOT EXISTS dropped_groups (
+    group_id TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    created_s REAL NOT NULL
+);
 """
 
 
@@ -105,6 +115,27 @@ class StoreDamagedError(RuntimeError):
     """The store's file is not a whole SQLite database (e.g. truncated); see :func:`salvage`."""
 
 
+class StoreWriteError(OSError):
+    """A write to the store failed (disk full, read-only file); the message names the file."""
+
+
+def _write_error(path: Path, exc: sqlite3.Error) -> StoreWriteError:
+    text = str(exc)
+    if "disk is full" in text:
+        try:
+            free = f", {shutil.disk_usage(path.parent).free} bytes free"
+        except OSError:
+            free = ""
+        cause = f"the disk is full{free}"
+    elif "disk I/O error" in text:
+        cause = "the disk failed to write it (I/O error)"
+    elif "readonly" in text:
+        cause = "the file is read-only"
+    else:
+        cause = "the write failed"
+    return StoreWriteError(f"rollout store {path}: {cause} ({type(exc).__name__}: {text})")
+
+
 class RolloutStore:
     """A SQLite database at ``path``; safe to use from several threads (one connection each)."""
 
@@ -116,6 +147,9 @@ class RolloutStore:
             with self._conn() as conn:
                 conn.executescript(SCHEMA)
                 problems = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+        except StoreWriteError:
+            self.close()
+            raise
         except sqlite3.DatabaseError as exc:
             self.close()
             raise StoreDamagedError(f"rollout store {self.path}: the file is damaged ({exc}); recover it with "
@@ -132,7 +166,7 @@ class RolloutStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn = conn
-        return _Tx(conn)  # type: ignore[return-value]
+        return _Tx(conn, self.path)  # type: ignore[return-value]
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -149,6 +183,16 @@ class RolloutStore:
                 "INSERT OR IGNORE INTO groups(group_id, task_id, adapter_version, group_size, created_s) VALUES (?,?,?,?,?)",
                 (group_id, task_id, adapter_version, group_size, time.time()),
             )
+
+    def drop_group(self, group_id: str, reason: str) -> None:
+        """Mark a group dropped (it lost an episode): it is never complete, never trained on."""
+        with self._conn() as conn:
+            conn.execute("INSERT OR REPLACE INTO dropped_groups(group_id, reason, created_s) VALUES (?,?,?)",
+                         (group_id, reason[:2000], time.time()))
+
+    def dropped_group_ids(self) -> set[str]:
+        with self._conn() as conn:
+            return {r[0] for r in conn.execute("SELECT group_id FROM dropped_groups").fetchall()}
 
     def put(self, rollout: Rollout) -> None:
         """Store one finished rollout durably; returns once it is committed."""
@@ -173,6 +217,7 @@ class RolloutStore:
         return conn.execute(
             "SELECT g.group_id, g.task_id, g.adapter_version FROM groups g "
             "JOIN rollouts r ON r.group_id = g.group_id "
+            "WHERE g.group_id NOT IN (SELECT group_id FROM dropped_groups) "
             "GROUP BY g.seq HAVING SUM(r.status='ready') = g.group_size ORDER BY g.seq"
         ).fetchall()
 
@@ -245,8 +290,9 @@ class RolloutStore:
         dest.parent.mkdir(parents=True, exist_ok=True)
         target = sqlite3.connect(dest)
         try:
-            with self._conn() as conn:
-                conn.backup(target)
+            self._conn().conn.backup(target)
+        except sqlite3.OperationalError as exc:  # writing the copy: name the copy
+            raise _write_error(dest, exc) from exc
         finally:
             target.close()
 
@@ -319,12 +365,23 @@ class _Tx:
     """``with store._conn() as conn``: the thread's connection; statements autocommit unless a
     ``BEGIN`` is issued, and an exception inside a ``BEGIN`` rolls it back."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         self.conn = conn
+        self.path = path
 
     def __enter__(self) -> sqlite3.Connection:
         return self.conn
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
+            try:
+                self.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite already rolled back (a full disk does): the error below is what matters
+        if exc_type is not None and issubclass(exc_type, sqlite3.OperationalError) and _is_write_error(exc):
+            raise _write_error(self.path, exc) from exc
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("disk is full", "disk I/O error", "readonly", "unable to open database"))
