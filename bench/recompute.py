@@ -20,7 +20,9 @@ too, as a full recomputation does) and ``+unfused-lora`` (the LoRA update scaled
 separate passes instead of in the frozen GEMM's epilogue; it applies to every mode).
 ``attention_output+unfused-lora+down-replayed`` is the scheme as it was before both.
 
-Before timing it checks on the device that the attention kernels match a float32 reference, that
+Attention runs on ``training.recompute.chosen_attention_kernels`` (``--kernels auto``: cuDNN on
+Hopper, flash-attn where installed), the same kernels in every mode. Before timing it checks on the
+device that the attention kernels match a float32 reference, that
 the three modes give the same adapter gradients on a small model, and that the torch/peft trainer
 backend's ``recompute`` option gives the step of ``recompute="none"`` on a small random Hugging
 Face Qwen3 (bf16, right-padded rows in two micro-batches). It measures the bf16 matrix
@@ -52,7 +54,7 @@ from training.recompute import (  # noqa: E402
     DecoderShape,
     LoRALinear,
     Qwen3Decoder,
-    attention_kernels,
+    chosen_attention_kernels,
 )
 
 GIB = 1024**3
@@ -68,12 +70,19 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
-    """The median rate of an n×n×n bf16 matmul on random data, in TFLOP/s (5 products a sample)."""
+def matmul_peak_tflops(n: int = 8192, reps: int = 20, warmup_s: float = 2.0) -> float:
+    """The median rate of an n×n×n bf16 matmul on random data, in TFLOP/s (5 products a sample),
+    after ``warmup_s`` seconds of the same products (a cold GPU runs below its clocks for a while)."""
     a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    sync()
+    t_end = time.perf_counter() + (warmup_s if DEVICE == "cuda" else 0.0)
     for _ in range(5):
         a @ b
+    while time.perf_counter() < t_end:
+        for _ in range(10):
+            a @ b
+        sync()
     times = []
     for _ in range(reps):
         sync()
@@ -108,23 +117,21 @@ def check_kernels(kernels, s: int = 1000) -> bool:
     ref = torch.softmax(scores, -1) @ vf.repeat_interleave(h // hk, 1)
     ref_lse = torch.logsumexp(scores, -1)
     rq, rk, rv = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
-    errs = {"out": _rel(out, ref), "lse": _rel(lse[..., :s], ref_lse), "dq": _rel(dq, rq), "dk": _rel(dk, rk), "dv": _rel(dv, rv)}
+    errs = {"out": _rel(out, ref), "lse": _rel(lse.reshape(b, h, -1)[..., :s], ref_lse), "dq": _rel(dq, rq), "dk": _rel(dk, rk), "dv": _rel(dv, rv)}
     log(f"kernel check {kernels.name} vs float32 reference (relative error): "
         + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     return all(e < 2e-2 for e in errs.values())
 
 
-def checked_kernels(small: bool):
-    """The attention kernels, or, if grouped-query k/v fail on this build, the expanding fallback."""
-    s = 64 if small else 1000
-    for expand in (False, True):
-        kernels = attention_kernels(DEVICE, expand_kv=expand)
-        try:
-            if check_kernels(kernels, s):
-                return kernels
-        except RuntimeError as e:
-            log(f"kernel check {kernels.name}: {str(e).splitlines()[0]}")
-    raise SystemExit("attention kernels disagree with the reference")
+def checked_kernels(small: bool, prefer: str = "auto"):
+    """The attention kernels ``training.recompute.chosen_attention_kernels`` picks (fastest first,
+    checked against a float32 reference, grouped-query k/v or else expanded), checked here again."""
+    choice = chosen_attention_kernels(DEVICE, torch.bfloat16, prefer)
+    for name, why in choice.rejected.items():
+        log(f"kernel check {name}: passed over ({why})")
+    if not check_kernels(choice.kernels, 64 if small else 1000):
+        raise SystemExit("attention kernels disagree with the reference")
+    return choice.kernels
 
 
 def check_modes(kernels, seq_len: int = 2048) -> None:
@@ -182,8 +189,9 @@ def check_backend(small: bool) -> None:
                 for name, p in backend.model.named_parameters():
                     if "lora_B" in name:  # a fresh adapter's B is zero, which would hide A's gradient
                         p.copy_(torch.randn(p.shape, generator=b_gen) * 0.05)
+            backend.refresh_masters()
             step = backend.train_step(batch)
-            grads = torch.cat([p.grad.float().flatten() for p in backend.model.parameters() if p.requires_grad])
+            grads = torch.cat([m.grad.float().flatten() for m in backend.masters])  # float32 masters of a bf16 adapter
             results[mode] = (step.loss, grads)
             del backend
     errs = {m: (abs(results[m][0] - results["none"][0]), _rel(results[m][1], results["none"][1]))
@@ -271,6 +279,8 @@ def main() -> None:
     parser.add_argument("--probe", default="131072", help="longer contexts to try once (comma list, or empty)")
     parser.add_argument("--ablate", default="8192", help="contexts (of --contexts) that also time the ablations")
     parser.add_argument("--no-backend-check", action="store_true", help="skip the torch/peft backend check")
+    parser.add_argument("--kernels", default="auto",
+                        help="attention kernels: auto (fastest checked), cudnn, torch-flash-cuda, torch-efficient-cuda, flash-attn")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--budget-s", type=float, default=480, help="skip what would start after this")
@@ -290,7 +300,7 @@ def main() -> None:
         device_name = "cpu"
     log(f"device {device_name}; torch {torch.__version__}")
 
-    kernels = checked_kernels(small)
+    kernels = checked_kernels(small, args.kernels)
     check_modes(kernels, seq_len=64 if small else 2048)
     if not args.no_backend_check:
         try:  # a failure here is reported and does not cost the timings below
@@ -298,7 +308,7 @@ def main() -> None:
         except (Exception, SystemExit) as e:  # noqa: BLE001
             log(f"backend check FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     peak = matmul_peak_tflops(n=512 if small else 8192, reps=3 if small else 20)
-    log(f"measured bf16 matmul peak (8192^3, median of 20 samples of 5): {peak:.0f} TFLOP/s")
+    log(f"measured bf16 matmul peak (8192^3, 2 s warm-up, median of 20 samples of 5): {peak:.0f} TFLOP/s")
 
     overrides = {"num_layers": args.layers} if args.layers else {}
     shape = DecoderShape.qwen3(args.model, **overrides)

@@ -24,12 +24,15 @@ The same recomputation runs on Hugging Face Qwen2/Qwen3 decoder layers with peft
 (:func:`keep_attention_output_in_hf_layers`, what the torch/peft trainer backend's
 ``recompute="attention_output"`` installs).
 
-Attention kernels, chosen by :func:`attention_kernels`: flash-attn's ``_flash_attn_forward`` /
-``_flash_attn_backward`` where flash-attn is installed on a CUDA device, else PyTorch's own flash
-kernels (``aten._scaled_dot_product_flash_attention`` and its backward on CUDA,
-``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward on the CPU). All are causal,
-take grouped-query k/v without expanding them, and return the log-sum-exp. There is no dropout, so
-no RNG state needs keeping.
+Attention kernels, chosen by :func:`chosen_attention_kernels` once per process and device type:
+the first of flash-attn's ``_flash_attn_forward`` / ``_flash_attn_backward`` (where installed),
+cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention`` and its backward: what stock
+SDPA runs on Hopper, and the fastest there), PyTorch's flash kernels and its memory-efficient ones
+whose forward and q/k/v gradients match a float32 reference on small random inputs
+(:func:`check_attention_kernels`); a candidate that raises or disagrees is passed over with its
+reason kept, and one without grouped-query support is retried with k/v expanded. On the CPU it is
+``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward. All are causal and return
+the log-sum-exp. There is no dropout, so no RNG state needs keeping.
 """
 
 from __future__ import annotations
@@ -172,19 +175,53 @@ def _expanding_kv(kernels: AttentionKernels) -> AttentionKernels:
     return AttentionKernels(kernels.name + "+expanded-kv", forward, backward)
 
 
+def _cudnn_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(grad_out, q, k, v, out, lse, state, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    if grad_out.stride() != out.stride():
+        # cuDNN reads dO in the layout of O; match it here once instead of inside the op
+        grad_out = torch.empty_like(out).copy_(grad_out)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+    )
+
+
+def _efficient_forward(q, k, v, scale):
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, True, scale=scale
+    )
+    return out, lse, (seed, offset)
+
+
+def _efficient_backward(grad_out, q, k, v, out, lse, state, scale):
+    seed, offset = state
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
+    )
+    return dq, dk, dv
+
+
 def _flash_attn_kernels() -> AttentionKernels | None:
     """flash-attn 2.x's private entry points, which take and return the log-sum-exp.
 
-    flash-attn works in (batch, seq, heads, head_dim); the transposes below are views. Not run in
-    this repository's benchmarks: flash-attn is not installed on the device machines used (see
-    docs/benchmarks.md), which ran PyTorch's flash kernels.
+    flash-attn works in (batch, seq, heads, head_dim); the transposes below are views. None where
+    flash-attn is not installed (the device machines of docs/benchmarks.md have none).
     """
     try:
         import flash_attn
         from flash_attn import flash_attn_interface as fa
     except ImportError:
         return None
-    major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
+    try:
+        major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
+    except ValueError:
+        return None
     if (major, minor) < (2, 6):  # the keyword signatures below are those of 2.6 to 2.8
         return None
 
@@ -211,15 +248,141 @@ def _flash_attn_kernels() -> AttentionKernels | None:
     return AttentionKernels("flash-attn", forward, backward)
 
 
-def attention_kernels(device: torch.device | str, prefer: str = "auto", expand_kv: bool = False) -> AttentionKernels:
-    """The attention kernels for ``device``: flash-attn if installed (CUDA), else PyTorch's flash.
+# The CUDA kernels in order of preference: flash-attn (where installed), cuDNN's fused attention
+# (Hopper's fastest in PyTorch, what stock SDPA picks there), PyTorch's flash, the memory-efficient one.
+CUDA_KERNEL_NAMES = ("flash-attn", "cudnn", "torch-flash-cuda", "torch-efficient-cuda")
 
-    ``prefer`` is "auto", "flash-attn" or "torch". All of them take grouped-query k/v as they are;
-    ``expand_kv`` repeats k/v to every query head instead (a fallback, and a cross-check).
+
+def _cuda_kernels(name: str) -> AttentionKernels | None:
+    if name == "flash-attn":
+        return _flash_attn_kernels()
+    if name == "cudnn":
+        return AttentionKernels("cudnn", _cudnn_forward, _cudnn_backward)
+    if name == "torch-flash-cuda":
+        return AttentionKernels("torch-flash-cuda", _torch_cuda_forward, _torch_cuda_backward)
+    if name == "torch-efficient-cuda":
+        return AttentionKernels("torch-efficient-cuda", _efficient_forward, _efficient_backward)
+    raise ValueError(f"unknown attention kernels {name!r}; expected one of {', '.join(CUDA_KERNEL_NAMES)}")
+
+
+def check_attention_kernels(
+    kernels: AttentionKernels, device: torch.device | str, dtype: torch.dtype, *, seq_len: int = 300,
+    batch: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 128, seed: int = 1,
+) -> dict[str, float]:
+    """Relative errors of ``kernels`` (causal, grouped-query k/v) against a float32 reference on
+    random inputs: the output, the log-sum-exp and the three input gradients. Raises what the
+    kernels raise (a build or device that lacks them)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q, k, v = rand(batch, heads, seq_len, head_dim), rand(batch, kv_heads, seq_len, head_dim), rand(batch, kv_heads, seq_len, head_dim)
+    grad = rand(batch, heads, seq_len, head_dim)
+    scale = head_dim**-0.5
+    out, lse, state = kernels.forward(q, k, v, scale)
+    dq, dk, dv = kernels.backward(grad, q, k, v, out, lse, state, scale)
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    rep = heads // kv_heads
+    scores = (qf @ kf.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(causal, float("-inf"))
+    ref = torch.softmax(scores, -1) @ vf.repeat_interleave(rep, 1)
+    ref_lse = torch.logsumexp(scores, -1)
+    rq, rk, rv = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
+    lse = lse.reshape(batch, heads, -1)[..., :seq_len] if lse.numel() != ref_lse.numel() else lse.reshape(ref_lse.shape)
+
+    def rel(a, b):
+        a, b = a.detach().float(), b.detach().float()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    return {"out": rel(out, ref), "lse": rel(lse, ref_lse), "dq": rel(dq, rq), "dk": rel(dk, rk), "dv": rel(dv, rv)}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels :func:`select_attention_kernels` chose, and why each earlier candidate was not."""
+
+    kernels: AttentionKernels
+    errors: dict[str, float]
+    rejected: dict[str, str]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return {torch.bfloat16: 3e-2, torch.float16: 1e-2}.get(dtype, 1e-4)
+
+
+def select_attention_kernels(
+    candidates: list[AttentionKernels], device: torch.device | str, dtype: torch.dtype, *, with_expanded_kv: bool = True
+) -> KernelChoice:
+    """The first of ``candidates`` whose forward and gradients match a float32 reference on ``device``
+    in ``dtype`` (:func:`check_attention_kernels`); a candidate that raises or disagrees is skipped
+    and the reason kept. With ``with_expanded_kv``, one whose grouped-query path fails is retried
+    with k/v repeated to every query head before moving on."""
+    rejected: dict[str, str] = {}
+    tol = _tolerance(dtype)
+    for base in candidates:
+        for kernels in (base, _expanding_kv(base)) if with_expanded_kv else (base,):
+            try:
+                errors = check_attention_kernels(kernels, device, dtype)
+            except (RuntimeError, TypeError, NotImplementedError) as e:
+                rejected[kernels.name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
+                continue
+            if all(e < tol for e in errors.values()):
+                return KernelChoice(kernels, errors, rejected)
+            rejected[kernels.name] = "disagrees with the float32 reference: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+    raise RuntimeError(
+        f"no attention kernels on {device} in {dtype} match the float32 reference: "
+        + "; ".join(f"{k}: {v}" for k, v in rejected.items())
+    )
+
+
+_CHOSEN: dict[tuple[str, torch.dtype, str], KernelChoice] = {}
+
+
+def chosen_attention_kernels(device: torch.device | str, dtype: torch.dtype, prefer: str = "auto") -> KernelChoice:
+    """The fastest checked kernels for ``device`` and ``dtype``, chosen once per process.
+
+    On CUDA, ``prefer="auto"`` tries :data:`CUDA_KERNEL_NAMES` in order; a name there tries only
+    that one (and its expanded-k/v form). On the CPU it is PyTorch's CPU flash kernels.
+    """
+    device = torch.device(device)
+    key = (device.type, dtype, prefer)
+    if key not in _CHOSEN:
+        if device.type == "cuda":
+            names = CUDA_KERNEL_NAMES if prefer == "auto" else (prefer,)
+            candidates = [k for k in (_cuda_kernels(n) for n in names) if k is not None]
+            if not candidates:
+                raise RuntimeError(f"attention kernels {prefer!r} are not available (flash-attn is not installed)")
+        elif device.type == "cpu":
+            if prefer not in ("auto", "torch-flash-cpu"):
+                raise RuntimeError(f"attention kernels {prefer!r} run on CUDA devices only")
+            candidates = [AttentionKernels("torch-flash-cpu", _torch_cpu_forward, _torch_cpu_backward)]
+        else:
+            raise RuntimeError(f"no attention kernels for device type {device.type!r}")
+        _CHOSEN[key] = select_attention_kernels(candidates, device, dtype)
+    return _CHOSEN[key]
+
+
+def attention_kernels(
+    device: torch.device | str, prefer: str = "auto", expand_kv: bool = False, dtype: torch.dtype | None = None
+) -> AttentionKernels:
+    """The attention kernels for ``device``.
+
+    With ``dtype`` given (what the models here pass), the kernels are :func:`chosen_attention_kernels`:
+    checked against a float32 reference once per process, fastest first (flash-attn, cuDNN, PyTorch
+    flash, memory-efficient on CUDA). Without it, unchecked: flash-attn if installed, else PyTorch's
+    flash kernels (CUDA or CPU). ``prefer`` is "auto", or one kernel name (:data:`CUDA_KERNEL_NAMES`;
+    "torch" is PyTorch's flash). ``expand_kv`` repeats k/v to every query head (a fallback, and a
+    cross-check).
     """
     if expand_kv:
-        return _expanding_kv(attention_kernels(device, prefer))
+        return _expanding_kv(attention_kernels(device, prefer, dtype=dtype))
     device = torch.device(device)
+    if prefer == "torch":
+        prefer = "torch-flash-cuda" if device.type == "cuda" else "torch-flash-cpu"
+    if dtype is not None and not (device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16)):
+        return chosen_attention_kernels(device, dtype, prefer).kernels
     if device.type == "cuda":
         if prefer in ("auto", "flash-attn"):
             kernels = _flash_attn_kernels()
@@ -227,10 +390,11 @@ def attention_kernels(device: torch.device | str, prefer: str = "auto", expand_k
                 return kernels
             if prefer == "flash-attn":
                 raise RuntimeError("flash-attn was asked for but is not installed (pip install 'posttrain[gpu]')")
-        return AttentionKernels("torch-flash-cuda", _torch_cuda_forward, _torch_cuda_backward)
+            prefer = "torch-flash-cuda"
+        return _cuda_kernels(prefer)
     if device.type == "cpu":
-        if prefer == "flash-attn":
-            raise RuntimeError("flash-attn runs on CUDA devices only")
+        if prefer not in ("auto", "torch-flash-cpu"):
+            raise RuntimeError(f"attention kernels {prefer!r} run on CUDA devices only")
         return AttentionKernels("torch-flash-cpu", _torch_cpu_forward, _torch_cpu_backward)
     raise RuntimeError(f"no attention kernels for device type {device.type!r}")
 
@@ -532,7 +696,7 @@ class HFDecoderSplit:
                 "recompute='attention_output' on CUDA needs bfloat16 or float16 weights "
                 f"(the flash kernels take 16-bit inputs), got {x.dtype}"
             )
-        self.kernels, self._kernels_device = attention_kernels(x.device), x.device.type
+        self.kernels, self._kernels_device = attention_kernels(x.device, dtype=x.dtype), x.device.type
 
     def attention_inputs(self, x, cos, sin):
         attn = self.attn
@@ -668,7 +832,12 @@ def chunked_token_logprobs(hidden, lm_head, target_ids, chunk_tokens: int = 4096
 
 
 __all__ = [
+    "CUDA_KERNEL_NAMES",
     "AttentionKernels",
+    "KernelChoice",
+    "check_attention_kernels",
+    "chosen_attention_kernels",
+    "select_attention_kernels",
     "DecoderShape",
     "HFDecoderSplit",
     "LoRALinear",

@@ -1,7 +1,9 @@
 """Attention-output recomputation gives the gradients of the model that keeps every activation.
 
 Runs on the CPU with PyTorch's CPU flash-attention kernels (which return the log-sum-exp, like the
-CUDA ones) on a tiny Qwen3-shaped decoder in float64 and float32.
+CUDA ones) on a tiny Qwen3-shaped decoder in float64 and float32. The kernel selection is checked
+here too: candidates that raise (CUDA-only kernels on the CPU) or disagree with the float32 reference
+are passed over, with the reason kept.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import pytest
 import torch
 
 from training.recompute import (
+    CUDA_KERNEL_NAMES,
+    AttentionKernels,
     DecoderShape,
     Qwen3Decoder,
     attention_kernels,
+    check_attention_kernels,
+    chosen_attention_kernels,
     layer_forward,
+    select_attention_kernels,
 )
 
 TINY = DecoderShape(
@@ -182,3 +189,81 @@ def test_expanded_kv_kernels_agree_with_grouped_query_kernels():
         results.append((out, lse, *kernels.backward(grad, q, k, v, out, lse, state, 0.3)))
     for a, b in zip(*results):
         assert a.shape == b.shape and _rel(a, b) < 1e-12
+
+
+# -- kernel selection ---------------------------------------------------------------------------
+
+
+def _cpu_kernels():
+    return attention_kernels("cpu")
+
+
+def _raising(name: str, message: str) -> AttentionKernels:
+    def forward(*args):
+        raise RuntimeError(message)
+
+    return AttentionKernels(name, forward, forward)
+
+
+def _wrong_gradients(name: str) -> AttentionKernels:
+    """Right forward, a backward whose dq is off by 10%: what a broken kernel build can return."""
+    inner = _cpu_kernels()
+
+    def backward(*args):
+        dq, dk, dv = inner.backward(*args)
+        return dq * 1.1, dk, dv
+
+    return AttentionKernels(name, inner.forward, backward)
+
+
+def _grouped_query_unsupported(name: str) -> AttentionKernels:
+    """Kernels that refuse k/v with fewer heads than q, as some builds do."""
+    inner = _cpu_kernels()
+
+    def forward(q, k, v, scale):
+        if k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must equal the number of heads in query")
+        return inner.forward(q, k, v, scale)
+
+    return AttentionKernels(name, forward, inner.backward)
+
+
+def test_kernel_selection_skips_unavailable_and_wrong_kernels():
+    """On the CPU the CUDA-only candidates fail or disagree; the selection moves on to PyTorch's CPU
+    flash kernels and says why it passed over each of the others."""
+    candidates = [_raising("cudnn", "cuDNN attention needs a CUDA device"), _wrong_gradients("bad-build"), _cpu_kernels()]
+    choice = select_attention_kernels(candidates, "cpu", torch.float32)
+    assert choice.kernels.name == "torch-flash-cpu"
+    assert set(choice.rejected) == {"cudnn", "cudnn+expanded-kv", "bad-build", "bad-build+expanded-kv"}
+    assert "needs a CUDA device" in choice.rejected["cudnn"]
+    assert "disagrees" in choice.rejected["bad-build"] and "dq 1.0e-01" in choice.rejected["bad-build"]
+    assert all(e < 1e-4 for e in choice.errors.values()) and set(choice.errors) == {"out", "lse", "dq", "dk", "dv"}
+
+
+def test_kernel_selection_expands_kv_before_giving_up_on_a_candidate():
+    choice = select_attention_kernels([_grouped_query_unsupported("no-gqa"), _cpu_kernels()], "cpu", torch.float32)
+    assert choice.kernels.name == "no-gqa+expanded-kv"
+    assert "must equal the number of heads" in choice.rejected["no-gqa"]
+
+
+def test_kernel_selection_names_every_failure_when_nothing_matches():
+    with pytest.raises(RuntimeError, match="no attention kernels on cpu .* match the float32 reference: cudnn: RuntimeError"):
+        select_attention_kernels([_raising("cudnn", "unavailable"), _wrong_gradients("bad-build")], "cpu", torch.float32)
+
+
+def test_reference_check_measures_real_errors():
+    errors = check_attention_kernels(_cpu_kernels(), "cpu", torch.float64, seq_len=33, head_dim=16)
+    assert all(e < 1e-6 for e in errors.values())
+    bf16 = check_attention_kernels(_cpu_kernels(), "cpu", torch.bfloat16, seq_len=33, head_dim=16)
+    assert all(1e-6 < e < 3e-2 for e in bf16.values())  # bf16 inputs, float32 reference: small, not zero
+
+
+def test_chosen_kernels_on_the_cpu_fall_back_cleanly():
+    choice = chosen_attention_kernels("cpu", torch.float32)
+    assert choice.kernels.name == "torch-flash-cpu"
+    assert chosen_attention_kernels("cpu", torch.float32) is choice  # checked once per process
+    assert attention_kernels("cpu", dtype=torch.float32) is choice.kernels
+    for name in ("cudnn", "flash-attn", "torch-efficient-cuda"):
+        with pytest.raises(RuntimeError, match="run on CUDA devices only"):
+            chosen_attention_kernels("cpu", torch.float32, prefer=name)
+    assert CUDA_KERNEL_NAMES[:2] == ("flash-attn", "cudnn")  # the fastest first

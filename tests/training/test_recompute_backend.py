@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from training import recompute as recompute_module
 from training.backends import TrainBatch
@@ -117,12 +118,21 @@ def test_attention_output_recomputation_never_reruns_attention_or_the_down_produ
 
     counting = recompute_module.AttentionKernels("counting", forward, backward)
     monkeypatch.setattr(recompute_module, "attention_kernels", lambda device, *a, **k: counting)
-    for layer in backend.model.base_model.model.model.layers:
-        layer.mlp.down_proj.base_layer.register_forward_hook(lambda *a: counts.__setitem__("down product", counts["down product"] + 1))
+    down_weights = {id(layer.mlp.down_proj.base_layer.weight) for layer in backend.model.base_model.model.model.layers}
+
+    class CountDownProducts(TorchFunctionMode):
+        """Counts forward products ``x @ W_down.T`` (``F.linear`` with a frozen down weight)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear and len(args) > 1 and id(args[1]) in down_weights:
+                counts["down product"] += 1
+            return func(*args, **(kwargs or {}))
+
     batch = TrainBatch(input_ids=[[1, 5, 7, 9, 11]], loss_mask=[[0, 0, 1, 1, 1]],
                        serving_logprobs=[[0, 0, -4.0, -4.0, -4.0]], advantages=[1.0])
     backend.kl_coef = 0.0
-    backend.train_step(batch)
+    with CountDownProducts():
+        backend.train_step(batch)
     assert counts == {"attention forward": 2, "attention backward": 2, "down product": 2}
 
 
@@ -136,3 +146,15 @@ def test_attention_output_recomputation_refuses_left_padding(tiny_model_dir):
 def test_unknown_recompute_mode_is_named(tiny_model_dir):
     with pytest.raises(ValueError, match="recompute must be one of none, full, attention_output"):
         TorchPeftBackend(tiny_model_dir, recompute="selective")
+
+
+@pytest.mark.parametrize("recompute", ["full", "attention_output"])
+def test_megatron_backend_says_why_it_does_not_recompute(tiny_model_dir, recompute):
+    """The option is the same as the torch/peft backend's; the refusal comes before Megatron is
+    imported or a process group is made, and names the reason and where recomputation runs."""
+    from training.backends.megatron import MegatronBackend
+
+    with pytest.raises(NotImplementedError, match=r"keeps every activation .* all-reduces .* torch_peft backend"):
+        MegatronBackend(tiny_model_dir, recompute=recompute, device="cpu")
+    with pytest.raises(ValueError, match="recompute must be one of none, full, attention_output"):
+        MegatronBackend(tiny_model_dir, recompute="selective", device="cpu")

@@ -20,7 +20,7 @@ loads here exactly:
 
 Replicated factors get identical gradients on every rank (the column case all-reduces the rank-r
 gradient; the row case sees the already-reduced output gradient), so plain per-rank AdamW keeps
-them identical. Attention runs through the flash kernels of :mod:`training.recompute`.
+them identical. Attention runs through the kernels :mod:`training.recompute` checks and picks (cuDNN on Hopper).
 
 Checkpoints: ``save_state`` writes ``adapter/`` (the peft folder, as the torch backend does) and one
 ``optimizer-tp{rank}.pt`` per rank; ``load_state`` takes that layout. An adapter-only folder from
@@ -222,15 +222,13 @@ class _FlashCoreAttention(nn.Module):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
         super().__init__()
-        from training.recompute import attention_kernels
-
         self.config = config
-        self.kernels = attention_kernels("cuda" if torch.cuda.is_available() else "cpu")
+        self.kernels = None  # chosen and checked on the first call, for its device and dtype
         self.softmax_scale = softmax_scale or config.kv_channels**-0.5
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from training.recompute import _FlashAttention
+        from training.recompute import _FlashAttention, attention_kernels
 
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("flash core attention: packed sequences and attention bias are not supported")
@@ -240,6 +238,8 @@ class _FlashCoreAttention(nn.Module):
             # CUDA flash kernels take 16-bit inputs only; float32 (checks) goes through SDPA.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
         else:
+            if self.kernels is None:
+                self.kernels = attention_kernels(q.device, dtype=q.dtype)
             out = _FlashAttention.apply(q, k, v, self.kernels, self.softmax_scale)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -302,13 +302,14 @@ class MegatronBackend:
         dtype: str = "bfloat16",
         recompute: str = "none",
     ) -> None:
+        if recompute not in ("none", "full", "attention_output"):
+            raise ValueError(f"recompute must be one of none, full, attention_output, got {recompute!r}")
         if recompute != "none":
-            # Not wired: the attention-output scheme would need each layer's two halves rebuilt with
-            # their tensor-parallel all-reduces replayed in backward, and Megatron's own full
-            # recomputation has not been checked with LoRA on frozen weights here.
             raise NotImplementedError(
-                f"recompute={recompute!r}: the megatron backend keeps every activation (recompute='none'); "
-                "activation recomputation is in the torch_peft backend"
+                f"recompute={recompute!r}: the megatron backend keeps every activation (use recompute='none'). "
+                "'attention_output' needs each layer split at attention with its tensor-parallel all-reduces "
+                "replayed in backward, and Megatron's own full recomputation is unchecked with LoRA on frozen "
+                "tensor-parallel weights here; both recompute modes run in the torch_peft backend"
             )
         if tuple(sorted(target_modules)) != tuple(sorted(TARGET_MODULES)):
             raise ValueError(f"target_modules: the megatron backend puts LoRA on all of {TARGET_MODULES}")
@@ -622,4 +623,4 @@ class MegatronBackend:
         opt = directory / f"optimizer-tp{self.tp_rank}.pt"
         if not opt.is_file():
             raise FileNotFoundError(f"checkpoint {directory}: {opt.name} is missing (saved with another tensor-parallel size?)")
-        self.optimizer.load_state_dict(torch.load(opt, map_location=self.lora_parameters()[0].device))
+        self.optimizer.load_state_dict(torch.load(opt, map_location=self.lora_parameters()[0].device, weights_only=True))

@@ -10,7 +10,17 @@ how the batch was split.
 ``"none"`` keeps every activation; ``"full"`` is Hugging Face gradient checkpointing (each decoder
 layer keeps its input and is replayed whole in backward); ``"attention_output"`` keeps each layer's
 input, attention output and log-sum-exp and replays everything but attention (Qwen2/Qwen3 models;
-on CUDA with ``dtype="bfloat16"`` or ``"float16"``, the flash kernels' input types).
+on CUDA with ``dtype="bfloat16"`` or ``"float16"``, the flash kernels' input types). Its attention
+kernels are the fastest ones of the device that match a float32 reference when first used
+(``training.recompute.chosen_attention_kernels``: cuDNN on Hopper, flash-attn where installed).
+
+With ``dtype="bfloat16"`` (or ``"float16"``) the LoRA factors live in the model's dtype, so no
+activation is cast for an adapter, and AdamW steps float32 master copies of them: each step copies
+the adapter's gradients up and its weights down once (a few MB), never an activation. Every LoRA
+projection adds its rank-r product in the frozen GEMM's epilogue (``addmm``) and every RMSNorm runs
+PyTorch's fused ``rms_norm``, in all three recompute modes. Token log-probabilities come from
+``training.logprobs.token_logprobs``: the LM head's logits exist ``logits_chunk_tokens`` rows at a
+time (float32 for the log-sum-exp), in forward and again in backward, never for the whole sequence.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ import torch
 
 from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
 from training.grpo import grpo_loss
-from training.recompute import RECOMPUTE_MODES, keep_attention_output_in_hf_layers
+from training.logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
+from training.recompute import RECOMPUTE_MODES, _plain_lora, keep_attention_output_in_hf_layers
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -45,8 +56,8 @@ class TorchPeftBackend:
         device: str = "cpu",
         recompute: str = "none",
         dtype: str = "float32",
+        logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
-        from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         model_path = Path(model_path)
@@ -54,29 +65,74 @@ class TorchPeftBackend:
             raise FileNotFoundError(f"base model {model_path}: no config.json (expected a Hugging Face model folder)")
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+        if dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, float64, got {dtype!r}")
+        if logits_chunk_tokens < 1:
+            raise ValueError(f"logits_chunk_tokens must be at least 1, got {logits_chunk_tokens}")
         torch.manual_seed(seed)  # LoRA A matrices are initialized from the global generator
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = self._wrap(base, lora_rank, lora_alpha, target_modules, recompute, device)
+        self._finish_init(recompute, device, tis_cap, kl_coef, max_grad_norm, micro_batch_tokens,
+                          logits_chunk_tokens, learning_rate, weight_decay)
+
+    @classmethod
+    def from_model(cls, base: torch.nn.Module, **kwargs) -> "TorchPeftBackend":
+        """A backend around an already built Hugging Face causal LM (a benchmark's random-weight
+        model made from a config, say); the keyword arguments are those of the constructor but
+        ``model_path`` and ``dtype`` (the model's own is used)."""
+        self = cls.__new__(cls)
+        recompute = kwargs.pop("recompute", "none")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+        device = kwargs.pop("device", "cpu")
+        torch.manual_seed(kwargs.pop("seed", 0))
+        self.model = cls._wrap(base, kwargs.pop("lora_rank", 16), kwargs.pop("lora_alpha", 32),
+                               kwargs.pop("target_modules", DEFAULT_TARGET_MODULES), recompute, device)
+        self._finish_init(
+            recompute, device, kwargs.pop("tis_cap", 2.0), kwargs.pop("kl_coef", 0.0), kwargs.pop("max_grad_norm", 1.0),
+            kwargs.pop("micro_batch_tokens", 8192), kwargs.pop("logits_chunk_tokens", DEFAULT_CHUNK_TOKENS),
+            kwargs.pop("learning_rate", 2e-3), kwargs.pop("weight_decay", 0.0),
+        )
+        if kwargs:
+            raise TypeError(f"TorchPeftBackend.from_model: unexpected arguments {sorted(kwargs)}")
+        return self
+
+    @staticmethod
+    def _wrap(base, lora_rank, lora_alpha, target_modules, recompute, device):
+        from peft import LoraConfig, get_peft_model
+
         lora = LoraConfig(
             r=lora_rank, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
             bias="none", task_type="CAUSAL_LM",
         )
-        self.model = get_peft_model(base, lora).to(device)
+        # autocast_adapter_dtype=False: the adapter takes the model's dtype (peft would make it
+        # float32 and cast every activation that enters it, in forward and backward)
+        model = get_peft_model(base, lora, autocast_adapter_dtype=False).to(device)
+        fuse_lora_linears(model)
+        fuse_rms_norms(model)
         if recompute == "full":
-            hf = self.model.get_base_model()
+            hf = model.get_base_model()
             if hasattr(hf, "activation_checkpointing_enable"):  # the newer name of the same switch
                 hf.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif recompute == "attention_output":
-            keep_attention_output_in_hf_layers(self.model)
+            keep_attention_output_in_hf_layers(model)
+        return model
+
+    def _finish_init(self, recompute, device, tis_cap, kl_coef, max_grad_norm, micro_batch_tokens,
+                     logits_chunk_tokens, learning_rate, weight_decay) -> None:
         self.recompute = recompute
         self.device = device
         self.tis_cap = tis_cap
         self.kl_coef = kl_coef
         self.max_grad_norm = max_grad_norm
         self.micro_batch_tokens = micro_batch_tokens
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay)
+        self.logits_chunk_tokens = logits_chunk_tokens
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # float32 master weights for 16-bit adapters; the adapter itself where it is float32 already
+        self.masters = [p if p.dtype in (torch.float32, torch.float64) else p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=learning_rate, weight_decay=weight_decay)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -84,14 +140,25 @@ class TorchPeftBackend:
         """log π(token_t | tokens_<t) for t >= 1, aligned so column t is token t (column 0 is 0)."""
         if self.recompute == "attention_output" and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
             raise ValueError("recompute='attention_output' needs right-padded rows (attention runs causal, unmasked)")
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        logits = out.logits[:, :-1].float()
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        if bool(attention_mask.all()):
+            attention_mask = None  # no padding: attention runs plain causal (stock SDPA's fastest kernels)
+        hf = self.model.get_base_model()
+        head = hf.get_output_embeddings()
+        decoder = getattr(hf, "model", None)
+        if decoder is None or type(head) is not torch.nn.Linear or head.bias is not None:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            logits = out.logits[:, :-1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        else:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            lp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], self.logits_chunk_tokens)
         return torch.nn.functional.pad(lp, (1, 0))
 
     def train_step(self, batch: TrainBatch) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
         total_tokens = max(batch.generated_tokens, 1)
         sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "w": 0.0, "clip": 0.0}
         for idx in micro_batches(batch.input_ids, self.micro_batch_tokens):
@@ -108,18 +175,44 @@ class TorchPeftBackend:
             loss, stats = grpo_loss(logprobs, serving, mask, adv, tis_cap=self.tis_cap, ref_logprobs=ref, kl_coef=self.kl_coef)
             share = stats.tokens / total_tokens
             (loss * share).backward()
+            self._accumulate_master_grads()
             sums["loss"] += stats.loss * share
             sums["pg"] += stats.pg_loss * share
             sums["kl"] += stats.kl * share
             sums["w"] += stats.mean_is_weight * share
             sums["clip"] += stats.clipped_is_fraction * share
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
         self.optimizer.step()
+        self._copy_masters_to_model()
         return StepResult(
             loss=sums["loss"], pg_loss=sums["pg"], kl=sums["kl"], tokens=batch.generated_tokens,
             grad_norm=float(grad_norm), mean_is_weight=sums["w"], clipped_is_fraction=sums["clip"],
         )
+
+    def refresh_masters(self) -> None:
+        """Take the float32 masters from the adapter's weights; call after editing those in place
+        (a 16-bit adapter's optimizer steps the masters and copies them down, overwriting edits)."""
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is not p:
+                    master.copy_(p)
+
+    def _accumulate_master_grads(self) -> None:
+        """Add each micro-batch's 16-bit adapter gradients into the float32 masters' (summing them
+        in bf16 across micro-batches would round at every addition)."""
+        for p, master in zip(self.params, self.masters):
+            if master is not p and p.grad is not None:
+                if master.grad is None:
+                    master.grad = p.grad.float()
+                else:
+                    master.grad.add_(p.grad)
+                p.grad = None
+
+    def _copy_masters_to_model(self) -> None:
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                if master is not p:
+                    p.copy_(master)
 
     # -- adapter and state --------------------------------------------------------------------
 
@@ -135,6 +228,9 @@ class TorchPeftBackend:
         directory = Path(directory)
         self.save_adapter(directory / "adapter")
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        if any(m is not p for p, m in zip(self.params, self.masters)):
+            # the adapter folder holds the 16-bit weights; resume from the float32 masters
+            torch.save([m.detach().cpu() for m in self.masters], directory / "master_weights.pt")
 
     def load_state(self, directory: Path) -> None:
         from peft import set_peft_model_state_dict
@@ -147,4 +243,74 @@ class TorchPeftBackend:
         result = set_peft_model_state_dict(self.model, load_file(str(weights), device=self.device))
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"checkpoint {directory}: unexpected adapter keys {result.unexpected_keys[:3]}")
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device))
+        masters_file = directory / "master_weights.pt"
+        with torch.no_grad():
+            if masters_file.is_file():
+                saved = torch.load(masters_file, map_location=self.device, weights_only=True)
+                if len(saved) != len(self.masters) or any(s.shape != m.shape for s, m in zip(saved, self.masters)):
+                    raise ValueError(f"checkpoint {directory}: {masters_file.name} does not match the adapter's parameters")
+                for master, value in zip(self.masters, saved):
+                    master.copy_(value)
+                self._copy_masters_to_model()
+        if not masters_file.is_file():
+            self.refresh_masters()
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True))
+
+
+# -- kernels shared by every recompute mode ----------------------------------------------------
+
+
+def _fused_lora_forward(module: torch.nn.Module, original):
+    """``x @ W.T`` plus each active adapter's ``scaling · (x @ A.T) @ B.T`` added in the GEMM's
+    epilogue (``addmm``): no separate scale and sum passes over the (tokens, out) output. Falls back
+    to peft's forward where the module does more (see ``training.recompute._plain_lora``) or the
+    adapter's dtype differs from the input's."""
+    import torch.nn.functional as F
+
+    def forward(x, *args, **kwargs):
+        parts = _plain_lora(module) if not args and not kwargs else None
+        if parts is None:
+            return original(x, *args, **kwargs)
+        weight, adapters = parts
+        if any(a.weight.dtype != x.dtype or b.weight.dtype != x.dtype for a, b, _ in adapters) or weight.dtype != x.dtype:
+            return original(x, *args, **kwargs)
+        out = F.linear(x, weight)
+        for a, b, scaling in adapters:
+            xa = F.linear(x, a.weight)
+            out = torch.addmm(out.reshape(-1, out.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.weight.t(),
+                              alpha=scaling).view(out.shape)
+        return out
+
+    return forward
+
+
+def fuse_lora_linears(model: torch.nn.Module) -> int:
+    """Give every peft LoRA linear of ``model`` the fused forward above; returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A") and type(module.base_layer) is torch.nn.Linear:
+            module.forward = _fused_lora_forward(module, module.forward)
+            count += 1
+    return count
+
+
+def _fused_rms_norm_forward(module: torch.nn.Module):
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+
+    def forward(x):
+        return torch.nn.functional.rms_norm(x, module.weight.shape, module.weight, eps)
+
+    return forward
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Run every Hugging Face ``*RMSNorm`` of ``model`` (weight times the normalized input, no
+    offset) through ``torch.nn.functional.rms_norm``, one fused kernel, instead of its float32
+    upcast and five elementwise passes; returns how many."""
+    count = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm") and name.startswith(("Qwen2", "Qwen3", "Llama")) and isinstance(getattr(module, "weight", None), torch.Tensor):
+            module.forward = _fused_rms_norm_forward(module)
+            count += 1
+    return count

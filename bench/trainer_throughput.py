@@ -1,0 +1,306 @@
+"""Tokens/s, MFU and peak memory of the shipped torch/peft trainer step, every recompute mode, on one GPU.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/trainer_throughput.py --contexts 8192,32768
+
+A Hugging Face Qwen3-8B (built from a ``Qwen3Config`` with random bf16 weights: no download) with a
+rank-32 LoRA on the seven projections of every layer goes through
+``TorchPeftBackend.train_step`` (forward, chunked token log-probabilities, the GRPO loss, backward,
+AdamW on float32 masters of the bf16 adapter) on one packed sequence per context length, for each
+``recompute`` mode: ``none``, ``full`` (Hugging Face activation checkpointing over stock SDPA, whose
+kernels on Hopper are cuDNN's) and ``attention_output`` (``training.recompute`` on the kernels that
+``chosen_attention_kernels`` picks and checks). Beside each backend row, in the same run, the
+benchmark decoder of ``bench/recompute.py`` (``training.recompute.Qwen3Decoder``, same shape, same
+kernels) takes the same step, so the cost of the Hugging Face model around the scheme shows.
+
+Every figure is printed next to its baseline as a ratio: step time against ``full`` of the same
+model in this run, and tokens/s against the backend's figures before the bf16 adapter, fused LoRA
+epilogue, fused RMSNorm, chunked log-probabilities and checked kernels (measured on one H200 with
+the code as it was; constants below). MFU is model FLOPs (recomputation is not useful work) per
+second over the bf16 matmul rate measured at the start of the run; the FLOPs formula is printed.
+``--device cpu`` runs the same code paths on a tiny model, as a smoke test without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.backends import TrainBatch  # noqa: E402
+from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
+from training.recompute import RECOMPUTE_MODES, DecoderShape, Qwen3Decoder, chosen_attention_kernels  # noqa: E402
+
+GIB = 1024**3
+
+# TorchPeftBackend.train_step on one H200 before this benchmark's changes (fp32 peft adapter,
+# unchunked fp32 logits, HF RMSNorm, PyTorch-flash kernels in attention_output), tokens/s.
+BEFORE_TOKENS_PER_S = {
+    (8192, "none"): 7318, (8192, "full"): 5334, (8192, "attention_output"): 5261,
+    (32768, "full"): 4177, (32768, "attention_output"): 3840,
+}
+
+
+def load_recompute_bench():
+    spec = importlib.util.spec_from_file_location("bench_recompute", Path(__file__).with_name("recompute.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def qwen3_config(size: str, layers: int | None):
+    from transformers import Qwen3Config
+
+    shape = DecoderShape.qwen3(size, lora_rank=32, lora_alpha=64, **({"num_layers": layers} if layers else {}))
+    config = Qwen3Config(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, rope_theta=shape.rope_theta, max_position_embeddings=131072,
+        tie_word_embeddings=False, rms_norm_eps=shape.rms_eps,
+    )
+    return shape, config
+
+
+def tiny_shape() -> DecoderShape:
+    return DecoderShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=128, vocab_size=512, lora_rank=8, lora_alpha=16)
+
+
+def build_backend(config, device: str, dtype: torch.dtype, recompute: str, seq_len: int, lora_rank: int) -> TorchPeftBackend:
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            base = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    base.config.use_cache = False
+    return TorchPeftBackend.from_model(
+        base, lora_rank=lora_rank, lora_alpha=2 * lora_rank, recompute=recompute, device=device,
+        micro_batch_tokens=seq_len, max_grad_norm=1e9, learning_rate=1e-5,
+    )
+
+
+def batch_of(seq_len: int, vocab: int, seed: int) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = seq_len // 8
+    return TrainBatch(
+        input_ids=[torch.randint(0, vocab, (seq_len,), generator=gen).tolist()],
+        loss_mask=[[0] * prompt + [1] * (seq_len - prompt)],
+        serving_logprobs=[(-torch.rand(seq_len, generator=gen) * 3).tolist()],
+        advantages=[0.5],
+    )
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, device: str, warmup: int, steps: int) -> dict:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    try:
+        for i in range(warmup + steps):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    except torch.cuda.OutOfMemoryError:
+        return {"oom": True}
+    times.sort()
+    return {"oom": False, "step_s": times[len(times) // 2], "step_s_all": times,
+            "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan")}
+
+
+def check_backend_modes(device: str, dtype: torch.dtype) -> None:
+    """The three modes give the step of ``none`` on a small random Qwen3 on the device (bf16)."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, head_dim=128,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    batch = batch_of(1024 if device == "cuda" else 48, config.vocab_size, seed=3)
+    results = {}
+    for mode in RECOMPUTE_MODES:
+        backend = build_backend(config, device, dtype, mode, 4096, 16)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in backend.params:
+                if p.abs().sum() == 0:  # a fresh adapter's B is zero, which would hide A's gradient
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        backend.refresh_masters()
+        step = backend.train_step(batch)
+        results[mode] = (step.loss, torch.cat([m.grad.flatten() for m in backend.masters]))
+        del backend
+    errs = {m: (abs(results[m][0] - results["none"][0]),
+                float((results[m][1] - results["none"][1]).norm() / results["none"][1].norm()))
+            for m in ("full", "attention_output")}
+    log("backend check, recompute vs none on a small random Qwen3 "
+        f"({dtype}, loss absolute / LoRA gradients relative): "
+        + ", ".join(f"{m} {a:.1e} / {r:.1e}" for m, (a, r) in errs.items()))
+    if not all(r < 5e-2 and a < 2e-2 for a, r in errs.values()):
+        raise SystemExit(f"the backend's recompute modes disagree: {errs}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="8b")
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    parser.add_argument("--contexts", default="8192,32768")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--no-decoder", action="store_true", help="skip the benchmark decoder's rows")
+    parser.add_argument("--budget-s", type=float, default=540, help="skip what would start after this")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/trainer_throughput.py needs a CUDA device (or --device cpu for a smoke run)")
+    started = time.perf_counter()
+    rb = load_recompute_bench()
+    rb.DEVICE = device
+    dtype = torch.bfloat16
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        try:
+            import flash_attn  # noqa: F401
+
+            fa = f"flash-attn {flash_attn.__version__}"
+        except ImportError:
+            fa = "no flash-attn"
+        log(f"device {props.name}, {props.total_memory / GIB:.0f} GiB; torch {torch.__version__}; "
+            f"cuDNN {torch.backends.cudnn.version()}; {fa}")
+    choice = chosen_attention_kernels(device, dtype)
+    log(f"attention kernels chosen: {choice.kernels.name} (vs float32 reference: "
+        + ", ".join(f"{k} {v:.1e}" for k, v in choice.errors.items()) + ")"
+        + ("; passed over: " + "; ".join(f"{k}: {v}" for k, v in choice.rejected.items()) if choice.rejected else ""))
+    check_backend_modes(device, dtype)
+    peak = rb.matmul_peak_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20)
+    log(f"measured bf16 matmul peak (8192^3, 2 s warm-up, median of 20 samples of 5): {peak:.0f} TFLOP/s")
+
+    if device == "cpu":
+        shape = tiny_shape()
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                             intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                             num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                             head_dim=shape.head_dim, tie_word_embeddings=False)
+    else:
+        shape, config = qwen3_config(args.model, args.layers)
+    h, layers = shape.hidden_size, shape.num_layers
+    log(f"model FLOPs per token = {layers}*(4*P_frozen + 6*P_LoRA + 6*S*{shape.q_size}) + 4*{h}*{shape.vocab_size}, "
+        f"P_frozen = {shape.base_params_per_layer():,} and P_LoRA = {shape.lora_params_per_layer():,} per layer "
+        f"(rank {shape.lora_rank}); S = context")
+
+    contexts = [int(s) for s in args.contexts.split(",") if s]
+    rows = []
+    for seq_len in contexts:
+        flops_per_token = shape.train_flops_per_token(seq_len)
+        batch = batch_of(seq_len, shape.vocab_size, seed=seq_len)
+        for mode in RECOMPUTE_MODES:
+            for model_kind in ("backend",) + (() if args.no_decoder else ("decoder",)):
+                if time.perf_counter() - started > args.budget_s:
+                    log(f"{seq_len:>6} {model_kind:>7} {mode:>16}: skipped (time budget {args.budget_s:.0f} s spent)")
+                    rows.append({"seq_len": seq_len, "model": model_kind, "mode": mode, "skipped": True})
+                    continue
+                if model_kind == "backend":
+                    try:
+                        backend = build_backend(config, device, dtype, mode, seq_len, shape.lora_rank)
+                    except torch.cuda.OutOfMemoryError:
+                        rows.append({"seq_len": seq_len, "model": model_kind, "mode": mode, "oom": True})
+                        log(f"{seq_len:>6} {model_kind:>7} {mode:>16}: out of memory building the model")
+                        continue
+
+                    def step():
+                        backend.train_step(batch)
+                else:
+                    torch.manual_seed(0)
+                    decoder = Qwen3Decoder(shape, dtype=dtype, device=device, kernels=choice.kernels)
+                    optimizer = torch.optim.AdamW(decoder.lora_parameters(), lr=1e-5)
+                    gen = torch.Generator(device=device).manual_seed(seq_len)
+                    ids = torch.randint(0, shape.vocab_size, (1, seq_len + 1), device=device, generator=gen)
+                    serving = -torch.rand(1, seq_len, device=device, generator=gen) * 3
+                    mask = torch.ones(1, seq_len, device=device)
+                    mask[:, : seq_len // 8] = 0
+                    adv = torch.tensor([0.5], device=device)
+
+                    def step():
+                        rb.train_step(decoder, optimizer, ids, serving, mask, adv, mode)
+                r = time_steps(step, device, args.warmup, args.steps)
+                r.update(seq_len=seq_len, model=model_kind, mode=mode)
+                if not r["oom"]:
+                    r["tokens_per_s"] = seq_len / r["step_s"]
+                    r["mfu"] = seq_len * flops_per_token / r["step_s"] / 1e12 / peak
+                    log(f"{seq_len:>6} {model_kind:>7} {mode:>16}: step {r['step_s']:.3f} s "
+                        f"(all {', '.join(f'{t:.3f}' for t in r['step_s_all'])}), peak {r['peak_gib']:.1f} GiB, "
+                        f"{r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}")
+                else:
+                    log(f"{seq_len:>6} {model_kind:>7} {mode:>16}: out of memory")
+                rows.append(r)
+                if model_kind == "backend":
+                    del backend
+                else:
+                    del decoder, optimizer
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+
+    peak_end = rb.matmul_peak_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20)
+    log(f"bf16 matmul peak measured again after the steps: {peak_end:.0f} TFLOP/s; MFU below is of the larger, "
+        f"{max(peak, peak_end):.0f}")
+    if peak_end > peak:
+        for r in rows:
+            if "mfu" in r:
+                r["mfu"] *= peak / peak_end
+        peak = peak_end
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"peak_tflops": peak, "kernels": choice.kernels.name, "rows": rows}, indent=1))
+    log("")
+    log(f"| context | model | mode | step s | step vs full | tokens/s | vs before | vs decoder | MFU (of {peak:.0f} TFLOP/s) "
+        "| peak GiB | peak vs full |")
+    log("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    by_key = {(r["seq_len"], r["model"], r["mode"]): r for r in rows}
+
+    def ok(r):
+        return r is not None and not r.get("oom") and not r.get("skipped")
+
+    for r in rows:
+        if not ok(r):
+            log(f"| {r['seq_len']} | {r['model']} | {r['mode']} | {'skipped' if r.get('skipped') else 'out of memory'} "
+                "| | | | | | | |")
+            continue
+        full = by_key.get((r["seq_len"], r["model"], "full"))
+        vs_full = (f"{r['step_s'] / full['step_s'] - 1:+.1%}", f"{r['peak_gib'] / full['peak_gib']:.2f}x") if ok(full) else ("", "")
+        before = BEFORE_TOKENS_PER_S.get((r["seq_len"], r["mode"])) if r["model"] == "backend" and device == "cuda" else None
+        vs_before = f"{r['tokens_per_s'] / before:.2f}x of {before}" if before else ""
+        dec = by_key.get((r["seq_len"], "decoder", r["mode"])) if r["model"] == "backend" else None
+        vs_dec = f"{r['tokens_per_s'] / dec['tokens_per_s']:.2f}x" if ok(dec) else ""
+        log(f"| {r['seq_len']} | {r['model']} | {r['mode']} | {r['step_s']:.3f} | {vs_full[0]} | {r['tokens_per_s']:.0f} | "
+            f"{vs_before} | {vs_dec} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {vs_full[1]} |")
+    log(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
