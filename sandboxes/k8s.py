@@ -1,9 +1,11 @@
 """Kubernetes manifests for sandboxes: the Pod of one episode and the default-deny NetworkPolicy.
 
-A sandbox pod runs ``pxd --stdio`` as its only container; the harness talks to it by attaching to
-the container's stdin/stdout (the Kubernetes attach API), the same protocol as the local runtimes,
-so the pod needs no network at all: the NetworkPolicy denies every ingress and egress of the
-run's sandbox pods. ``runtimeClassName`` selects gVisor (``gvisor``) or Kata (``kata``).
+A sandbox pod runs ``pxd --stdio`` as its only container; the sandbox pool (:mod:`sandboxes.pool`)
+talks to it by attaching to the container's stdin/stdout (the Kubernetes attach API), the same
+protocol as the local runtimes, so the pod needs no network at all: the NetworkPolicy denies every
+ingress and egress of the run's sandbox pods, which it selects by :func:`sandbox_selector` (every
+pod of :func:`pod_spec` carries those labels). ``runtimeClassName`` selects gVisor (``gvisor``) or
+Kata (``kata``).
 
 Requests are a fraction of the limits (CPU 25 %, memory 40 % by default): sandboxes mostly idle
 while the model thinks, and the placement in :mod:`sandboxes.placement` packs them accordingly.
@@ -24,7 +26,7 @@ from sandboxes.runtimes import Limits
 
 LABEL_PREFIX = "posttrain.dev"
 RUNTIME_CLASSES = ("gvisor", "kata")
-DEFAULT_K8S_VERSION = "1.30.0"
+DEFAULT_K8S_VERSION = "1.37.0"
 _LABEL_OK = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 
 
@@ -74,14 +76,23 @@ def pod_name(run: str, episode: str) -> str:
     return (base[:52].rstrip("-") + "-" + hashlib.sha256(f"{run}/{episode}".encode()).hexdigest()[:10])
 
 
+def sandbox_selector(run: str) -> dict[str, str]:
+    """The labels that select every sandbox pod of ``run``: the NetworkPolicy's ``podSelector`` and
+    the pool's list selector. :func:`pod_spec` sets them on every pod (a test holds the two together)."""
+    return {f"{LABEL_PREFIX}/role": "sandbox", f"{LABEL_PREFIX}/run": label_value(run)}
+
+
 def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits = Limits(),
              settings: PodSettings = PodSettings(), preferred_nodes: list[str] | None = None,
              required_nodes: list[str] | None = None) -> dict:
     """The Pod of one episode's sandbox. ``image`` is the task image's registry reference."""
     if not image:
         raise ManifestError("pod_spec: image must name the task image (registry/repository:tag)")
-    labels = {f"{LABEL_PREFIX}/role": "sandbox", f"{LABEL_PREFIX}/run": label_value(run),
-              f"{LABEL_PREFIX}/task": label_value(task_id), f"{LABEL_PREFIX}/episode": label_value(episode)}
+    labels = {**sandbox_selector(run),
+              f"{LABEL_PREFIX}/task": label_value(task_id), f"{LABEL_PREFIX}/episode": label_value(episode),
+              "app.kubernetes.io/name": "posttrain", "app.kubernetes.io/instance": label_value(run),
+              "app.kubernetes.io/component": "sandbox", "app.kubernetes.io/part-of": "posttrain",
+              "app.kubernetes.io/managed-by": "sandboxes.pool"}
     resources = {
         "limits": {"cpu": _millicpu(limits.cpus), "memory": _mebibytes(limits.memory_mib),
                    "ephemeral-storage": _mebibytes(limits.disk_mib + limits.tmp_mib)},
@@ -151,7 +162,7 @@ def network_policy(*, run: str, settings: PodSettings = PodSettings()) -> dict:
         "metadata": {"name": f"sandbox-deny-all-{label_value(run)}"[:63].rstrip("-."), "namespace": settings.namespace,
                      "labels": {f"{LABEL_PREFIX}/run": label_value(run)}},
         "spec": {
-            "podSelector": {"matchLabels": {f"{LABEL_PREFIX}/role": "sandbox", f"{LABEL_PREFIX}/run": label_value(run)}},
+            "podSelector": {"matchLabels": sandbox_selector(run)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [], "egress": [],
         },

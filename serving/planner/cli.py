@@ -130,6 +130,7 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
     print(f"{len(manifests)} manifests valid against the Kubernetes {version} schemas (strict): "
           + ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in manifests), file=sys.stderr)  # fmt: skip
     if args.dry_run:
+        _print_server_side_dry_run(manifests, args.kubeconfig)
         return 0
     run_dir = Path(args.run_dir).resolve() if args.run_dir else default_run_dir(plan, args.home)
     try:
@@ -144,8 +145,25 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
         print(f"posttrain run: {exc}", file=sys.stderr)
         return EXIT_NOT_STARTED
     for what in created:
-        print(f"created {what}")
+        print(what)
     return 0
+
+
+def _print_server_side_dry_run(manifests: list[dict], kubeconfig: str | None) -> None:
+    """Where a cluster is reachable, ask its API server what applying the manifests would change
+    (a server-side dry run, nothing kept); offline, say so: the manifests above are all there is."""
+    try:
+        results = apply_k8s(manifests, kubeconfig, dry_run=True)
+    except RunStartError as exc:
+        print(f"no cluster to compare with ({exc}); the manifests above are what a run would apply", file=sys.stderr)
+        return
+    except Exception as exc:  # an unreachable API server surfaces as the client library's own errors
+        print(f"the cluster could not be asked what would change ({type(exc).__name__}: {exc}); "
+              "the manifests above are what a run would apply", file=sys.stderr)
+        return
+    print("server-side dry run against the cluster:", file=sys.stderr)
+    for what in results:
+        print(f"  {what}", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

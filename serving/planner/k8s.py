@@ -2,24 +2,37 @@
 
 One run is: the shared volume (PVC), the resolved plan (ConfigMap), the trainer (Job), the engine
 fleet (SGLang servers, each pod with the capture sidecar on localhost), the router (Deployment +
-Service), and the sandbox pool (a controller Deployment with the RBAC to create sandbox pods, and a
-NetworkPolicy that cuts sandbox pods off the network).
+Service), and the sandbox pool (``python -m sandboxes.pool``: a Deployment + Service that creates
+one pod per episode through the Kubernetes API).
 
 The engines are a StatefulSet behind a headless Service rather than a Deployment: the router is
 given each replica's address (``--worker URL@POOL:GPUS``), and a StatefulSet's pods have stable
 names (``RUN-engine-0.RUN-engine.NAMESPACE.svc``) that survive restarts.
 
+Least privilege, as an operator reads it:
+
+- only the sandbox pool's service account has a Role: create, get, list, patch and delete pods,
+  attach to and exec into them (``pods/attach``, ``pods/exec``), and keep its owner Leases; no other account of the run is bound to anything, and no other pod mounts a token;
+- the trainer reaches sandboxes through the pool's HTTP API (``POSTTRAIN_SANDBOX_POOL_URL``), and
+  the pool's NetworkPolicy admits only the run's trainer pods;
+- sandbox pods (labels :func:`sandboxes.k8s.sandbox_selector`) get no ingress and no egress;
+- every container runs as uid 1000 without privilege escalation, with every capability dropped,
+  the RuntimeDefault seccomp profile and a read-only root; ``/tmp`` (and ``HOME`` in it) is a
+  writable emptyDir, multi-GPU pods get a memory-backed ``/dev/shm``.
+
 Every container runs a module's ``__main__`` (``WORKLOAD_MODULES``), the same entry points that run
 locally. ``posttrain run --target k8s --dry-run`` prints these manifests; without ``--dry-run`` they
-are created through the Kubernetes API.
+are applied server-side (``serving.planner.runner.apply_k8s``), so a second run changes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
 
+from sandboxes.k8s import label_value, sandbox_selector
 from serving import sglang
 from serving.planner.resolve import Plan
 from serving.planner.runner import TRAINER_MODULE, trainer_args
@@ -35,15 +48,45 @@ WORKLOAD_MODULES = {
 SGLANG_PORT = sglang.SGLANG_PORT
 CAPTURE_PORT = sglang.CAPTURE_PORT
 ROUTER_PORT = 30100
+POOL_PORT = 30200  # sandboxes.pool.DEFAULT_PORT
 DATA_MOUNT = "/run-data"  # where serving.sglang's engine pods mount the run volume; the same everywhere
 PLAN_MOUNT = "/etc/posttrain"
 PLAN_FILE = "resolved-plan.json"
-
+RUN_AS = 1000  # the uid and gid of every workload container (the sandbox user is the same uid)
+MANAGED_BY = "posttrain"
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 def k8s_name(name: str) -> str:
     """A DNS-1123 label made from a run name (lowercase alphanumerics and '-', at most 40 chars)."""
     label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40].strip("-")
     return label or "run"
+
+
+def _version(plan: Plan) -> str:
+    """``app.kubernetes.io/version``: the workload image's tag (or digest), else ``unversioned``."""
+    image = plan.run_file.kubernetes.image
+    ref = image.rsplit("/", 1)[-1]
+    version = ref.split("@", 1)[1] if "@" in ref else (ref.split(":", 1)[1] if ":" in ref else "unversioned")
+    return label_value(version.replace("sha256:", "sha256-"))
+
+
+def _selector(plan: Plan, component: str) -> dict[str, str]:
+    """The labels a workload's selectors match: stable for the run's life (selectors are immutable)."""
+    return {
+        "app.kubernetes.io/name": "posttrain",
+        "app.kubernetes.io/instance": k8s_name(plan.run_name),
+        "app.kubernetes.io/component": component,
+    }
+
+
+def _labels(plan: Plan, component: str) -> dict[str, str]:
+    return {
+        **_selector(plan, component),
+        "app.kubernetes.io/version": _version(plan),
+        "app.kubernetes.io/part-of": "posttrain",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "posttrain.dev/run": k8s_name(plan.run_name),
+    }
 
 
 def _meta(plan: Plan, name: str, component: str) -> dict[str, Any]:
@@ -54,26 +97,8 @@ def _meta(plan: Plan, name: str, component: str) -> dict[str, Any]:
     }
 
 
-def _labels(plan: Plan, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "posttrain",
-        "app.kubernetes.io/component": component,
-        "posttrain.dev/run": k8s_name(plan.run_name),
-    }
-
-
-def _volumes(plan: Plan) -> list[dict[str, Any]]:
-    base = k8s_name(plan.run_name)
-    return [
-        {"name": "data", "persistentVolumeClaim": {"claimName": f"{base}-data"}},
-        {"name": "plan", "configMap": {"name": f"{base}-plan"}},
-    ]
-
-
-_MOUNTS = [
-    {"name": "data", "mountPath": DATA_MOUNT},
-    {"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True},
-]
+def run_dir_in_pod(plan: Plan) -> str:
+    return f"{DATA_MOUNT}/runs/{plan.run_name}"
 
 
 def _env(plan: Plan) -> list[dict[str, str]]:
@@ -81,41 +106,113 @@ def _env(plan: Plan) -> list[dict[str, str]]:
         {"name": "POSTTRAIN_HOME", "value": DATA_MOUNT},
         {"name": "POSTTRAIN_RUN_DIR", "value": run_dir_in_pod(plan)},
         {"name": "POSTTRAIN_PLAN", "value": f"{PLAN_MOUNT}/{PLAN_FILE}"},
+        # the root is read-only: caches (Hugging Face, Triton, pip, torch) go to the /tmp emptyDir
+        {"name": "HOME", "value": "/tmp/home"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
     ]
 
 
-def run_dir_in_pod(plan: Plan) -> str:
-    return f"{DATA_MOUNT}/runs/{plan.run_name}"
+_MOUNTS = [
+    {"name": "data", "mountPath": DATA_MOUNT},
+    {"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True},
+    {"name": "tmp", "mountPath": "/tmp"},
+]
+
+POD_SECURITY = {
+    "runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+    # a chown of the whole run volume at every start would take minutes on a large volume
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY = {
+    "runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "privileged": False,
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
-def _pod_spec(plan: Plan, containers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {"containers": containers, "volumes": _volumes(plan), **extra}
-    if plan.run_file.kubernetes.service_account and "serviceAccountName" not in spec:
-        spec["serviceAccountName"] = plan.run_file.kubernetes.service_account
+def _scheduling(plan: Plan, gpus: int) -> dict[str, Any]:
+    """priorityClassName and tolerations: GPU pods tolerate the usual ``nvidia.com/gpu`` taint; the
+    run file's ``[kubernetes] priority_class`` / ``tolerations`` apply when the schema has them."""
+    kube = plan.run_file.kubernetes
+    out: dict[str, Any] = {}
+    tolerations = [dict(t) for t in (getattr(kube, "tolerations", None) or [])]
+    if gpus and GPU_TOLERATION not in tolerations:
+        tolerations.insert(0, dict(GPU_TOLERATION))
+    if tolerations:
+        out["tolerations"] = tolerations
+    if getattr(kube, "priority_class", None):
+        out["priorityClassName"] = kube.priority_class
+    return out
+
+
+def _pod_spec(plan: Plan, containers: list[dict[str, Any]], *, gpus: int = 0, service_account: str | None = None,
+              token: bool = False, extra_volumes: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    """A workload pod: the run volume, the plan, a writable /tmp; locked down; no API token unless
+    ``token`` (the sandbox pool alone)."""
+    base = k8s_name(plan.run_name)
+    volumes = [
+        {"name": "data", "persistentVolumeClaim": {"claimName": f"{base}-data"}},
+        {"name": "plan", "configMap": {"name": f"{base}-plan"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "20Gi"}},
+        *(extra_volumes or []),
+    ]
+    for c in containers:
+        c.setdefault("securityContext", dict(CONTAINER_SECURITY))
+    spec: dict[str, Any] = {
+        "containers": containers, "volumes": volumes, "securityContext": dict(POD_SECURITY),
+        "automountServiceAccountToken": token, "enableServiceLinks": False, **_scheduling(plan, gpus), **extra,
+    }
+    account = service_account or plan.run_file.kubernetes.service_account
+    if account:
+        spec["serviceAccountName"] = account
     return spec
 
 
-def _gpu_resources(gpus: int, cpu: str, memory: str) -> dict[str, Any]:
+def _shm(gib: int | None = None) -> dict[str, Any]:
+    """A memory-backed /dev/shm (the container runtime's default is 64 MiB; NCCL needs more)."""
+    empty: dict[str, Any] = {"medium": "Memory"}
+    if gib:
+        empty["sizeLimit"] = f"{gib}Gi"
+    return {"name": "dshm", "emptyDir": empty}
+
+
+def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
     resources: dict[str, Any] = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
     if gpus:
+        resources["requests"]["nvidia.com/gpu"] = gpus
         resources["limits"]["nvidia.com/gpu"] = gpus
     return resources
 
 
+def _pdb(plan: Plan, name: str, component: str, **budget: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(plan, name, component),
+        "spec": {"selector": {"matchLabels": _selector(plan, component)}, **budget},
+    }
+
+
 def build_manifests(plan: Plan) -> list[dict[str, Any]]:
-    """Every object of the run, in the order they should be created."""
+    """Every object of the run, in the order they should be applied."""
     rf = plan.run_file
     kube = rf.kubernetes
     base = k8s_name(plan.run_name)
     image = kube.image
+    ns = kube.namespace
     engine_service_name = f"{base}-engine"
     workers = [
-        f"http://{engine_service_name}-{i}.{engine_service_name}.{kube.namespace}.svc:{CAPTURE_PORT}"
+        f"http://{engine_service_name}-{i}.{engine_service_name}.{ns}.svc:{CAPTURE_PORT}"
         f"@reserved:{rf.inference.gpus_per_engine}"
         for i in range(rf.inference.engines)
     ]
-    router_url = f"http://{base}-router.{kube.namespace}.svc:{ROUTER_PORT}"
-    pool_name = f"{base}-sandbox-pool"  # its service account may create sandbox pods (pool and trainer)
+    router_url = f"http://{base}-router.{ns}.svc:{ROUTER_PORT}"
+    pool_name = f"{base}-sandbox-pool"  # the only account with Kubernetes rights: it creates sandbox pods
+    pool_url = f"http://{pool_name}.{ns}.svc:{POOL_PORT}"
+    trainer_account = kube.service_account or f"{base}-trainer"
+    # a changed plan rolls the long-running pods (they read it at start); the Job's template is immutable
+    plan_hash = {"posttrain.dev/plan-sha256": hashlib.sha256(plan.to_json_text().encode()).hexdigest()[:16]}
 
     volume: dict[str, Any] = {
         "apiVersion": "v1",
@@ -137,6 +234,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "data": {PLAN_FILE: plan.to_json_text()},
     }
 
+    gpus = rf.trainer.gpus
     trainer = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -151,46 +249,68 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "image": image,
                     "command": ["python", "-m", WORKLOAD_MODULES["trainer"],
                                 *trainer_args(f"{PLAN_MOUNT}/{PLAN_FILE}", run_dir_in_pod(plan))],
-                    "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url}],
-                    "volumeMounts": _MOUNTS,
-                    "resources": _gpu_resources(rf.trainer.gpus, "4", "32Gi"),
-                }], restartPolicy="Never", serviceAccountName=pool_name),
+                    "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url},
+                            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}],
+                    "volumeMounts": [*_MOUNTS, *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus > 1 else [])],
+                    "resources": _resources(str(max(4, 4 * gpus)), f"{max(32, 32 * gpus)}Gi", gpus),
+                }], gpus=gpus, service_account=trainer_account,
+                    extra_volumes=[_shm(16)] if gpus > 1 else None, restartPolicy="Never"),
             },
         },
     }  # fmt: skip
 
     # One engine pod is serving's launch spec (SGLang on localhost, the capture sidecar in front of it,
     # the run volume mounted for adapters); here it becomes a StatefulSet so each replica has a name.
+    engine_gpus = rf.inference.gpus_per_engine
     engines = sglang.sglang_launch_spec(
         plan.sglang_knobs(), name=engine_service_name, image=rf.inference.sglang_image, sidecar_image=image,
-        replicas=rf.inference.engines, namespace=kube.namespace, gpus=rf.inference.gpus_per_engine,
+        replicas=rf.inference.engines, namespace=ns, gpus=engine_gpus,
         adapters_volume_claim=f"{base}-data", pool="reserved",
     )
     engines["kind"] = "StatefulSet"
     engines["metadata"]["labels"].update(_labels(plan, "engine"))
-    engines["spec"]["selector"] = {"matchLabels": _labels(plan, "engine")}
-    engines["spec"]["template"]["metadata"]["labels"].update(_labels(plan, "engine"))
+    engines["spec"]["selector"] = {"matchLabels": _selector(plan, "engine")}
+    template = engines["spec"]["template"]
+    template["metadata"]["labels"].update(_labels(plan, "engine"))
+    template["metadata"]["annotations"] = dict(plan_hash)
     engines["spec"]["serviceName"] = engine_service_name
     engines["spec"]["podManagementPolicy"] = "Parallel"  # replicas start together, not one by one
+    sglang_c, capture_c = template["spec"]["containers"]
+    sglang_c["resources"]["requests"].update(cpu=str(max(4, 4 * (engine_gpus or 1))), memory=f"{max(32, 32 * (engine_gpus or 1))}Gi")
+    sglang_c["resources"]["limits"]["memory"] = sglang_c["resources"]["requests"]["memory"]
+    capture_c["resources"] = _resources("1", "2Gi")
+    tmp_mount = {"name": "tmp", "mountPath": "/tmp"}
+    for c in (sglang_c, capture_c):
+        c["securityContext"] = dict(CONTAINER_SECURITY)
+        c["volumeMounts"].append(tmp_mount)
+        c["env"] = [{"name": "HOME", "value": "/tmp/home"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]
+    template["spec"]["volumes"].append({"name": "tmp", "emptyDir": {"sizeLimit": "50Gi"}})
+    template["spec"].update(securityContext=dict(POD_SECURITY), automountServiceAccountToken=False,
+                            enableServiceLinks=False, **_scheduling(plan, engine_gpus))
+    if kube.service_account:
+        template["spec"]["serviceAccountName"] = kube.service_account
     engine_service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(plan, "engine", "engine"),
         "spec": {
             "clusterIP": "None",  # headless: the router addresses each replica, sessions are sticky
-            "selector": _labels(plan, "engine"),
+            "selector": _selector(plan, "engine"),
             "ports": [{"name": "capture", "port": CAPTURE_PORT, "targetPort": CAPTURE_PORT}],
         },
     }
+    # one engine at a time may be drained (the router moves its sessions); a lone engine never is
+    engine_pdb = _pdb(plan, "engine", "engine", maxUnavailable=1 if rf.inference.engines > 1 else 0)
+
     router = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(plan, "router", "router"),
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": _labels(plan, "router")},
+            "selector": {"matchLabels": _selector(plan, "router")},
             "template": {
-                "metadata": {"labels": _labels(plan, "router")},
+                "metadata": {"labels": _labels(plan, "router"), "annotations": dict(plan_hash)},
                 "spec": _pod_spec(plan, [{
                     "name": "router",
                     "image": image,
@@ -202,7 +322,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
                     "env": _env(plan),
                     "volumeMounts": _MOUNTS,
-                    "resources": {"requests": {"cpu": "2", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+                    "resources": _resources("2", "4Gi"),
                 }]),
             },
         },
@@ -211,18 +331,29 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(plan, "router", "router"),
-        "spec": {"selector": _labels(plan, "router"),
+        "spec": {"selector": _selector(plan, "router"),
                  "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}]},
     }  # fmt: skip
+    # the run's only router carries every session: a drain waits for the run (or the operator)
+    router_pdb = _pdb(plan, "router", "router", maxUnavailable=0)
 
-    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(plan, "sandbox-pool", "sandbox-pool")}
+    accounts = []
+    if not kube.service_account:  # the trainer's own account: bound to nothing, no token mounted
+        accounts.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(plan, "trainer", "trainer"),
+                         "automountServiceAccountToken": False})
+    accounts.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(plan, "sandbox-pool", "sandbox-pool")})
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
         "rules": [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "watch", "delete"]},
-            {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+            # what sandboxes.pool calls: create, read (wait), list (reap), patch (claim a warm pod), delete
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "patch", "delete"]},
+            # attach (pxd's stdin/stdout) and exec open a websocket: a GET that recent API servers
+            # also authorize as create. The pool attaches; exec is for a shell in a sandbox while debugging.
+            {"apiGroups": [""], "resources": ["pods/attach", "pods/exec"], "verbs": ["create", "get"]},
+            # the owner Lease of each pool process (renewed; the dead ones' deleted by the reaper)
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "get", "patch", "delete"]},
         ],
     }
     binding = {
@@ -230,7 +361,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "kind": "RoleBinding",
         "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": pool_name},
-        "subjects": [{"kind": "ServiceAccount", "name": pool_name, "namespace": kube.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": pool_name, "namespace": ns}],
     }
     sbx = rf.sandbox
     max_sandboxes = sbx.max_sandboxes or plan.producer_budget_samples
@@ -240,42 +371,68 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": _labels(plan, "sandbox-pool")},
+            # a new pool starts only after the old one is gone (it reaps the old one's pods)
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": _selector(plan, "sandbox-pool")},
             "template": {
-                "metadata": {"labels": _labels(plan, "sandbox-pool")},
+                "metadata": {"labels": _labels(plan, "sandbox-pool"), "annotations": dict(plan_hash)},
                 "spec": _pod_spec(plan, [{
                     "name": "sandbox-pool",
                     "image": image,
                     "command": ["python", "-m", WORKLOAD_MODULES["sandbox_pool"],
-                                "--namespace", kube.namespace, "--max-sandboxes", str(max_sandboxes),
+                                "--namespace", ns, "--run", base, "--port", str(POOL_PORT),
+                                "--max-sandboxes", str(max_sandboxes),
                                 "--cpus", f"{sbx.cpus:g}", "--memory-gib", f"{sbx.memory_gib:g}",
-                                "--command-timeout-s", f"{sbx.command_timeout_s:g}",
-                                "--sandbox-label", f"posttrain.dev/sandbox-of={base}"],
-                    "env": _env(plan),
+                                "--command-timeout-s", f"{sbx.command_timeout_s:g}"],
+                    "ports": [{"name": "http", "containerPort": POOL_PORT}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": POOL_PORT}},
+                    "env": [*_env(plan),
+                            # the owner reference of every sandbox pod: deleting the pool deletes them
+                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
                     "volumeMounts": _MOUNTS,
-                    "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
-                }], serviceAccountName=pool_name),
+                    # two stream threads and their buffers per connected sandbox: about 2 MiB each
+                    "resources": _resources("2", f"{max(2, -(-max_sandboxes * 2 // 1024))}Gi"),
+                }], service_account=pool_name, token=True),
             },
         },
+    }  # fmt: skip
+    pool_service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
+        "spec": {"selector": _selector(plan, "sandbox-pool"),
+                 "ports": [{"name": "http", "port": POOL_PORT, "targetPort": POOL_PORT}]},
     }  # fmt: skip
     no_network = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(plan, "sandboxes-no-network", "sandbox"),
         "spec": {
-            # Sandboxes have no network: no egress at all; ingress only from this run's own pods
-            # (the harness talks to the pxd daemon inside).
-            "podSelector": {"matchLabels": {"posttrain.dev/sandbox-of": base}},
+            # Sandboxes have no network at all: the pool reaches pxd through the API server's attach
+            # stream (kubelet to container runtime), which is not pod traffic.
+            "podSelector": {"matchLabels": sandbox_selector(base)},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"posttrain.dev/run": base}}}]}],
+            "ingress": [],
             "egress": [],
         },
     }
-    manifests = [volume, plan_map, account, role, binding, no_network, engine_service, engines,
-                 router_service, router, pool, trainer]  # fmt: skip
+    pool_ingress = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(plan, "sandbox-pool-ingress", "sandbox-pool"),
+        "spec": {
+            # Only the run's trainer may ask for sandboxes; the pool's own egress (the API server) is open.
+            "podSelector": {"matchLabels": _selector(plan, "sandbox-pool")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, "trainer")}}],
+                         "ports": [{"protocol": "TCP", "port": POOL_PORT}]}],
+        },
+    }
+    manifests = [volume, plan_map, *accounts, role, binding, no_network, pool_ingress, engine_service, engines,
+                 engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
     # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
     return json.loads(json.dumps(manifests))
-
 
 def missing_entry_points() -> list[str]:
     """Workload modules the manifests run that this checkout does not have (yet)."""

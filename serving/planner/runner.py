@@ -2,7 +2,10 @@
 
 Locally the trainer's entry point (``python -m training``) runs as a child process with the resolved
 plan; it starts the engine, router and sandboxes it needs. On Kubernetes the manifests of
-``serving.planner.k8s`` are created through the Kubernetes API.
+``serving.planner.k8s`` are applied server-side (:func:`apply_k8s`): the API server merges each
+object under the field manager ``posttrain``, so the same plan applied twice changes nothing, and a
+changed plan updates the objects in place. ``dry_run=True`` asks the API server what would change
+and changes nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +96,81 @@ def start_local(plan_path: Path, run_dir: Path) -> int:
     return subprocess.call(trainer_command(plan_path, run_dir))
 
 
-def apply_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None) -> list[str]:
-    """Create every manifest through the Kubernetes API (in-cluster config, else kubeconfig).
+FIELD_MANAGER = "posttrain"
 
-    Raises ``RunStartError`` naming the object that could not be created; the ones before it stay.
-    """
-    from kubernetes import client, config, utils
+# The REST collection of each kind the run's manifests hold (all namespaced).
+_COLLECTIONS = {
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Service"): "services",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("apps/v1", "StatefulSet"): "statefulsets",
+    ("apps/v1", "Deployment"): "deployments",
+    ("batch/v1", "Job"): "jobs",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+}
+_AS_DICT = {200: "object", 201: "object"}  # the client's deserializer keeps "object" answers as plain dicts
+# Server-set fields that say nothing about what the manifest asked for.
+_SERVER_FIELDS = ("resourceVersion", "managedFields", "generation", "creationTimestamp", "uid", "selfLink")
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What applying one object did (or, in a dry run, would do): ``created``, ``configured``
+    (with the changed fields) or ``unchanged``."""
+
+    kind: str
+    name: str
+    action: str
+    changed: tuple[str, ...] = ()
+    dry_run: bool = False
+
+    def __str__(self) -> str:
+        verb = {"created": "would be created", "configured": "would change", "unchanged": "unchanged"}[self.action] \
+            if self.dry_run else self.action
+        fields = f": {', '.join(self.changed)}" if self.changed else ""
+        return f"{self.kind}/{self.name} {verb}{fields}"
+
+
+def object_path(manifest: dict[str, Any]) -> str:
+    """The REST path of a manifest's object, e.g. ``/apis/apps/v1/namespaces/NS/deployments/NAME``."""
+    api, kind = manifest["apiVersion"], manifest["kind"]
+    collection = _COLLECTIONS.get((api, kind))
+    if collection is None:
+        raise RunStartError(f"{kind}/{manifest['metadata'].get('name')}: no REST collection known for "
+                            f"{api} {kind} (serving/planner/runner.py _COLLECTIONS)")
+    prefix = "/api/v1" if api == "v1" else f"/apis/{api}"
+    meta = manifest["metadata"]
+    return f"{prefix}/namespaces/{meta['namespace']}/{collection}/{meta['name']}"
+
+
+def _content(obj: dict[str, Any] | None) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    out = {k: v for k, v in obj.items() if k != "status"}
+    out["metadata"] = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in _SERVER_FIELDS}
+    return out
+
+
+def changed_fields(before: Any, after: Any, prefix: str = "", limit: int = 8) -> list[str]:
+    """Dotted paths where two objects differ (at most ``limit``; lists compare whole)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out: list[str] = []
+        for key in sorted(set(before) | set(after), key=str):
+            if before.get(key) != after.get(key):
+                out += changed_fields(before.get(key), after.get(key), f"{prefix}.{key}" if prefix else str(key), limit)
+            if len(out) >= limit:
+                return out[:limit]
+        return out
+    return [] if before == after else [prefix or "(object)"]
+
+
+def kube_api_client(kubeconfig: str | None = None):
+    """An ``ApiClient`` from the in-cluster configuration, else the kubeconfig (``RunStartError`` if neither)."""
+    from kubernetes import client, config
 
     try:
         config.load_incluster_config()
@@ -106,14 +179,59 @@ def apply_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None) ->
             config.load_kube_config(config_file=kubeconfig)
         except (config.ConfigException, OSError) as exc:
             raise RunStartError(f"no Kubernetes configuration: not in a cluster, and the kubeconfig fails: {exc}") from exc
-    api = client.ApiClient()
-    created = []
+    return client.ApiClient()
+
+
+def apply_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None, *, dry_run: bool = False,
+              api_client=None) -> list[Applied]:
+    """Apply every manifest server-side (field manager ``posttrain``, conflicts forced) and say
+    what each did; with ``dry_run`` the API server computes the same without keeping anything.
+
+    Raises ``RunStartError`` naming the object that could not be applied; the ones before it stay.
+    An immutable field (a Job's pod template) that a changed plan touches is named with what to do.
+    """
+    from kubernetes.client.exceptions import ApiException
+
+    api = api_client or kube_api_client(kubeconfig)
+    query = [("fieldManager", FIELD_MANAGER), ("force", "true")] + ([("dryRun", "All")] if dry_run else [])
+    done: list[Applied] = []
     for manifest in manifests:
-        what = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        path = object_path(manifest)
         try:
-            utils.create_from_dict(api, manifest, namespace=manifest["metadata"].get("namespace"))
-        except Exception as exc:  # the client raises FailToCreateError, ApiException or a connection error
-            done = ", ".join(created) or "nothing"
-            raise RunStartError(f"creating {what} failed ({exc}); created before it: {done}") from exc
-        created.append(what)
-    return created
+            try:
+                before = api.call_api(path, "GET", response_types_map=_AS_DICT, auth_settings=["BearerToken"],
+                                      _return_http_data_only=True, header_params={"Accept": "application/json"})
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                before = None
+            after = api.call_api(path, "PATCH", query_params=query, body=manifest, response_types_map=_AS_DICT,
+                                 header_params={"Content-Type": "application/apply-patch+yaml",
+                                                "Accept": "application/json"},
+                                 auth_settings=["BearerToken"], _return_http_data_only=True)
+        except ApiException as exc:
+            message = _api_message(exc)
+            hint = ""
+            if exc.status == 422 and "immutable" in message and kind == "Job":
+                hint = (f"; a Job's pod template cannot change: delete it (kubectl -n {manifest['metadata']['namespace']} "
+                        f"delete job {name}; checkpoints and the rollout store stay on the volume) and run again")
+            applied = ", ".join(str(a) for a in done) or "nothing"
+            raise RunStartError(f"applying {kind}/{name} failed: HTTP {exc.status} {exc.reason}: {message}{hint}; "
+                                f"applied before it: {applied}") from exc
+        except Exception as exc:  # a connection error, a TLS failure
+            applied = ", ".join(str(a) for a in done) or "nothing"
+            raise RunStartError(f"applying {kind}/{name} failed ({exc}); applied before it: {applied}") from exc
+        if before is None:
+            done.append(Applied(kind, name, "created", dry_run=dry_run))
+        else:
+            diff = changed_fields(_content(before), _content(after))
+            done.append(Applied(kind, name, "configured" if diff else "unchanged", tuple(diff), dry_run))
+    return done
+
+
+def _api_message(exc) -> str:
+    try:
+        return json.loads(exc.body).get("message", "") or str(exc.body)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or "")

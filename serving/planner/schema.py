@@ -163,6 +163,7 @@ class KubernetesSection:
     volume_gib: int = field(default=200, metadata=_key(POSITIVE, doc="size of the shared run volume"))
     storage_class: str | None = None
     service_account: str | None = None
+    priority_class: str | None = field(default=None, metadata=_key(doc="priorityClassName of every pod of the run"))
 
 
 @dataclass(frozen=True)

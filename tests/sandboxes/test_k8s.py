@@ -70,3 +70,13 @@ def test_validation_catches_schema_errors():
     bad["spec"]["containers"][0]["stdinn"] = True
     with pytest.raises(k8s.ManifestError, match="'stdinn' was unexpected"):
         k8s.validate(bad)
+
+
+@pytest.mark.parametrize("run", ["demo", "Hybrid B300", "olmo35-b300", "x" * 80])
+def test_every_sandbox_pod_carries_the_selector_of_its_runs_network_policy(run):
+    """The default-deny policy covers a pod only if the pod has every label its selector names."""
+    selector = k8s.network_policy(run=run)["spec"]["podSelector"]["matchLabels"]
+    assert selector == k8s.sandbox_selector(run)
+    labels = pod(run=run)["metadata"]["labels"]
+    assert {k: labels.get(k) for k in selector} == selector
+    assert labels["app.kubernetes.io/component"] == "sandbox"
