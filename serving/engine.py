@@ -576,6 +576,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared volume of published adapters (<dir>/<version>/); the newest is loaded before serving")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="shut down when the process that started this one dies (local replicas of a trainer)")
+    parser.add_argument("--http-idle-timeout-s", type=float, default=None,
+                        help="close a kept-alive client connection after this long without a request (default: 60)")
 
 
 REPLICA_FLAGS = {"max_total_tokens": "--max-total-tokens", "max_running_requests": "--max-running-requests",
@@ -620,7 +622,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.http import serve
+    from serving.http import HttpLimits, serve
 
     if args.exit_with_parent:
         exit_with_parent()
@@ -635,7 +637,8 @@ def run(args: argparse.Namespace) -> int:
         newest = newest_adapter(args.adapters_dir)
         if newest is not None and newest[0] not in engine.adapters():
             engine.load_lora_adapter(*newest)
-    server = serve(engine, host=args.host, port=args.port)
+    limits = HttpLimits() if args.http_idle_timeout_s is None else HttpLimits(idle_timeout_s=args.http_idle_timeout_s)
+    server = serve(engine, host=args.host, port=args.port, limits=limits)
     return server.run_in_foreground(f"engine serving {args.model} on {server.url}")
 
 
