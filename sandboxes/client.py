@@ -346,6 +346,19 @@ class PxdClient:
             self.parse("/exec", answer, lambda a: a["results_b64"])
         return result
 
+    def run(self, command: str | list[str], *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
+            cwd: str | None = None, env: dict[str, str] | None = None, results_fd: int | None = None,
+            kill_others: bool = False) -> ExecResult:
+        """:meth:`exec` as sandboxes offer it to the harness: a shell string (``/bin/sh -c``) or an argv
+        list, stdout and stderr merged into ``stdout``, capped to the first and last
+        ``output_cap_bytes / 2``."""
+        head = output_cap_bytes // 2
+        kwargs = dict(cwd=cwd, env=env, timeout_s=timeout_s, head_bytes=head, tail_bytes=output_cap_bytes - head,
+                      merge_stderr=True, results_fd=results_fd, kill_others=kill_others)
+        if isinstance(command, str):
+            return self.exec(shell=command, **kwargs)
+        return self.exec(list(command), **kwargs)
+
     def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """The file's bytes (``max_bytes`` caps them; see :meth:`read_file_info` for the flag)."""
         a = self.read_file_info(path, max_bytes=max_bytes)

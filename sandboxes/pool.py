@@ -225,12 +225,8 @@ class PodSandbox:
              kill_others: bool = False) -> ExecResult:
         """As :meth:`sandboxes.runtimes.Sandbox.exec` (pxd is PID 1 of the pod's container)."""
         self.touch()
-        head = output_cap_bytes // 2
-        kwargs = dict(cwd=cwd, env=env, timeout_s=timeout_s, head_bytes=head, tail_bytes=output_cap_bytes - head,
-                      merge_stderr=True, results_fd=results_fd, kill_others=kill_others)
-        if isinstance(command, str):
-            return self.pxd.exec(shell=command, **kwargs)
-        return self.pxd.exec(list(command), **kwargs)
+        return self.pxd.run(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes, cwd=cwd, env=env,
+                            results_fd=results_fd, kill_others=kill_others)
 
     def read_file(self, path: str) -> bytes:
         self.touch()

@@ -631,12 +631,8 @@ class Sandbox:
         (up to 1 MiB, ``results_truncated`` beyond), on a channel the command's output cannot mix
         into. ``kill_others``: after the command ends, every other process of the sandbox is killed
         before the answer is made, so nothing it left behind writes to results or files later."""
-        head = output_cap_bytes // 2
-        kwargs = dict(cwd=cwd, env=env, timeout_s=timeout_s, head_bytes=head, tail_bytes=output_cap_bytes - head,
-                      merge_stderr=True, results_fd=results_fd, kill_others=kill_others)
-        if isinstance(command, str):
-            return self.pxd.exec(shell=command, **kwargs)
-        return self.pxd.exec(list(command), **kwargs)
+        return self.pxd.run(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes, cwd=cwd, env=env,
+                            results_fd=results_fd, kill_others=kill_others)
 
     def read_file(self, path: str) -> bytes:
         return self.pxd.read_file(path)

@@ -194,6 +194,16 @@ def _pdb(plan: Plan, name: str, component: str, **budget: Any) -> dict[str, Any]
     }
 
 
+def _http_service(plan: Plan, component: str, port: int) -> dict[str, Any]:
+    """A ClusterIP Service named after ``component`` in front of its pods' ``http`` port."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(plan, component, component),
+        "spec": {"selector": _selector(plan, component), "ports": [{"name": "http", "port": port, "targetPort": port}]},
+    }
+
+
 def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     """Every object of the run, in the order they should be applied."""
     rf = plan.run_file
@@ -327,13 +337,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
             },
         },
     }  # fmt: skip
-    router_service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(plan, "router", "router"),
-        "spec": {"selector": _selector(plan, "router"),
-                 "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": ROUTER_PORT}]},
-    }  # fmt: skip
+    router_service = _http_service(plan, "router", ROUTER_PORT)
     # the run's only router carries every session: a drain waits for the run (or the operator)
     router_pdb = _pdb(plan, "router", "router", maxUnavailable=0)
 
@@ -397,13 +401,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
             },
         },
     }  # fmt: skip
-    pool_service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
-        "spec": {"selector": _selector(plan, "sandbox-pool"),
-                 "ports": [{"name": "http", "port": POOL_PORT, "targetPort": POOL_PORT}]},
-    }  # fmt: skip
+    pool_service = _http_service(plan, "sandbox-pool", POOL_PORT)
     no_network = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
