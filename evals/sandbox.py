@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Protocol
@@ -103,7 +105,7 @@ class PlatformSandbox:
             accepts = "results_fd" in inspect.signature(sandbox.exec).parameters
         except (TypeError, ValueError):
             accepts = False
-        self.supports_results = accepts and runtime in ("bwrap", "gvisor")
+        self.supports_results = accepts and runtime in ("bwrap", "gvisor", "kata")
 
     def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
              env: dict[str, str] | None = None, results_fd: int | None = None,
@@ -145,13 +147,28 @@ class PlatformSandbox:
             raise ValueError(f"{path}: {exc.message}") from exc
 
 
+POOL_URL_VARIABLE = "POSTTRAIN_SANDBOX_POOL_URL"
+
+
 def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxFactory:
-    """A :data:`SandboxFactory` that starts a ``sandboxes`` sandbox (``bwrap`` or ``gvisor``) per call.
+    """A :data:`SandboxFactory` that starts a ``sandboxes`` sandbox per call: ``bwrap`` or ``gvisor``
+    on this machine, or ``k8s``: a pod of the cluster's sandbox pool (``python -m sandboxes.pool``),
+    reached at ``pool_url`` or ``$POSTTRAIN_SANDBOX_POOL_URL`` (the trainer pod's manifest sets it).
 
     A task with a local repository is started from that folder (built into a cached image on the
-    fly); a task with an image name from that image in the store. The task's resource limits become
-    the sandbox's (CPU, memory, wall time from the agent timeout plus the test timeout).
+    fly); a task with an image name from that image in the store (on the cluster, the image every
+    pod of the task runs). The task's resource limits become the sandbox's (CPU, memory, wall time
+    from the agent timeout plus the test timeout).
     """
+    pool = None
+    if runtime == "k8s":
+        from sandboxes.pool import PoolClient
+
+        url = start_kwargs.pop("pool_url", None) or os.environ.get(POOL_URL_VARIABLE)
+        if not url:
+            raise ValueError(f"sandbox runtime 'k8s' needs the sandbox pool's URL: set {POOL_URL_VARIABLE} "
+                             "(the trainer's pod has it) or pass pool_url")
+        pool = PoolClient(url)
 
     @contextlib.contextmanager
     def factory(task: Task) -> Iterator[PlatformSandbox]:
@@ -164,7 +181,12 @@ def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxF
         )
         source = task.repo_path or task.image
         try:
-            box = sandboxes.start(source, runtime=runtime, limits=limits, **start_kwargs)
+            if pool is not None:
+                if not task.image:
+                    raise SandboxError(f"task {task.id} names no image; a pod needs one (build it with the image_cache asset)")
+                box = pool.start(task.image, task_id=task.id, episode=uuid.uuid4().hex, limits=limits)
+            else:
+                box = sandboxes.start(source, runtime=runtime, limits=limits, **start_kwargs)
         except (SandboxError, OSError) as exc:
             raise InfraError(f"task {task.id}: the {runtime} sandbox did not start: {exc}") from exc
         with box:

@@ -18,6 +18,9 @@ DTYPES = ("", "float32", "bfloat16", "float16")
 REWARDS = ("reward", "strict_target_score")
 
 
+SANDBOX_RUNTIMES = ("bwrap", "gvisor", "k8s")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     run_name: str = "demo"
@@ -56,6 +59,9 @@ class TrainConfig:
     # drop their groups (training.loop)
     max_consecutive_infra_failures: int = 20
     take_timeout_s: float = 3600.0  # how long the trainer waits for a step's groups before it stops the run
+    # where episodes run: bwrap or gvisor on this machine, k8s through the cluster's sandbox pool
+    # (python -m sandboxes.pool, reached at $POSTTRAIN_SANDBOX_POOL_URL)
+    sandbox_runtime: str = "bwrap"
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "trainer config") -> "TrainConfig":
@@ -101,6 +107,9 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'device' must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"{source}: key 'reward' must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        if self.sandbox_runtime not in SANDBOX_RUNTIMES:
+            raise ValueError(f"{source}: key 'sandbox_runtime' must be one of {', '.join(SANDBOX_RUNTIMES)}, "
+                             f"got {self.sandbox_runtime!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"{source}: key 'dtype' must be one of {', '.join(d for d in DTYPES if d)}, got {self.dtype!r}")
 

@@ -350,14 +350,14 @@ def fleet_environment(cfg: TrainConfig, run_dir: Path, make_runner: Callable[[st
 def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
     from transformers import AutoTokenizer
 
-    from evals.bundled import default_sandbox_factory
+    from evals.sandbox import platform_sandbox_factory
 
     tasks = training_tasks(cfg.tasks)
     curriculum = load_curriculum(cfg, sorted(tasks))
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
 
     def make_runner(url: str) -> HarnessRunner:
-        return HarnessRunner(tasks, url, tokenizer, default_sandbox_factory(), cfg)
+        return HarnessRunner(tasks, url, tokenizer, platform_sandbox_factory(cfg.sandbox_runtime), cfg)
 
     if cfg.replicas > 1:
         return fleet_environment(cfg, run_dir, make_runner, curriculum)

@@ -130,6 +130,8 @@ class Plan:
             table["tasks"] = rf.curriculum.tasks
         if rf.curriculum.curriculum_file:
             table["curriculum"] = rf.curriculum.curriculum_file
+        if rf.sandbox.runtime != "auto":  # the trainer's names for the sandbox runtimes
+            table["sandbox_runtime"] = {"runsc": "gvisor"}.get(rf.sandbox.runtime, rf.sandbox.runtime)
         return table
 
     def to_json(self) -> dict[str, Any]:

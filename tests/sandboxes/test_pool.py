@@ -514,3 +514,32 @@ def test_a_silent_client_and_an_expired_sandbox_lose_their_pods(kube):
     with pytest.raises(PxdConnectionError, match="reached its wall-time limit of 900 s"):
         busy.read_file("calc.py")
     assert not kube.pods
+
+
+def test_the_harness_sandbox_factory_runs_a_task_in_a_pool_pod(kube, served, monkeypatch):
+    """``platform_sandbox_factory("k8s")``, what the trainer uses with ``sandbox_runtime = "k8s"``:
+    the harness gets a :class:`PlatformSandbox` over a pool pod, results channel included."""
+    from evals.sandbox import POOL_URL_VARIABLE, platform_sandbox_factory
+    from evals.tasks import ResourceLimits, Task
+
+    p, client = served
+    task = Task(id="bundled/calc", source="bundled", language="python", instruction="fix add",
+                target_tests=("tests.test_calc.test_add",), existing_tests=(), test_command="true",
+                report_format="junit", report_paths=(".pytest-report.xml",), image=IMAGE,
+                limits=ResourceLimits(agent_timeout_s=600.0, test_timeout_s=120.0))  # within the pool's 900 s
+    monkeypatch.delenv(POOL_URL_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=POOL_URL_VARIABLE):
+        platform_sandbox_factory("k8s")
+    monkeypatch.setenv(POOL_URL_VARIABLE, client.url)
+    with platform_sandbox_factory("k8s")(task) as sandbox:
+        assert isinstance(sandbox, PlatformSandbox) and sandbox.supports_results
+        assert len(kube.pods) == 1
+        result = sandbox.exec("cat calc.py; echo graded >&3", results_fd=3)
+        assert "return a + b" in result.output and result.results == b"graded\n"
+        sandbox.write_file("notes.txt", b"from the harness")
+        assert sandbox.read_file("notes.txt") == b"from the harness"
+    assert not kube.pods  # the episode's pod went with the sandbox
+    no_image = Task(**{**task.__dict__, "image": None, "repo_path": "/nowhere"})
+    with pytest.raises(InfraError, match="names no image"):
+        with platform_sandbox_factory("k8s")(no_image):
+            pass
