@@ -2,14 +2,14 @@
 
 
 import base64
-import json
 from pathlib import Path
 
 import dagster as dg
 
+from assets.partitions import checkpoints_partitions
+from assets.resources import PosttrainStorage
 from assets.training import checkpoints
-from dagster_project.partitions import checkpoints_partitions
-from dagster_project.resources import PosttrainStorage
+from training.checkpoint import checkpoint_policy
 
 
 class DeepSWEEvalConfig(dg.Config):
@@ -27,17 +27,6 @@ class DeepSWEEvalConfig(dg.Config):
     sandbox_runtime: str = "bwrap"
 
 
-def _eval_tasks(storage: PosttrainStorage, source: str, split: str) -> list:
-    from evals.bundled import ensure_suite
-    from evals.tasks import load_bundled, load_tasks
-
-    task_set = load_bundled(ensure_suite(storage.datasets_dir() / "bundled")) if source == "bundled" else load_tasks(source)
-    tasks = [t for t in task_set.tasks if not split or t.split == split]
-    if not tasks:
-        raise ValueError(f"deepswe_eval: task source {source!r} has no task in split {split!r}")
-    return tasks
-
-
 @dg.asset(group_name="evals", deps=[checkpoints], partitions_def=checkpoints_partitions, kinds={"parquet"})
 def deepswe_eval(
     context: dg.AssetExecutionContext, config: DeepSWEEvalConfig, storage: PosttrainStorage
@@ -49,43 +38,22 @@ def deepswe_eval(
     ``flagged_attempts`` counts graded attempts with a cheating signal and ``signals`` how many
     carry each one (a forged results stream, a rewritten report, a patch touching the tests, an
     always-equal comparison...); flagged attempts are scored as graded."""
-    from evals.evaluate import evaluate, write_rows
-    from evals.harness import InProcessClient
+    import pandas as pd
+
+    from evals.evaluate import evaluate_checkpoint, load_eval_tasks, write_rows
     from evals.report import flagged_mask, per_task, signal_counts
     from evals.sandbox import platform_sandbox_factory
-    from serving.engine import LocalEngine
 
     key = context.partition_key
-    ckpt = storage.checkpoint_dir(key)
-    meta_path = ckpt / "metadata.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"checkpoint {key}: {meta_path} is missing")
-    meta = json.loads(meta_path.read_text())
-    base_model = meta.get("base_model")
-    if not base_model or not Path(base_model).is_dir():
-        raise FileNotFoundError(f"checkpoint {key}: metadata key 'base_model' ({base_model!r}) is not a model folder")
-    adapter_version = None
-    tasks = _eval_tasks(storage, config.tasks, config.split)
-    engine = LocalEngine(base_model, torch_threads=1)
-    try:
-        if meta.get("adapter"):
-            adapter_dir = ckpt / meta["adapter"]
-            adapter_version = meta.get("adapter_version") or key
-            engine.load_lora_adapter(adapter_version, str(adapter_dir))
-        if engine.tokenizer is None:
-            raise FileNotFoundError(f"checkpoint {key}: base model {base_model} has no tokenizer")
-        context.log.info(f"evaluating {key} (adapter {adapter_version}) on {len(tasks)} tasks x {config.attempts} attempts")
-        rows = evaluate(
-            tasks, InProcessClient(engine), engine.tokenizer, platform_sandbox_factory(config.sandbox_runtime),
-            checkpoint=key, adapter_version=adapter_version, attempts=config.attempts, max_turns=config.max_turns,
-            max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=config.seed,
-            workers=config.workers, stop_token_ids=tuple(sorted(engine.eos_ids)),
-        )
-    finally:
-        engine.close()
+    policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
+    tasks = load_eval_tasks(config.tasks, config.split, bundled_dir=storage.datasets_dir() / "bundled")
+    rows = evaluate_checkpoint(
+        tasks, policy.base_model, platform_sandbox_factory(config.sandbox_runtime), checkpoint=key,
+        adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
+        max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+        seed=config.seed, workers=config.workers, log=context.log.info,
+    )
     path = write_rows(rows, storage.evals_dir() / "deepswe" / f"{key}.parquet")
-
-    import pandas as pd
 
     frame = pd.DataFrame(rows)
     table = per_task(frame, config.attempts)
@@ -103,7 +71,7 @@ def deepswe_eval(
         "committed_share": float(frame["committed"].mean()) if len(frame) else 0.0,
         "flagged_attempts": int(flagged_mask(graded).sum()),
         "signals": dg.MetadataValue.json(signal_counts(graded)),
-        "adapter_version": adapter_version or "base",
+        "adapter_version": policy.adapter_version or "base",
     }
     return dg.MaterializeResult(metadata=metadata)
 

@@ -3,8 +3,8 @@
 
 import dagster as dg
 
+from assets.resources import PosttrainStorage
 from assets.tasks import task_dataset
-from dagster_project.resources import PosttrainStorage
 
 
 class ImageCacheConfig(dg.Config):

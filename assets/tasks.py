@@ -6,7 +6,7 @@ import os
 
 import dagster as dg
 
-from dagster_project.resources import PosttrainStorage
+from assets.resources import PosttrainStorage
 
 
 class TaskDatasetConfig(dg.Config):

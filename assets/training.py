@@ -1,14 +1,16 @@
 """The ``rl_run`` asset (one RL run) and the ``checkpoints`` asset (one partition per saved step)."""
 
 
-import json
 from typing import Any
 
 import dagster as dg
 
-from assets.curriculum import difficulty_curriculum, ensure_embedded_base, run_file_dict
-from dagster_project.partitions import checkpoints_partitions
-from dagster_project.resources import PosttrainStorage, WorkloadLauncher
+from assets.curriculum import difficulty_curriculum
+from assets.partitions import checkpoints_partitions
+from assets.resources import PosttrainStorage, WorkloadLauncher
+from assets.run_files import ensure_embedded_base, run_file_dict
+from training.checkpoint import list_checkpoints, metrics_dir, read_metadata
+from training.curriculum import CURRICULUM_FILE
 
 
 class RLRunConfig(dg.Config):
@@ -30,8 +32,7 @@ def rl_run(
     partition of ``checkpoints``."""
     import pandas as pd
 
-    from serving.planner import TRAINER_MODULE, resolve, trainer_args, write_resolved_plan
-    from training.checkpoint import complete_steps
+    from training.planner import TRAINER_MODULE, resolve, trainer_args, write_resolved_plan
 
     data, source = run_file_dict(storage, config.run_file)
     if config.run_name:
@@ -40,23 +41,22 @@ def rl_run(
         if not isinstance(values, dict):
             raise ValueError(f"rl_run config key overrides.{section}: expected a table of keys, got {values!r}")
         data.setdefault(section, {}).update(values)
-    curriculum_file = storage.curriculum_dir() / "curriculum.json"
+    curriculum_file = storage.curriculum_dir() / CURRICULUM_FILE
     if curriculum_file.is_file():
         data["curriculum"]["curriculum_file"] = str(curriculum_file)
-    ensure_embedded_base(context, storage, data, reuse_any=True)
+    ensure_embedded_base(context, data, reuse_any=True)
     plan = resolve(data, source=source)
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)
     context.log.info(f"run {plan.run_name}: plan {plan_path}")
     launcher.run(context, TRAINER_MODULE, trainer_args(plan_path, run_dir))
 
-    steps_path = run_dir / "metrics" / "steps.parquet"
+    steps_path = metrics_dir(run_dir) / "steps.parquet"
     frame = pd.read_parquet(steps_path) if steps_path.is_file() else pd.DataFrame()
-    saved = complete_steps(run_dir)
     metadata: dict[str, Any] = {
         "run_dir": dg.MetadataValue.path(str(run_dir)),
         "plan": dg.MetadataValue.path(str(plan_path)),
-        "checkpoints": dg.MetadataValue.json([f"step_{s:06d}" for s in saved]),
+        "checkpoints": dg.MetadataValue.json([saved.path.name for saved in list_checkpoints(run_dir)]),
         "steps": int(frame["step"].max()) if len(frame) else 0,
     }
     if len(frame):
@@ -85,16 +85,7 @@ def checkpoints(context: dg.AssetExecutionContext, storage: PosttrainStorage) ->
     """One saved checkpoint of a run (adapter, optimizer, RNG, curriculum state, rollout store
     snapshot). Partition ``<run>-step_000000`` is the run's base model."""
     ckpt = storage.checkpoint_dir(context.partition_key)
-    meta_path = ckpt / "metadata.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(
-            f"checkpoint {context.partition_key}: {meta_path} is missing; a checkpoint is complete "
-            "only once its metadata.json is written"
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"checkpoint {context.partition_key}: {meta_path} is not valid JSON: {exc}") from exc
+    meta = read_metadata(ckpt, name=context.partition_key)
     size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     metadata: dict[str, dg.RawMetadataValue] = {
         "path": dg.MetadataValue.path(str(ckpt)),

@@ -26,7 +26,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-evals-") as tmp:
         os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(Path(tmp) / "sandboxes"))
-        from evals.bundled import apply_edits, build_suite
+        from evals.actions import apply_edits
+        from evals.bundled import build_suite
         from evals.grading import committed_patch, grade_patch
         from evals.sandbox import platform_sandbox_factory
         from evals.tasks import load_bundled

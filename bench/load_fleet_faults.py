@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from serving.client import EngineClient  # noqa: E402
-from serving.router import Router, serve_router  # noqa: E402
+from serving.router.core import Router  # noqa: E402
+from serving.router.server import serve_router  # noqa: E402
 
 
 def start_replica(decode_step_ms: float, model_dir: Path | None = None) -> tuple[subprocess.Popen, str]:

@@ -165,7 +165,7 @@ def save_random_qwen3(path: Path, size: str) -> None:
     """A Qwen3-shaped Hugging Face folder with random bf16 weights (256 random rows per matrix, tiled)."""
     from safetensors.torch import save_file
 
-    from training.recompute import DecoderShape
+    from training.reference_decoder import DecoderShape
 
     s = DecoderShape.qwen3(size)
     path.mkdir(parents=True, exist_ok=True)
@@ -221,7 +221,7 @@ def matmul_tflops(n: int = 8192) -> float:
 
 def throughput(size: str, model_dir: Path, seq_len: int, sequences: int, steps: int) -> None:
     from training.backends.megatron import MegatronBackend
-    from training.recompute import DecoderShape
+    from training.reference_decoder import DecoderShape
 
     if dist.get_rank() == 0 and not (model_dir / "model.safetensors").is_file():
         t0 = time.perf_counter()

@@ -20,7 +20,7 @@ too, as a full recomputation does) and ``+unfused-lora`` (the LoRA update scaled
 separate passes instead of in the frozen GEMM's epilogue; it applies to every mode).
 ``attention_output+unfused-lora+down-replayed`` is the scheme as it was before both.
 
-Attention runs on ``training.recompute.chosen_attention_kernels`` (``--kernels auto``: cuDNN on
+Attention runs on ``training.attention.chosen_attention_kernels`` (``--kernels auto``: cuDNN on
 Hopper, flash-attn where installed), the same kernels in every mode. Before timing it checks on the
 device that the attention kernels match a float32 reference, that
 the three modes give the same adapter gradients on a small model, and that the torch/peft trainer
@@ -49,13 +49,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.grpo import grpo_loss  # noqa: E402
-from training.recompute import (  # noqa: E402
-    RECOMPUTE_MODES,
-    DecoderShape,
-    LoRALinear,
-    Qwen3Decoder,
-    chosen_attention_kernels,
-)
+from training.attention import chosen_attention_kernels  # noqa: E402
+from training.recompute import RECOMPUTE_MODES  # noqa: E402
+from training.reference_decoder import DecoderShape, LoRALinear, Qwen3Decoder  # noqa: E402
 
 GIB = 1024**3
 DEVICE = "cuda"  # --device cpu runs the same code paths on tiny shapes, for a smoke test without a GPU
@@ -124,7 +120,7 @@ def check_kernels(kernels, s: int = 1000) -> bool:
 
 
 def checked_kernels(small: bool, prefer: str = "auto"):
-    """The attention kernels ``training.recompute.chosen_attention_kernels`` picks (fastest first,
+    """The attention kernels ``training.attention.chosen_attention_kernels`` picks (fastest first,
     checked against a float32 reference, grouped-query k/v or else expanded), checked here again."""
     choice = chosen_attention_kernels(DEVICE, torch.bfloat16, prefer)
     for name, why in choice.rejected.items():

@@ -30,11 +30,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rl_transfer import grpo_step, plan_arguments, run_tests  # noqa: E402  (the sibling sweep's pieces)
+from rl_transfer import fresh_generated, grpo_step, plan_arguments, run_tests  # noqa: E402  (the sibling sweep's pieces)
 
 
 class TaskCopy:
-    """One episode's in-memory copy of a bundled task: its module text, tests and prompt."""
+    """One episode's in-memory copy of a bundled task: its module text, tests and prompt.
+
+    Not ``evals.harness.run_episode``: the harness runs each action in a sandbox (bwrap or gVisor,
+    a work tree and a pytest run per ``test``), which the multi-turn sweep cannot afford per turn of
+    every episode on the GPU machine; the actions' semantics are the harness's own functions
+    (``parse_compact``, ``replace_once``, ``apply_edits``, ``compact_observation``), only the file and
+    the test run are in memory (``rl_transfer.run_tests``).
+    """
 
     def __init__(self, task, tests: str):
         from evals.actions import render_compact_prompt
@@ -47,7 +54,7 @@ class TaskCopy:
     def step(self, answer: str) -> str | None:
         """Run a turn's actions; the observation, or ``None`` once the agent committed."""
         from evals.actions import ActionParseError, compact_observation, parse_compact
-        from evals.bundled import apply_edits
+        from evals.actions import apply_edits
         from evals.harness import replace_once
 
         try:
@@ -102,27 +109,17 @@ def suite_tests(suite: str) -> tuple[list, dict[str, str]]:
 
 
 def fresh_tasks(count: int, suite_tasks) -> tuple[list, dict[str, str]]:
-    """``count`` freshly generated tasks (generator seeds 1 and up) whose module is in no suite task,
+    """``count`` freshly generated tasks whose module is in no suite task (``rl_transfer.fresh_generated``),
     as in-process tasks with their tests: training tasks the base model never saw in SFT."""
     from types import SimpleNamespace
 
-    from evals.bundled import generate
-
-    seen = {t.metadata["source_text"] for t in suite_tasks}
-    tasks, tests, seed = [], {}, 1
-    while len(tasks) < count:
-        for gen in generate(seed, 60):
-            source = gen.files[f"{gen.module}.py"]
-            if source in seen or len(tasks) >= count:
-                continue
-            seen.add(source)
-            test_file = gen.files[f"tests/test_{gen.module}.py"]
-            fails = run_tests(f"{gen.module}.py", source, test_file)
-            task_id = f"fresh-{seed}-{gen.id}"
-            tasks.append(SimpleNamespace(id=task_id, split="train", instruction=gen.instruction_head, metadata={
-                "module_file": f"{gen.module}.py", "source_text": source, "failing_output": "\n".join(fails)}))
-            tests[task_id] = test_file
-        seed += 1
+    tasks, tests = [], {}
+    for seed, gen, fails in fresh_generated(count, {t.metadata["source_text"] for t in suite_tasks}):
+        task_id = f"fresh-{seed}-{gen.id}"
+        tasks.append(SimpleNamespace(id=task_id, split="train", instruction=gen.instruction_head, metadata={
+            "module_file": f"{gen.module}.py", "source_text": gen.files[f"{gen.module}.py"],
+            "failing_output": "\n".join(fails)}))
+        tests[task_id] = gen.files[f"tests/test_{gen.module}.py"]
     return tasks, tests
 
 

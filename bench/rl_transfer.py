@@ -88,7 +88,13 @@ def accuracy(sampler: Sampler, demos: list[tuple[str, str]], n: int, greedy: boo
 def run_tests(module: str, source: str, tests: str) -> list[str]:
     """The first failing assert of each test function of a bundled task, run in this process
     (``assert CALL == WANT -> assert GOT == WANT``), or the error that stopped the module from
-    loading; empty when every test passes."""
+    loading; empty when every test passes.
+
+    Not ``evals.grading``: the product grades a committed patch by running pytest in a fresh sandbox
+    (bwrap or gVisor) per attempt, a sandbox start and a pytest process each, and these sweeps grade
+    every episode of every step on a GPU machine whose point is the model's learning, not its isolation.
+    Bundled tests are ``assert CALL == WANT`` lines, so evaluating them here is the same verdict for
+    honest code (a proxy: nothing here defends against code that games it)."""
     import re
 
     namespace: dict = {}
@@ -113,20 +119,33 @@ def run_tests(module: str, source: str, tests: str) -> list[str]:
     return fails
 
 
-def _generated_demos(seed: int, per_level: int, exclude: set[str]) -> list[tuple[str, str]]:
-    """Compact demonstrations of freshly generated tasks (generator ``seed``), rendered in process:
-    the failing asserts come from :func:`run_tests`, formatted as the suite's validation records
-    them (no sandbox, so a proxy only). Tasks whose module text equals one in ``exclude`` are left
-    out."""
-    from evals.actions import Action, content_edits, numbered
+def fresh_generated(count: int, exclude: set[str]) -> list[tuple[int, object, list[str]]]:
+    """``count`` freshly generated tasks (``evals.bundled.generate``, seeds 1 and up, 60 a level) whose
+    module text is in no task of ``exclude`` nor repeated, as ``(seed, GeneratedTask, failing asserts)``;
+    the asserts come from :func:`run_tests`, so no sandbox validated them. Training tasks the base
+    model never saw in SFT, for both sweeps' ``fresh`` runs."""
     from evals.bundled import generate
 
+    seen, out, seed = set(exclude), [], 1
+    while len(out) < count:
+        for gen in generate(seed, 60):
+            source = gen.files[f"{gen.module}.py"]
+            if source in seen or len(out) >= count:
+                continue
+            seen.add(source)
+            out.append((seed, gen, run_tests(f"{gen.module}.py", source, gen.files[f"tests/test_{gen.module}.py"])))
+        seed += 1
+    return out
+
+
+def _generated_demos(count: int, exclude: set[str]) -> list[tuple[str, str]]:
+    """Compact demonstrations of :func:`fresh_generated` tasks, the failing asserts formatted as the
+    suite's validation records them."""
+    from evals.actions import Action, content_edits, numbered
+
     out = []
-    for gen in generate(seed, per_level):
+    for _, gen, fails in fresh_generated(count, exclude):
         source = gen.files[f"{gen.module}.py"]
-        if source in exclude:
-            continue
-        fails = run_tests(f"{gen.module}.py", source, gen.files[f"tests/test_{gen.module}.py"])
         prompt = (f"{gen.instruction_head}\n{gen.module}.py:\n{numbered(source)}\n"
                   + "\n".join(f"fail: {f}" for f in fails) + "\n>")
         edits = content_edits(source, [(n, t) for _, n, t in gen.reference_edits])  # the demonstrations' form
@@ -175,37 +194,48 @@ def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
 def grpo_step(backend, rows: list[tuple[list[int], list[int], float]], groups: int, size: int, device: str,
               scale_by_std: bool = False, per_sequence: bool = False, positive_only: bool = False) -> int:
     """One GRPO step of the project's backend on ``groups`` x ``size`` rows of ``(token ids, loss mask,
-    reward)``, in group order; on-policy, so the sampling logprobs are the model's own. Returns the
-    number of zero-variance groups dropped. ``per_sequence`` weighs every sequence alike (the loss a
-    mean over sequences of each one's token mean, instead of a mean over all tokens);
-    ``positive_only`` drops the negative advantages."""
+    reward)``, in group order, batched as the trainer batches a step (``training.grpo.batch_from_groups``
+    on the store's ``Group``/``Rollout``); on-policy, so the sampling logprobs are the model's own.
+    Returns the number of zero-variance groups dropped. ``per_sequence`` weighs every sequence alike
+    (the loss a mean over sequences of each one's token mean, instead of a mean over all tokens);
+    ``positive_only`` drops the negative advantages: two variants the trainer does not have."""
+    import dataclasses
+
     import torch
 
-    from training.backends import TrainBatch, pad_rows
-    from training.grpo import group_advantages
+    from training.backends import pad_rows
+    from training.grpo import batch_from_groups
+    from training.rollout import Rollout
+    from training.store import Group
 
-    rewards = torch.tensor([[r[2] for r in rows[g * size:(g + 1) * size]] for g in range(groups)])
-    adv = group_advantages(rewards, scale_by_std=scale_by_std)
-    kept = [(g, s) for g in range(groups) if adv.kept[g] for s in range(size)]
-    if kept:
-        ids = [rows[g * size + s][0] for g, s in kept]
+    def group_rows(g: int) -> list[tuple[list[int], list[int], float]]:
+        return rows[g * size:(g + 1) * size]
+
+    # Only a group whose rewards differ reaches the batch: the others get no forward pass here.
+    varied = [g for g in range(groups) if len({r[2] for r in group_rows(g)}) > 1]
+    logprobs: dict[tuple[int, int], list[float]] = {}
+    if varied:
+        ids = [r[0] for g in varied for r in group_rows(g)]
         with torch.no_grad():
             backend.model.eval()
             lp = backend.token_logprobs(pad_rows(ids, 0, torch.long, device),
                                         pad_rows([[1] * len(x) for x in ids], 0, torch.long, device))
-        masks = [rows[g * size + s][1] for g, s in kept]
-        advantages = [float(adv.advantages[g, s]) for g, s in kept]
+        keys = [(g, s) for g in varied for s in range(size)]
+        logprobs = {key: lp[i, :len(x)].tolist() for i, (key, x) in enumerate(zip(keys, ids))}
+    batch, dropped = batch_from_groups([
+        Group(f"g{g}", f"g{g}", 0, [
+            Rollout(f"g{g}-{s}", f"g{g}", f"g{g}", 0, ids, mask, logprobs.get((g, s), [0.0] * len(ids)), reward)
+            for s, (ids, mask, reward) in enumerate(group_rows(g))])
+        for g in range(groups)], scale_by_std=scale_by_std)
+    if batch is not None:
+        advantages = list(batch.advantages)
         if positive_only:
             advantages = [max(a, 0.0) for a in advantages]
         if per_sequence:  # the backend divides by all tokens; scale each row to its own token mean
-            total = sum(sum(m) for m in masks)
-            advantages = [a * total / (len(masks) * max(1, sum(m))) for a, m in zip(advantages, masks)]
-        backend.train_step(TrainBatch(
-            input_ids=ids, loss_mask=masks,
-            serving_logprobs=[lp[i, :len(x)].tolist() for i, x in enumerate(ids)],
-            advantages=advantages,
-        ))
-    return adv.dropped_groups
+            total = sum(sum(m) for m in batch.loss_mask)
+            advantages = [a * total / (len(batch.loss_mask) * max(1, sum(m))) for a, m in zip(advantages, batch.loss_mask)]
+        backend.train_step(dataclasses.replace(batch, advantages=advantages))
+    return dropped
 
 
 def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
@@ -214,7 +244,7 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
 
     from evals.actions import demonstration
     from training.backends.torch_peft import TorchPeftBackend
-    from training.base_model import augment
+    from training.demonstrations import augment
 
     index, run, args = job
     torch.set_num_threads(1)
@@ -226,12 +256,7 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
     before = accuracy(sampler, held, args.samples)
     rng, vary_rng = random.Random(0), random.Random(1)
     if run.get("fresh"):  # RL on freshly generated tasks the base never saw, not on its SFT tasks
-        exclude = {t.metadata["source_text"] for t in _all_tasks(args.suite)}
-        candidates, seed = [], 1
-        while len(candidates) < run["fresh"]:
-            candidates += _generated_demos(seed, 60, exclude)
-            seed += 1
-        candidates = candidates[:run["fresh"]]
+        candidates = _generated_demos(run["fresh"], {t.metadata["source_text"] for t in _all_tasks(args.suite)})
     else:
         candidates = [demonstration(t) for t in train]
     solved = [ok for _, _, ok in sampler.sample(candidates, 2)]

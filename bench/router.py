@@ -38,7 +38,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -49,12 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from serving.client import EngineClient, EngineError, HttpPool  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving.fleet import free_port  # noqa: E402
 
 
 def start_fleet(args) -> tuple[subprocess.Popen, list[tuple[str, int]]]:

@@ -9,7 +9,7 @@ AdamW on float32 masters of the bf16 adapter) on one packed sequence per context
 ``recompute`` mode: ``none``, ``full`` (Hugging Face activation checkpointing over stock SDPA, whose
 kernels on Hopper are cuDNN's) and ``attention_output`` (``training.recompute`` on the kernels that
 ``chosen_attention_kernels`` picks and checks). Beside each backend row, in the same run, the
-benchmark decoder of ``bench/recompute.py`` (``training.recompute.Qwen3Decoder``, same shape, same
+benchmark decoder of ``bench/recompute.py`` (``training.reference_decoder.Qwen3Decoder``, same shape, same
 kernels) takes the same step, so the cost of the Hugging Face model around the scheme shows.
 
 Every figure is printed next to its baseline as a ratio: step time against ``full`` of the same
@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.backends import TrainBatch  # noqa: E402
 from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
-from training.recompute import RECOMPUTE_MODES, DecoderShape, Qwen3Decoder, chosen_attention_kernels  # noqa: E402
+from training.attention import chosen_attention_kernels  # noqa: E402
+from training.recompute import RECOMPUTE_MODES  # noqa: E402
+from training.reference_decoder import DecoderShape, Qwen3Decoder  # noqa: E402
 
 GIB = 1024**3
 

@@ -15,12 +15,11 @@ from typing import Sequence
 import evals.cli
 import sandboxes.cli
 import serving.cli
-import serving.planner.cli
-import training.cli
+import training.planner.cli
 from dagster_project.instance import ensure_dagster_home
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DOMAIN_CLIS = (evals.cli, sandboxes.cli, serving.cli, serving.planner.cli, training.cli)
+DOMAIN_CLIS = (evals.cli, sandboxes.cli, serving.cli, training.planner.cli)
 
 
 def _add_home(parser: argparse.ArgumentParser) -> None:

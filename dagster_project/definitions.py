@@ -1,5 +1,8 @@
 """The posttrain code location: merges the ``defs`` each ``assets/*.py`` module declares.
 
+Partitions and resources live beside the assets (``assets/partitions.py``, ``assets/resources.py``),
+so every import points down the graph: ``dagster_project`` imports ``assets``, never the reverse.
+
 Load it with ``dagster dev -w workspace.yaml`` or ``dagster asset list -m dagster_project.definitions``.
 """
 
@@ -8,8 +11,8 @@ from __future__ import annotations
 import dagster as dg
 
 from assets import curriculum, evals, images, tasks, training
+from assets.resources import PosttrainStorage, WorkloadLauncher
 from dagster_project.jobs import jobs
-from dagster_project.resources import PosttrainStorage, WorkloadLauncher
 from dagster_project.sensors import sensors
 
 defs = dg.Definitions.merge(

@@ -18,8 +18,8 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_project.partitions import checkpoints_partitions, parse_checkpoint_partition_key
-from dagster_project.resources import PosttrainStorage
+from assets.partitions import checkpoints_partitions, parse_checkpoint_partition_key
+from assets.resources import PosttrainStorage
 from dagster_project.sensors import complete_checkpoint_keys
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}

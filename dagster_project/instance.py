@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dagster_project.resources import DEFAULT_HOME_ENV, default_home
+from common.home import HOME_ENV, default_home
 
 DAGSTER_YAML = """\
 telemetry:
@@ -26,8 +26,8 @@ run_coordinator:
 
 def ensure_dagster_home(home: str | None = None) -> Path:
     """Set ``POSTTRAIN_HOME`` and ``DAGSTER_HOME`` for this process and write ``dagster.yaml`` if missing."""
-    root = Path(home or default_home()).expanduser().resolve()
-    os.environ[DEFAULT_HOME_ENV] = str(root)
+    root = Path(home).expanduser().resolve() if home else default_home()
+    os.environ[HOME_ENV] = str(root)
     dagster_home = Path(os.environ.get("DAGSTER_HOME") or root / "dagster").resolve()
     dagster_home.mkdir(parents=True, exist_ok=True)
     config = dagster_home / "dagster.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from dagster_project.partitions import checkpoints_partitions
+from assets.partitions import checkpoints_partitions
 
 # Record a checkpoint and evaluate it: one run per checkpoint partition.
 checkpoint_eval_job = dg.define_asset_job(

@@ -1,11 +1,11 @@
 """Sensors: each checkpoint a run saves becomes a partition and is evaluated."""
 
-
 import dagster as dg
 
+from assets.partitions import checkpoint_partition_key, checkpoints_partitions
+from assets.resources import PosttrainStorage
 from dagster_project.jobs import checkpoint_eval_job
-from dagster_project.partitions import checkpoint_partition_key, checkpoints_partitions
-from dagster_project.resources import PosttrainStorage
+from training.checkpoint import list_checkpoints
 
 
 def complete_checkpoint_keys(storage: PosttrainStorage) -> list[str]:
@@ -18,13 +18,12 @@ def complete_checkpoint_keys(storage: PosttrainStorage) -> list[str]:
     runs = storage.runs_dir()
     if not runs.is_dir():
         return keys
-    for meta in runs.glob("*/checkpoints/step_*/metadata.json"):
-        step_dir = meta.parent
-        run_name = step_dir.parent.parent.name
-        try:
-            keys.append(checkpoint_partition_key(run_name, int(step_dir.name.removeprefix("step_"))))
-        except ValueError:
-            continue  # a folder that is not a checkpoint of ours
+    for run in runs.iterdir():
+        for saved in list_checkpoints(run):
+            try:
+                keys.append(checkpoint_partition_key(run.name, saved.step))
+            except ValueError:
+                continue  # a run name or step that no partition key can carry
     return sorted(keys)
 
 

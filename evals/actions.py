@@ -25,6 +25,10 @@ Tools: ``bash`` (``command``), ``read_file`` (``path``), ``write_file`` (``path`
 (``path``, ``line``, ``text``), ``test``, ``reset`` and ``commit`` (``message``).
 
 Both parsers return :class:`Action` objects; the harness executes them the same way.
+The text the actions work on is handled here too: :func:`apply_edits` sets lines by number (the
+``replace`` action, the bundled suite's reference solutions), :func:`content_edits` turns line edits
+into ``edit OLD => NEW`` pairs, and :func:`failing_summary` gives the failing asserts that a ``test``
+observation and a bundled task's instruction show.
 """
 
 from __future__ import annotations
@@ -211,6 +215,27 @@ def content_edits(source: str, edits: Sequence[tuple[int, str]]) -> list[tuple[s
         text = text.replace(old, new.strip())
         out.append((old, new.strip()))
     return out
+
+
+def failing_summary(test_output: str, max_lines: int = 6) -> str:
+    """The informative lines of pytest's ``--tb=short`` output: each failing assert and its ``E`` line."""
+    lines = test_output.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith("assert ") and i + 1 < len(lines) and lines[i + 1].startswith("E"):
+            out.append(f"{stripped} -> {lines[i + 1][1:].strip()}")
+    return "\n".join(out[:max_lines])
+
+
+def apply_edits(text: str, edits: Sequence[tuple[int, str]]) -> str:
+    """``text`` with each 1-based line replaced; a line number out of range raises ``ValueError``."""
+    lines = text.split("\n")
+    for lineno, new in edits:
+        if not 1 <= lineno <= len(lines) - (1 if text.endswith("\n") else 0):
+            raise ValueError(f"line {lineno} is outside the file (1..{len(lines) - 1})")
+        lines[lineno - 1] = new
+    return "\n".join(lines)
 
 
 def demonstration(task: Task, by_line: bool = False) -> tuple[str, str]:

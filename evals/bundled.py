@@ -47,6 +47,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from common.home import default_suite_dir
+from evals.actions import apply_edits, content_edits, failing_summary
+from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
@@ -151,8 +154,6 @@ def _generate_one(level: int, index: int, rng: random.Random, taken: set[str] | 
 
 
 def _edits_are_unique(gen: GeneratedTask) -> bool:
-    from evals.actions import content_edits
-
     return content_edits(gen.files[f"{gen.module}.py"], [(n, t) for _, n, t in gen.reference_edits]) is not None
 
 
@@ -279,35 +280,12 @@ def _task_json(gen: GeneratedTask, base_commit: str) -> dict[str, Any]:
     }
 
 
-def failing_summary(test_output: str, max_lines: int = 6) -> str:
-    """The informative lines of pytest's ``--tb=short`` output: each failing assert and its ``E`` line."""
-    lines = test_output.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        stripped = line.strip()
-        if stripped.startswith("assert ") and i + 1 < len(lines) and lines[i + 1].startswith("E"):
-            out.append(f"{stripped} -> {lines[i + 1][1:].strip()}")
-    return "\n".join(out[:max_lines])
-
-
-def apply_edits(text: str, edits: Sequence[tuple[int, str]]) -> str:
-    """``text`` with each 1-based line replaced; a line number out of range raises ``ValueError``."""
-    lines = text.split("\n")
-    for lineno, new in edits:
-        if not 1 <= lineno <= len(lines) - (1 if text.endswith("\n") else 0):
-            raise ValueError(f"line {lineno} is outside the file (1..{len(lines) - 1})")
-        lines[lineno - 1] = new
-    return "\n".join(lines)
-
-
 def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
     """Check ``task`` by running its tests for real; return the failing output at base.
 
     Raises :class:`SuiteBuildError` naming the task when the base passes a target test, fails an
     existing test, or the committed reference solution does not score reward 1.
     """
-    from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
-
     with sandbox_factory(task) as sandbox:
         run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s)
         try:
@@ -404,12 +382,6 @@ def build_suite(
 def default_sandbox_factory() -> SandboxFactory:
     """Sandboxes for validation and tests: the platform's bubblewrap runtime, one per call."""
     return platform_sandbox_factory("bwrap")
-
-
-def default_suite_dir() -> Path:
-    """``$POSTTRAIN_HOME/datasets/bundled`` (``./posttrain-data`` without the variable)."""
-    home = os.environ.get("POSTTRAIN_HOME") or str(Path.cwd() / "posttrain-data")
-    return Path(home).expanduser().resolve() / "datasets" / "bundled"
 
 
 def ensure_suite(path: str | Path | None = None, *, workers: int = 2, per_level: int = TASKS_PER_LEVEL,

@@ -18,10 +18,15 @@ import sys
 
 
 def cmd_tasks_inspect(args: argparse.Namespace) -> int:
-    from evals.tasks import TaskLoadError, load_tasks, summarize
+    from evals.tasks import TaskLoadError, load_bundled, load_tasks, summarize
 
     try:
-        task_set = load_tasks(args.path)
+        if args.path == "bundled":  # the generated suite, built on first use
+            from evals.bundled import ensure_suite
+
+            task_set = load_bundled(ensure_suite())
+        else:
+            task_set = load_tasks(args.path)
         summary = summarize(task_set)
     except (TaskLoadError, OSError) as exc:
         print(f"posttrain tasks inspect: {exc}", file=sys.stderr)

@@ -11,6 +11,9 @@ the cheating signals of its grading (:mod:`evals.signals`), sorted names joined 
 none). An attempt that hits an infrastructure failure is retried up to ``infra_retries`` times; if it still fails it is recorded
 with ``status="infra_error"`` and empty scores, and metrics leave it out (never scored as 0).
 :func:`write_rows` stores rows as Parquet (temporary name, then rename).
+
+:func:`evaluate_checkpoint` serves a base model (and an adapter on it) with an engine in this
+process and evaluates it; :func:`load_eval_tasks` picks the tasks of a source and split.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from evals.grading import INFRA_ERROR, Scores
 from evals.harness import ModelClient, Tokenizer, Trajectory, run_episode
@@ -99,6 +102,56 @@ def evaluate(
     jobs = [(ti, a) for ti in range(len(tasks)) for a in range(attempts)]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(one, jobs))
+
+
+def load_eval_tasks(source: str, split: str, *, bundled_dir: str | Path) -> list[Task]:
+    """The tasks of ``split`` (empty: all) in ``source``: ``bundled`` is the suite at ``bundled_dir``
+    (built if missing), anything else a task source :func:`evals.tasks.load_tasks` reads."""
+    from evals.bundled import ensure_suite
+    from evals.tasks import load_bundled, load_tasks
+
+    task_set = load_bundled(ensure_suite(bundled_dir)) if source == "bundled" else load_tasks(source)
+    tasks = [t for t in task_set.tasks if not split or t.split == split]
+    if not tasks:
+        raise ValueError(f"deepswe_eval: task source {source!r} has no task in split {split!r}")
+    return tasks
+
+
+def evaluate_checkpoint(
+    tasks: Sequence[Task],
+    base_model: str | Path,
+    sandbox_factory: SandboxFactory,
+    *,
+    checkpoint: str,
+    adapter: str | Path | None = None,
+    adapter_version: str | None = None,
+    attempts: int = 8,
+    log: Callable[[str], None] | None = None,
+    **settings: Any,
+) -> list[dict[str, Any]]:
+    """:func:`evaluate` a checkpoint: ``base_model`` (a Hugging Face folder) with the peft folder
+    ``adapter`` loaded as ``adapter_version`` (none: the base model alone), served by a
+    :class:`serving.engine.LocalEngine` in this process for the length of the call. ``settings`` are
+    :func:`evaluate`'s other keywords (``max_turns``, ``seed``, ...); the engine's end-of-sequence
+    tokens stop each turn."""
+    from evals.harness import InProcessClient
+    from serving.engine import LocalEngine
+
+    engine = LocalEngine(str(base_model), torch_threads=1)
+    try:
+        if adapter is not None:
+            if not adapter_version:
+                raise ValueError(f"checkpoint {checkpoint}: an adapter needs an adapter_version to be served as")
+            engine.load_lora_adapter(adapter_version, str(adapter))
+        if engine.tokenizer is None:
+            raise FileNotFoundError(f"checkpoint {checkpoint}: base model {base_model} has no tokenizer")
+        if log is not None:
+            log(f"evaluating {checkpoint} (adapter {adapter_version}) on {len(tasks)} tasks x {attempts} attempts")
+        return evaluate(tasks, InProcessClient(engine), engine.tokenizer, sandbox_factory, checkpoint=checkpoint,
+                        adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
+                        stop_token_ids=tuple(sorted(engine.eos_ids)), **settings)
+    finally:
+        engine.close()
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:

@@ -46,7 +46,7 @@ import os
 import re
 import shlex
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -171,18 +171,26 @@ def merge_statuses(reports: Iterable[Mapping[str, Status]]) -> dict[str, Status]
 
 @dataclass(frozen=True)
 class Scores:
-    """One attempt's scores, named as in DeepSWE v1.1's ``reward.json``."""
+    """One attempt's scores, named as in DeepSWE v1.1's ``reward.json``.
+
+    ``reward.json`` gives the share of target tests passed under two names, ``f2p`` and
+    ``target_score``; here it is one value, ``f2p``, and ``target_score`` is derived from it (never
+    passed in), so that both names stay in every row and JSON output.
+    """
 
     reward: float
     f2p: float
     p2p: float
     partial: float
-    target_score: float
+    target_score: float = field(init=False)
     strict_target_score: float
     f2p_total: int
     f2p_passed: int
     p2p_total: int
     p2p_passed: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_score", self.f2p)
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -209,7 +217,6 @@ def score(target_tests: Sequence[str], existing_tests: Sequence[str], statuses: 
         f2p=f2p,
         p2p=p2p,
         partial=(f2p_passed + p2p_passed) / total if total else 0.0,
-        target_score=f2p,
         strict_target_score=f2p if existing_ok else 0.0,
         f2p_total=len(targets),
         f2p_passed=f2p_passed,

@@ -53,8 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from evals.actions import Action, ActionParseError, observation, parse_actions, render_prompt
-from evals.bundled import apply_edits, failing_summary
+from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
 from evals.grading import AGENT_FAULT, GRADED, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
 from evals.sandbox import AgentFault, InfraError, Sandbox, SandboxFactory
 from evals.tasks import Task

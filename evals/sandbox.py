@@ -27,7 +27,6 @@ import inspect
 import os
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Protocol
 
 from evals.tasks import Task

@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-
-def default_suite_dir() -> Path:
-    home = os.environ.get("POSTTRAIN_HOME") or str(Path.cwd() / "posttrain-data")
-    return Path(home).expanduser().resolve() / "datasets" / "bundled"
+from common.home import default_suite_dir
 
 
 def task_repo(suite: Path, task_id: str) -> tuple[Path, dict]:

@@ -6,12 +6,15 @@ Every runtime starts the same way:
    (unpacked from the store on a miss);
 2. the sandbox's root is an overlay of those read-only layers under a per-sandbox writable layer,
    which lives on a tmpfs of ``Limits.disk_mib`` (the disk limit) in the sandbox's run folder
-   (:func:`run_root`);
+   (:mod:`sandboxes.rootfs`);
 3. the host toolchain is bound read-only into it: ``/usr`` (git, coreutils, ``python3``) and the
-   project's Python (``sys.base_prefix`` and the virtual environment, so ``python -m pytest`` works);
+   project's Python (``sys.base_prefix`` and the virtual environment, so ``python -m pytest`` works;
+   :mod:`sandboxes.toolchain`);
 4. ``pxd`` starts as the sandbox's first process, speaking HTTP over its stdin/stdout pipes;
-5. CPU, memory and process-count limits are a cgroup per sandbox; the wall-time limit is a timer
-   that ends the sandbox.
+5. CPU, memory and process-count limits are a cgroup per sandbox (:mod:`sandboxes.cgroups`); the
+   wall-time limit is a timer that ends the sandbox.
+
+What a sandbox of a dead harness left behind is removed by :mod:`sandboxes.reaping`.
 
 bubblewrap: ``bwrap --unshare-all`` (no network but a private loopback, own PID/IPC/UTS/user
 namespaces, no further user namespaces), the root is read-only except ``/workspace``, ``/tmp`` and
@@ -45,14 +48,12 @@ unisolated: pxd runs as a plain host process on the overlay's workspace. It isol
 it runs only with ``allow_unisolated=True``; nothing ever falls back to it.
 """
 
+
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import fcntl
+import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -60,21 +61,23 @@ import sys
 import threading
 import time
 import uuid
-import json
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from common.home import default_home
 from sandboxes.cache import LayerCache, Lease
-from sandboxes.errors import SandboxError
+from sandboxes.cgroups import Cgroup, remove_empty_cgroups
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
+from sandboxes.errors import SandboxError
 from sandboxes.images import SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, build_image, image_name
+from sandboxes.reaping import reap_stale_sandboxes
+from sandboxes.rootfs import Rootfs, run_root
+from sandboxes.toolchain import SANDBOX_HOME, host_toolchain, reachable_toolchain_source, sandbox_env
 
 RUNTIMES = ("bwrap", "gvisor", "unisolated")
 PXD_SOURCE = Path(__file__).with_name("pxd.py")
 PXD_IN_SANDBOX = "/opt/pxd/pxd.py"
-SANDBOX_HOME = "/home/sandbox"
 READY_TIMEOUT_S = 30.0
 # pxd's capabilities in gVisor (none reach a command: they are dropped when it becomes the
 # sandbox user): start commands as that user, signal them (kill_others), and write the sandbox
@@ -102,240 +105,6 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be a number >= {low}, got {value!r}")
 
 
-# ---------------------------------------------------------------------------------------------
-# mounts
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-MNT_DETACH = 2
-
-
-def _mount(source: str, target: Path, fstype: str, options: str) -> None:
-    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), 0, options.encode()) != 0:
-        err = ctypes.get_errno()
-        raise SandboxError(f"mount {fstype} on {target} failed: {os.strerror(err)} (options {options})")
-
-
-def _umount(target: Path) -> None:
-    if _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):
-            raise SandboxError(f"umount {target} failed: {os.strerror(err)}")
-
-
-class Rootfs:
-    """The per-sandbox root: an overlay of the image's cached layers under a size-limited tmpfs.
-
-    Without root rights (no mounts) the layers are copied instead and the disk limit is not enforced."""
-
-    def __init__(self, run_dir: Path, lease: Lease, disk_mib: int):
-        self.run_dir = run_dir
-        self.merged = run_dir / "root"
-        self.mounted: list[Path] = []
-        rw = run_dir / "rw"
-        self.merged.mkdir(parents=True)
-        rw.mkdir()
-        if os.geteuid() == 0:
-            _mount("tmpfs", rw, "tmpfs", f"size={disk_mib}m,mode=0755")
-            self.mounted.append(rw)
-            (rw / "upper").mkdir()
-            (rw / "work").mkdir()
-            lower = ":".join(str(d) for d in reversed(lease.layer_dirs))  # overlayfs lists the top layer first
-            _mount("overlay", self.merged, "overlay", f"lowerdir={lower},upperdir={rw}/upper,workdir={rw}/work")
-            self.mounted.append(self.merged)
-        else:
-            warnings.warn("not root: the sandbox root is a copy of its layers and the disk limit is not enforced")
-            for d in lease.layer_dirs:
-                shutil.copytree(d, self.merged, symlinks=True, dirs_exist_ok=True)
-
-    @property
-    def workspace(self) -> Path:
-        return self.merged / WORKDIR.lstrip("/")
-
-    def remove(self) -> None:
-        for m in reversed(self.mounted):
-            _umount(m)
-        self.mounted = []
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# cgroups
-
-
-class Cgroup:
-    """One cgroup per sandbox for CPU, memory and process count (cgroup v2, or the v1 controllers)."""
-
-    def __init__(self, name: str, limits: Limits):
-        self.paths: list[Path] = []
-        base = Path("/sys/fs/cgroup")
-        period = 100_000
-        quota = max(1000, int(limits.cpus * period))
-        memory = limits.memory_mib * 1024 * 1024
-        try:
-            if (base / "cgroup.controllers").exists():
-                parent = base / "posttrain"
-                parent.mkdir(exist_ok=True)
-                (base / "cgroup.subtree_control").write_text("+cpu +memory +pids")
-                (parent / "cgroup.subtree_control").write_text("+cpu +memory +pids")
-                p = parent / name
-                p.mkdir()
-                self.paths.append(p)
-                (p / "memory.max").write_text(str(memory))
-                (p / "memory.swap.max").write_text("0") if (p / "memory.swap.max").exists() else None
-                (p / "pids.max").write_text(str(limits.pids))
-                (p / "cpu.max").write_text(f"{quota} {period}")
-            else:
-                for ctl, settings in (
-                    ("memory", {"memory.limit_in_bytes": memory}),
-                    ("pids", {"pids.max": limits.pids}),
-                    ("cpu", {"cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}),
-                ):
-                    p = base / ctl / "posttrain" / name
-                    p.mkdir(parents=True)
-                    self.paths.append(p)
-                    for key, value in settings.items():
-                        (p / key).write_text(str(value))
-        except OSError as exc:
-            self.remove()
-            raise SandboxError(f"cannot create the sandbox's cgroup under {base} ({exc}); CPU, memory and "
-                               "process limits need root or a delegated cgroup") from None
-
-    @property
-    def procs_files(self) -> list[str]:
-        return [str(p / "cgroup.procs") for p in self.paths]
-
-    def wrap(self, argv: list[str]) -> list[str]:
-        """``argv`` preceded by a shell that moves itself into the cgroup, then becomes ``argv``."""
-        files = " ".join(shlex.quote(f) for f in self.procs_files)
-        return ["/bin/sh", "-c", f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"', "sh", *argv]
-
-    def pids(self) -> list[int]:
-        out = set()
-        for f in self.procs_files:
-            try:
-                out.update(int(x) for x in Path(f).read_text().split())
-            except OSError:
-                pass
-        return sorted(out)
-
-    def peak_memory_bytes(self) -> int | None:
-        for p in self.paths:
-            for name in ("memory.peak", "memory.max_usage_in_bytes"):
-                try:
-                    return int((p / name).read_text())
-                except OSError:
-                    continue
-        return None
-
-    def kill(self) -> None:
-        """SIGKILL every process of the sandbox (a fork bomb's too: it is one pass over a frozen list
-        only if new children cannot appear, so repeat until the cgroup is empty)."""
-        for _ in range(200):
-            pids = self.pids()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.002)
-
-    def remove(self) -> None:
-        self.kill()
-        for p in self.paths:
-            for _ in range(250):
-                try:
-                    p.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # the last processes are still exiting
-                    time.sleep(0.002)
-        self.paths = []
-
-
-# ---------------------------------------------------------------------------------------------
-# where sandboxes live on the host, and what the sandbox user can reach
-
-
-def run_root(cache: LayerCache, create: bool = True) -> Path:
-    """The folder of this cache's running sandboxes: ``$POSTTRAIN_SANDBOX_RUN_DIR`` (default
-    ``/tmp/posttrain-sandboxes``) ``/<hash of the cache folder>``, mode 0711, so that bwrap, which runs
-    as the sandbox user, can reach a sandbox's root wherever the cache itself lives."""
-    import hashlib
-
-    base = Path(os.environ.get("POSTTRAIN_SANDBOX_RUN_DIR", "/tmp/posttrain-sandboxes"))
-    root = base / hashlib.sha256(str(cache.root.resolve()).encode()).hexdigest()[:12]
-    if not create:
-        return root
-    for d in (base, root):
-        d.mkdir(exist_ok=True, parents=True)
-        if os.geteuid() == 0:
-            os.chmod(d, 0o711)
-    return root
-
-
-def reachable_by(uid: int, path: Path) -> bool:
-    """Whether ``uid`` (not in any group that matters) can walk down to ``path``."""
-    p = Path(path).resolve()
-    for d in [*reversed(p.parents), p] if p.is_dir() else reversed(p.parents):
-        st = os.stat(d)
-        bit = 0o100 if st.st_uid == uid else 0o001
-        if not st.st_mode & bit:
-            return False
-    return True
-
-
-_toolchain_lock = threading.Lock()
-_toolchain_sources: dict[str, str] = {}  # host path -> where bwrap binds it from (this process)
-
-
-def reachable_toolchain_source(path: str) -> str:
-    """``path`` itself when the sandbox user can reach it, else a read-only bind mount of it under
-    the run root's ``toolchain/`` folder (made once, kept for later sandboxes); e.g. a Python
-    installed under ``/root``."""
-    if path in _toolchain_sources:
-        return _toolchain_sources[path]
-    if os.geteuid() != 0 or reachable_by(SANDBOX_UID, Path(path)):
-        _toolchain_sources[path] = path
-        return path
-    import hashlib
-
-    base = Path(os.environ.get("POSTTRAIN_SANDBOX_RUN_DIR", "/tmp/posttrain-sandboxes"))
-    target = base / "toolchain" / hashlib.sha256(path.encode()).hexdigest()[:12]
-    with _toolchain_lock:
-        mounts = Path("/proc/self/mounts").read_text().split("\n")
-        if not any(line.split(" ")[1:2] == [str(target)] for line in mounts):
-            base.mkdir(parents=True, exist_ok=True)
-            os.chmod(base, 0o711)
-            target.parent.mkdir(exist_ok=True)
-            os.chmod(target.parent, 0o711)
-            target.mkdir(exist_ok=True)
-            MS_BIND, MS_REMOUNT, MS_RDONLY = 4096, 32, 1
-            if _libc.mount(path.encode(), str(target).encode(), None, MS_BIND, None) != 0:
-                raise SandboxError(f"cannot bind {path} at {target}: {os.strerror(ctypes.get_errno())}")
-            if _libc.mount(b"none", str(target).encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY, None) != 0:
-                raise SandboxError(f"cannot make {target} read-only: {os.strerror(ctypes.get_errno())}")
-    _toolchain_sources[path] = str(target)
-    return str(target)
-
-
-# ---------------------------------------------------------------------------------------------
-# the toolchain seen inside
-
-
-def remove_empty_cgroups(name: str) -> None:
-    """Remove ``posttrain/<name>`` under every cgroup hierarchy where it exists and is empty."""
-    base = Path("/sys/fs/cgroup")
-    for p in [base / "posttrain" / name, *base.glob(f"*/posttrain/{name}")]:
-        try:
-            p.rmdir()
-        except OSError:
-            pass
-
-
 def _wait_eof(stream, timeout_s: float) -> None:
     """Wait until ``stream`` (a pipe from the runtime) is closed: the runtime has exited."""
     import select
@@ -346,26 +115,6 @@ def _wait_eof(stream, timeout_s: float) -> None:
         ready, _, _ = select.select([fd], [], [], remaining)
         if ready and not os.read(fd, 65536):
             return
-
-
-def host_toolchain() -> list[str]:
-    """Host folders bound read-only into every sandbox: ``/usr`` and this Python (base and venv)."""
-    paths = ["/usr"]
-    for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}:
-        if not prefix.startswith("/usr/"):
-            paths.append(prefix)
-    return sorted(paths)
-
-
-def sandbox_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    path = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
-    path += [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]
-    env = {"PATH": ":".join(path), "HOME": SANDBOX_HOME, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
-           "PYTHONDONTWRITEBYTECODE": "1", "TERM": "dumb",
-           # the project's venv carries pytest plugins no task needs; loading them costs ~2.5 s a run
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    env.update(extra or {})
-    return env
 
 
 def pxd_argv(python: str) -> list[str]:
@@ -512,15 +261,11 @@ RUNTIME_CLASSES = {"bwrap": BwrapRuntime, "gvisor": GvisorRuntime, "unisolated":
 # the sandbox
 
 
-def _home() -> Path:
-    return Path(os.environ.get("POSTTRAIN_HOME") or "posttrain-data").expanduser().resolve()
-
-
 def default_store() -> ImageStore:
     """``$POSTTRAIN_SANDBOX_DIR/images``, else ``$POSTTRAIN_HOME/images`` (where ``image_cache`` builds)."""
     if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
         return ImageStore(Path(os.environ["POSTTRAIN_SANDBOX_DIR"]) / "images")
-    return ImageStore(_home() / "images")
+    return ImageStore(default_home() / "images")
 
 
 def default_cache() -> LayerCache:
@@ -529,7 +274,7 @@ def default_cache() -> LayerCache:
     budget = int(float(os.environ.get("POSTTRAIN_SANDBOX_CACHE_GIB", "20")) * 1024**3)
     if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
         return LayerCache(Path(os.environ["POSTTRAIN_SANDBOX_DIR"]) / "cache", budget)
-    return LayerCache(_home() / "sandboxes" / "cache", budget)
+    return LayerCache(default_home() / "sandboxes" / "cache", budget)
 
 
 class Sandbox:
@@ -563,7 +308,7 @@ class Sandbox:
             self.rootfs = Rootfs(self.run_dir, self.lease, limits.disk_mib)
             argv = self.runtime.command(self)
             if runtime != "gvisor":  # runsc makes its own cgroup from the OCI spec
-                self.cgroup = Cgroup(self.id, limits)
+                self.cgroup = Cgroup(self.id, cpus=limits.cpus, memory_mib=limits.memory_mib, pids=limits.pids)
                 argv = self.cgroup.wrap(argv)
             # bwrap stays in the sandbox as its pid 1, whose /proc/1/environ the sandbox can read:
             # start it with the sandbox's variables only, never the host's (tokens, keys).
@@ -705,66 +450,6 @@ class Sandbox:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "running"
         return f"<Sandbox {self.id} {self.runtime.name} image={self.image.name} {state}>"
-
-
-def reap_stale_sandboxes(cache: LayerCache, min_age_s: float = 60.0) -> list[str]:
-    """Remove what sandboxes of dead owners left (a harness killed with SIGKILL cannot clean up):
-    their processes (by cgroup), mounts and run folders. A live sandbox holds the lock in its run
-    folder, so this is safe while other processes run sandboxes from the same cache."""
-    reaped = []
-    root = run_root(cache, create=False)
-    for run_dir in (root.iterdir() if root.is_dir() else ()):
-        lock = run_dir / "lock"
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            try:  # a folder being created right now has no lock yet; only old ones are debris
-                if time.time() - run_dir.stat().st_mtime < min_age_s:
-                    continue
-            except FileNotFoundError:
-                continue
-            fd = None
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # alive
-            base = Path("/sys/fs/cgroup")
-            groups = [base / "posttrain" / run_dir.name, *base.glob(f"*/posttrain/{run_dir.name}")]
-            for _ in range(200):
-                pids = set()
-                for g in groups:
-                    try:
-                        pids.update(int(x) for x in (g / "cgroup.procs").read_text().split())
-                    except OSError:
-                        pass
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.005)
-            remove_empty_cgroups(run_dir.name)
-            for mount in (run_dir / "root", run_dir / "rw"):
-                _umount(mount)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            reaped.append(run_dir.name)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    # sandbox cgroups left empty (a cgroup of a live sandbox always holds its processes, except
-    # for the instant between its creation and the runtime's start: hence the age)
-    base = Path("/sys/fs/cgroup")
-    for group in [*base.glob("posttrain/pt-*"), *base.glob("*/posttrain/pt-*")]:
-        try:
-            if not (group / "cgroup.procs").read_text().strip() and time.time() - group.stat().st_mtime > min_age_s:
-                group.rmdir()
-        except OSError:
-            pass
-    return reaped
 
 
 _reaped_caches: set[Path] = set()

@@ -8,7 +8,7 @@ A tiny model for tests and CPU runs (no downloads)::
 
     from serving.tiny import build_tiny_model, build_tiny_lora_adapter
     model_dir = build_tiny_model(tmp / "model")                  # Qwen2, hidden 64, 2 layers, BPE tokenizer
-    adapter_dir = build_tiny_lora_adapter(model_dir, tmp / "v000001")
+    adapter_dir = build_tiny_lora_adapter(model_dir, tmp / "step_000001")
 
 A local engine, in-process or as a process (``python -m serving.engine --model DIR --port N``)::
 
@@ -20,7 +20,7 @@ A local engine, in-process or as a process (``python -m serving.engine --model D
     # or without HTTP, from any thread (blocking; concurrent calls are batched together):
     from serving.protocol import GenerateRequest, SamplingParams
     engine.generate(GenerateRequest(input_ids, SamplingParams(max_new_tokens=48), return_logprob=True,
-                                    lora_path="v000001", rid="rollout-42"))   # same dict as /generate
+                                    lora_path="step_000001", rid="rollout-42"))   # same dict as /generate
 
 Engine knobs: ``max_total_tokens`` (KV budget; cache eviction then retraction past it),
 ``max_running_requests`` (admission), ``block_size`` (prefix-cache block), ``max_prefill_batch``
@@ -31,9 +31,9 @@ Calling it (a replica, the capture sidecar or the router; all take the same call
 
     from serving.client import EngineClient
     client = EngineClient(server.url)
-    client.load_lora_adapter("v000001", adapter_dir)
+    client.load_lora_adapter("step_000001", adapter_dir)
     out = client.generate(input_ids, {"max_new_tokens": 48, "temperature": 1.0, "stop_token_ids": [2]},
-                          return_logprob=True, lora_path="v000001", rid="rollout-42")
+                          return_logprob=True, lora_path="step_000001", rid="rollout-42")
     out["output_ids"]                                   # sampled token ids
     out["meta_info"]["output_token_logprobs"]           # [[logprob, token_id, None], ...]
     out["meta_info"]["weight_version"]                  # the adapter version that served it
@@ -45,18 +45,19 @@ HTTP endpoints of a replica (``serving.http``): ``POST /generate``, ``POST /load
 ``POST /commit_lora_adapter`` (sharded adapter upload), ``GET /health``, ``/server_info``,
 ``/metrics`` (``sglang:`` names), ``GET|DELETE /sessions/{rid}``. Bad input: HTTP 400 naming the field.
 
-Publishing a new adapter version (the trainer)::
+Publishing a new adapter version (the trainer, ``training.publish``; versions are named by step)::
 
     from serving.adapters import publish_to_volume, push_adapter
-    publish_to_volume(adapter_dir, run_dir / "adapters", "v000002")  # late joiners load the newest
-    push_adapter(replica_url, "v000002", adapter_dir, num_shards=4)   # parallel shards over HTTP
+    publish_to_volume(adapter_dir, run_dir / "adapters", "step_000002")  # late joiners load the newest
+    push_adapter(replica_url, "step_000002", adapter_dir, num_shards=4)   # parallel shards over HTTP
     EngineClient(router_url).pool.json("POST", f"{router_url}/publish_adapter",
-        {"lora_name": "v000002", "lora_path": str(run_dir / "adapters" / "v000002")})
+        {"lora_name": "step_000002", "lora_path": str(run_dir / "adapters" / "step_000002")})
 
 The router and the fleet (``lora_path="latest"``: the newest version ready in every pool, pinned
 for the session's life)::
 
-    from serving.router import Router, serve_router
+    from serving.router.core import Router
+    from serving.router.server import serve_router
     from serving.fleet import LocalFleet
     router = Router("kv_headroom", adapters_volume=run_dir / "adapters")
     fleet = LocalFleet(model_dir, router, mode="thread"); fleet.scale_up(2)

@@ -1,18 +1,23 @@
 """Adapter versions: the shared volume, and sharded HTTP publication to live replicas.
 
-The trainer publishes a new LoRA version two ways (DESIGN.md, "Trainer"):
+After each step the trainer publishes the new LoRA version two ways
+(:class:`training.publish.AdapterPublisher`, versions named by step, ``step_000012``):
 
     from serving.adapters import publish_to_volume, push_adapter
-    publish_to_volume(adapter_dir, run_dir / "adapters", "v000012")   # for replicas that join later
-    push_adapter(replica_url, "v000012", adapter_dir, num_shards=4)    # to a live replica, in parallel
+    publish_to_volume(adapter_dir, run_dir / "adapters", "step_000012")   # for replicas that join later
+    push_adapter(replica_url, "step_000012", adapter_dir, num_shards=4)    # to a live replica, in parallel
 
 ``push_adapter`` splits the adapter's tensors into shards, sends each as a safetensors body with
 ``PUT /lora_shards/{lora_name}/{shard_index}?num_shards=N`` (in parallel threads), then
 ``POST /commit_lora_adapter {"lora_name", "num_shards", "adapter_config"}``: the replica checks every
 shard arrived, writes the adapter under its staging folder and loads it under that name, exactly as
-``POST /load_lora_adapter`` would. ``Router.publish_adapter`` does this for every replica.
+``POST /load_lora_adapter`` would. A replica that joins later loads the newest complete version on
+the volume (:func:`newest_adapter`; ``python -m serving.engine --adapters-dir``, and
+:meth:`serving.router.core.Router.add_replica` before the replica takes traffic), and
+:meth:`~serving.router.core.Router.publish_adapter` loads an announced version on every live replica
+that lacks it.
 
-Version names sort by their last integer (``v000012`` after ``v000009``); zero-pad them.
+Version names sort by their last integer (``step_000012`` after ``step_000009``); zero-pad them.
 """
 
 from __future__ import annotations

@@ -1,96 +1,85 @@
-"""Capture inside the replica: every call's exact token ids and logprobs, keyed by session.
+"""The capture sidecar: SGLang's replica with every call recorded, as the local engine's are.
 
-The local and simulated engines record into a ``CaptureStore`` in the same process (see
-``serving.http``). For SGLang the same record is kept by a sidecar on localhost in the replica's pod:
+The local and simulated engines record into a :class:`~serving.capture_store.CaptureStore` in the
+same process (:class:`serving.http.EngineServer`). For SGLang the same record is kept by this sidecar
+on localhost in the replica's pod:
 
     python -m serving.capture --upstream http://127.0.0.1:30000 --port 30001
 
 The sidecar speaks the engine API: it forwards ``/generate`` to SGLang with ``return_logprob``
 forced on, records the call, and answers the caller as SGLang would (logprobs stripped again when
-the caller did not ask). Everything else is passed through. ``GET /sessions/{rid}`` serves a
-session's calls in order.
+the caller did not ask). Sharded adapter uploads are assembled on a volume SGLang also mounts and
+loaded from there. Everything else is passed through. ``GET /sessions/{rid}`` serves a session's
+calls in order.
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
-import time
-from collections import OrderedDict
+import json
 from typing import Any
 
-from serving.protocol import GenerateRequest
+from serving.adapters import ShardAssembler
+from serving.capture_store import CaptureStore, capture_generate
+from serving.client import HttpPool
+from serving.http import EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text
+from serving.protocol import parse_adapter_name, parse_generate
 
 
-def capture_record(request: GenerateRequest, response: dict[str, Any], *, started_at: float, latency_s: float,
-                   replica: str) -> dict[str, Any]:
-    meta = response.get("meta_info", {})
-    logprobs = meta.get("output_token_logprobs") or []
-    return {
-        "rid": request.rid,
-        "input_ids": list(request.input_ids),
-        "output_ids": list(response.get("output_ids", [])),
-        "output_logprobs": [float(item[0]) for item in logprobs],
-        "lora_path": request.lora_path,
-        "weight_version": meta.get("weight_version"),
-        "finish_reason": meta.get("finish_reason"),
-        "cached_tokens": meta.get("cached_tokens"),
-        "sampling_params": request.to_json()["sampling_params"],
-        "started_at": started_at,
-        "latency_s": latency_s,
-        "replica": replica,
-    }
+class SidecarServer(JsonServer):
+    """The capture sidecar for SGLang (see the module docstring)."""
+
+    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
+                 limits: HttpLimits | None = None):
+        self.upstream = upstream.rstrip("/")
+        self.pool = HttpPool()
+        self.capture = CaptureStore()
+        self.shards = ShardAssembler(staging_dir)
+        routes: dict[tuple[str, str], Route] = {
+            ("POST", "/generate"): self._generate,
+            ("PUT", "/lora_shards/"): lambda r: EngineServer._shard(self, r),  # same receiving code
+            ("POST", "/commit_lora_adapter"): self._commit,
+            ("GET", "/sessions"): lambda r: {"sessions": self.capture.sessions()},
+            ("GET", "/sessions/"): lambda r: EngineServer._session(self, r),
+            ("DELETE", "/sessions/"): lambda r: EngineServer._drop_session(self, r),
+        }
+        for method in ("GET", "POST"):
+            for path in ("/load_lora_adapter", "/unload_lora_adapter", "/health", "/health_generate", "/server_info",
+                         "/get_server_info", "/metrics", "/flush_cache", "/get_model_info"):
+                routes.setdefault((method, path), self._passthrough)
+        super().__init__(routes, host, port, limits=limits)
+
+    def _upstream_generate(self, request) -> dict[str, Any]:
+        status, data, _ = self.pool.request("POST", f"{self.upstream}/generate", json.dumps(request.to_json()).encode())
+        if status >= 300:
+            raise HttpError(status, data.decode(errors="replace"))
+        return json.loads(data)
+
+    def _generate(self, req: Request) -> Any:
+        body = req.json()
+        requests = parse_generate(body)
+        answers = [capture_generate(self._upstream_generate, r, self.capture, self.upstream) for r in requests]
+        return answers if isinstance(body["input_ids"][0], list) else answers[0]
+
+    def _commit(self, req: Request) -> Any:
+        body = req.json()
+        name = parse_adapter_name(body)
+        path = self.shards.commit(name, body.get("num_shards"), body.get("adapter_config"))
+        # The sidecar shares the pod (and a volume) with SGLang, which loads from the path.
+        return self.pool.json("POST", f"{self.upstream}/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    def _passthrough(self, req: Request) -> Any:
+        status, data, ctype = self.pool.request(req.method, f"{self.upstream}{req.path}", req.body or None)
+        if status >= 300:
+            raise HttpError(status, data.decode(errors="replace"))
+        if "json" in ctype:
+            return json.loads(data) if data else {}
+        return Text(data.decode(), ctype or "text/plain")
 
 
-class CaptureStore:
-    """Per-session call records, oldest sessions dropped past ``max_sessions``."""
-
-    def __init__(self, max_sessions: int = 100_000):
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def record(self, record: dict[str, Any]) -> None:
-        rid = record.get("rid")
-        if rid is None:
-            return
-        with self._lock:
-            calls = self._sessions.get(rid)
-            if calls is None:
-                calls = self._sessions[rid] = []
-                while len(self._sessions) > self.max_sessions:
-                    self._sessions.popitem(last=False)
-            record["call_index"] = len(calls)
-            calls.append(record)
-
-    def session(self, rid: str) -> list[dict[str, Any]] | None:
-        with self._lock:
-            calls = self._sessions.get(rid)
-            return list(calls) if calls is not None else None
-
-    def sessions(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
-
-    def drop(self, rid: str) -> bool:
-        with self._lock:
-            return self._sessions.pop(rid, None) is not None
-
-
-def capture_generate(generate, request: GenerateRequest, store: CaptureStore, replica: str) -> dict[str, Any]:
-    """Run ``generate`` with logprobs forced on, record the call, and answer as asked."""
-    asked = request.return_logprob
-    request.return_logprob = True
-    started_at = time.time()
-    t0 = time.perf_counter()
-    try:
-        response = generate(request)
-    finally:
-        request.return_logprob = asked
-    store.record(capture_record(request, response, started_at=started_at, latency_s=time.perf_counter() - t0, replica=replica))
-    if not asked:
-        response.get("meta_info", {}).pop("output_token_logprobs", None)
-    return response
+def serve_sidecar(upstream: str, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
+                  limits: HttpLimits | None = None) -> SidecarServer:
+    return SidecarServer(upstream, host, port, staging_dir, limits).start()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.http import HttpLimits, serve_sidecar
-
     server = serve_sidecar(args.upstream, host=args.host, port=args.port, staging_dir=args.staging_dir,
                            limits=HttpLimits(idle_timeout_s=args.http_idle_timeout_s) if args.http_idle_timeout_s else None)
     return server.run_in_foreground(f"capture sidecar for {args.upstream} on {server.url}")

@@ -44,10 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = serving.add_subparsers(dest="serving_command", required=True)
     import serving.capture
     import serving.engine
-    import serving.router
+    from serving.router import __main__ as router_main
 
     for name, module, text in (("engine", serving.engine, "run the local CPU engine (as python -m serving.engine)"),
-                               ("router", serving.router, "run the router (as python -m serving.router)"),
+                               ("router", router_main, "run the router (as python -m serving.router)"),
                                ("sidecar", serving.capture, "run the capture sidecar (as python -m serving.capture)")):
         p = cmds.add_parser(name, help=text)
         module.add_arguments(p)

@@ -37,6 +37,7 @@ from typing import Any
 
 from serving.prefix_cache import Block, PrefixCache
 from serving.protocol import BASE_WEIGHT_VERSION, BadRequest, GenerateRequest, finish_reason
+from serving.scheduler import KvScheduler
 
 
 @dataclass(eq=False)
@@ -55,6 +56,7 @@ class _Req:
     done: threading.Event = field(default_factory=threading.Event)
     arrived_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
+    admitted_before: bool = False
 
     @property
     def adapter(self) -> str | None:
@@ -64,8 +66,15 @@ class _Req:
     def output_len(self) -> int:
         return len(self.seq) - self.prompt_len
 
-    def private_tokens(self, block_size: int) -> int:
-        return self.kv_len - len(self.locked) * block_size
+    # What the scheduler reads (serving.scheduler.Scheduled): the output so far is in the sequence.
+    def prefix_tokens(self) -> list[int]:
+        return self.seq
+
+    def length(self) -> int:
+        return len(self.seq)
+
+    def kv_tokens(self) -> int:
+        return self.kv_len
 
 
 class LocalEngine:
@@ -107,28 +116,22 @@ class LocalEngine:
         self.max_context = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests
-        self.admission_reserve_tokens = admission_reserve_tokens
         self.max_prefill_batch = max_prefill_batch  # prompts of equal shape prefilled in one forward
         self.weight_version = weight_version
         self.cache = PrefixCache(block_size)
+        self.scheduler: KvScheduler[_Req] = KvScheduler(
+            self.cache, max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
+            admission_reserve_tokens=admission_reserve_tokens)
         self._adapters: dict[str, str] = {}
-        self._lock = threading.Lock()  # guards the queues, the cache and the adapters
-        self._model_lock = threading.Lock()  # held by the scheduler while it runs the model
+        self._lock = threading.Lock()  # guards the scheduler's queues, the cache and the adapters
+        self._model_lock = threading.Lock()  # held by the scheduler thread while it runs the model
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_Req] = deque()
-        self._running: list[_Req] = []
-        self._order = itertools.count()
         # The batched KV of the running requests: per layer (K, V) of [B, kv_heads, L, head_dim],
         # left padded; row i holds its tokens in columns pad[i]:L.
         self._kv: list[tuple[Any, Any]] | None = None
         self._pad: list[int] = []
         self._mask = None
         self._batch: list[_Req] = []
-        self.num_retracted_reqs = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.cached_tokens_total = 0
-        self.num_requests_total = 0
         self._gen_window: deque[tuple[float, int]] = deque(maxlen=64)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -149,11 +152,10 @@ class LocalEngine:
                 raise BadRequest(f"lora_path {request.lora_path!r} is not loaded (loaded: {sorted(self._adapters)})")
             if self._closed:
                 raise RuntimeError("engine is shut down")
-            req = _Req(request, list(request.input_ids), len(request.input_ids), next(self._order))
+            req = _Req(request, list(request.input_ids), len(request.input_ids), self.scheduler.next_order())
             if request.sampling_params.seed is not None:
                 req.generator = self._torch.Generator().manual_seed(request.sampling_params.seed)
-            self._waiting.append(req)
-            self.num_requests_total += 1
+            self.scheduler.submit(req)
             self._wake.notify()
         req.done.wait()
         if req.error is not None:
@@ -196,7 +198,7 @@ class LocalEngine:
         with self._model_lock, self._lock:
             if name not in self._adapters:
                 raise BadRequest(f"lora_name {name!r} is not loaded (loaded: {sorted(self._adapters)})")
-            busy = sum(1 for r in itertools.chain(self._running, self._waiting) if r.adapter == name)
+            busy = sum(1 for r in itertools.chain(self.scheduler.running, self.scheduler.waiting) if r.adapter == name)
             if busy:
                 raise BadRequest(f"lora_name {name!r} is in use by {busy} requests; retry when they finish")
             self.cache.drop_adapter(name)
@@ -227,58 +229,36 @@ class LocalEngine:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            used = self._used_tokens()
-            stats = self.cache.stats
             now = time.perf_counter()
             window = [n for t, n in self._gen_window if now - t < 5.0]
-            return {
-                "num_running_reqs": len(self._running),
-                "num_queue_reqs": len(self._waiting),
-                "num_used_tokens": used,
-                "token_usage": used / self.max_total_tokens,
-                "cache_hit_rate": stats.hit_tokens / stats.lookups_tokens if stats.lookups_tokens else 0.0,
-                "num_retracted_reqs": self.num_retracted_reqs,
-                "gen_throughput": sum(window) / 5.0,
-                "max_total_num_tokens": self.max_total_tokens,
-                "prompt_tokens_total": self.prompt_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total,
-                "cached_tokens_total": self.cached_tokens_total,
-                "num_requests_total": self.num_requests_total,
-            }
+            return {**self.scheduler.metrics(), "gen_throughput": sum(window) / 5.0}
+
+    @property
+    def num_retracted_reqs(self) -> int:
+        return self.scheduler.num_retracted_reqs
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for req in list(self._waiting) + self._running:
+            for req in list(self.scheduler.waiting) + self.scheduler.running:
                 req.error = "engine shut down"
                 req.done.set()
-            self._waiting.clear()
+            self.scheduler.waiting.clear()
             self._wake.notify_all()
         self._thread.join(timeout=5)
 
-    # --- token accounting (caller holds the lock) ---------------------------------------------
-
-    def _used_tokens(self) -> int:
-        """Tokens the KV pool holds for running requests and locked cache blocks: SGLang's
-        ``token_usage`` numerator (evictable cached blocks do not count)."""
-        bs = self.cache.block_size
-        return self.cache.locked_tokens + sum(r.private_tokens(bs) for r in self._running)
-
-    def _make_room(self, need_tokens: int) -> bool:
-        return self.cache.make_room(need_tokens, self.max_total_tokens, self._used_tokens())
-
-    # --- the scheduler ----------------------------------------------------------------------
+    # --- the scheduler thread (admission, retraction and KV accounting: serving.scheduler) -----
 
     def _loop(self) -> None:
         torch = self._torch
         with torch.inference_mode():
             while True:
                 with self._lock:
-                    while not self._waiting and not self._running and not self._closed:
+                    while not self.scheduler.waiting and not self.scheduler.running and not self._closed:
                         self._wake.wait()
                     if self._closed:
                         return
-                    admitted = self._admit()
+                    admitted = self.scheduler.admit(self._on_admit, self._on_unfit)
                 try:
                     with self._model_lock:
                         if admitted:
@@ -287,46 +267,24 @@ class LocalEngine:
                             self._decode_step()
                 except Exception as exc:  # a bug must fail the requests, not hang them
                     with self._lock:
-                        for req in admitted + self._running:
+                        for req in admitted + self.scheduler.running:
                             if not req.done.is_set():
                                 req.error = f"engine error: {exc!r}"
                                 req.done.set()
-                        for req in self._running:
+                        for req in self.scheduler.running:
                             self.cache.unlock(req.locked)
-                        self._running.clear()
+                        self.scheduler.running.clear()
                         self._kv, self._pad, self._mask, self._batch = None, [], None, []
 
-    def _admit(self) -> list[_Req]:
-        admitted: list[_Req] = []
-        while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
-            req = self._waiting[0]
-            # The last token is always recomputed, so the prefix hit is at most len - 1 tokens.
-            chain = self.cache.match(req.adapter, req.seq, max_tokens=len(req.seq) - 1)
-            hit = len(chain) * self.cache.block_size
-            remaining = req.request.sampling_params.max_new_tokens - req.output_len
-            need = len(req.seq) - hit + min(remaining, self.admission_reserve_tokens)
-            self.cache.lock(chain)  # keep the hit alive while making room
-            room = self._make_room(need)
-            if not room:
-                self.cache.unlock(chain)
-                if not self._running and not admitted and self.cache.evictable_tokens == 0:
-                    self._waiting.popleft()
-                    req.finish = finish_reason("abort", f"request needs {need} tokens; the budget is {self.max_total_tokens}")
-                    req.error = f"prompt of {len(req.seq)} tokens does not fit the KV budget of {self.max_total_tokens} tokens"
-                    req.done.set()
-                    continue
-                break
-            self._waiting.popleft()
-            req.locked = chain
-            if req.output_len == 0:
-                req.cached_tokens = hit
-                self.cache.record_lookup(len(req.seq), hit)
-                self.prompt_tokens_total += len(req.seq)
-                self.cached_tokens_total += hit
-            admitted.append(req)
-            self._running.append(req)
-            req.kv_len = len(req.seq)  # reserved now; the prefill computes seq[hit:]
-        return admitted
+    @staticmethod
+    def _on_admit(req: _Req, chain: list[Block], hit: int) -> None:
+        req.locked = chain
+        req.kv_len = len(req.seq)  # reserved now; the prefill computes seq[hit:]
+
+    def _on_unfit(self, req: _Req, need: int) -> None:
+        req.finish = finish_reason("abort", f"request needs {need} tokens; the budget is {self.max_total_tokens}")
+        req.error = f"prompt of {len(req.seq)} tokens does not fit the KV budget of {self.max_total_tokens} tokens"
+        req.done.set()
 
     def _forward(self, input_ids, positions, mask, kv, adapters: list[str | None]):
         from transformers import DynamicCache
@@ -423,16 +381,9 @@ class LocalEngine:
         batch = self._batch
         with self._lock:
             # Every row grows by one token this step; retract the newest rows if that overflows.
-            retract: list[_Req] = []
-            while not self._make_room(len(batch) - len(retract)) and len(batch) - len(retract) > 1:
-                victim = max((r for r in batch if r not in retract), key=lambda r: r.order)
-                retract.append(victim)
-                self.cache.unlock(victim.locked)
-                victim.locked = []
+            retract = self.scheduler.retract_newest(1)
+            for victim in retract:
                 victim.kv_len = 0
-                self._running.remove(victim)
-                self._waiting.appendleft(victim)
-                self.num_retracted_reqs += 1
         if retract:
             self._remove_rows(retract)
             batch = self._batch
@@ -457,7 +408,7 @@ class LocalEngine:
 
     def _append(self, req: _Req, token: int) -> None:
         req.seq.append(token)
-        self.generation_tokens_total += 1
+        self.scheduler.generation_tokens_total += 1
         sp = req.request.sampling_params
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
             req.finish = finish_reason("stop", token)
@@ -531,7 +482,7 @@ class LocalEngine:
                 del req_chain
                 self.cache.unlock(req.locked)
                 req.locked = []
-                self._running.remove(req)
+                self.scheduler.running.remove(req)
                 req.done.set()
         if in_batch:
             self._remove_rows(rows)

@@ -7,6 +7,13 @@
     fleet.kill(url)                            # a replica dying: its sessions move on their next call
     fleet.replace_exited()                     # replicas whose process died: out of the router, fresh ones in
 
+One engine process on its own (a trainer with one replica, the curriculum and eval assets):
+
+    proc, url = start_engine(model_dir, run_dir / "logs" / "engine-0.log", max_total_tokens=65536)
+
+Both start ``python -m serving.engine ... --exit-with-parent`` (:func:`serving.engine.replica_command`),
+so a replica never outlives the process that started it.
+
 On Kubernetes the replicas are SGLang pods (``serving.sglang.sglang_launch_spec``) and scale-up is
 the launcher's; the router side (``Router.add_replica``) is the same.
 """
@@ -14,13 +21,50 @@ the launcher's; the router side (``Router.add_replica``) is the same.
 from __future__ import annotations
 
 import itertools
+import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serving.router import Router
+from serving.router.core import Router
+
+
+def free_port() -> int:
+    """A TCP port free on loopback at the time of the call."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(model: str, log_path: Path, timeout_s: float = 180.0, **settings: int) -> tuple[subprocess.Popen, str]:
+    """One engine replica as a local process on loopback; returns it and its URL once it answers
+    /health. ``settings`` are :class:`serving.engine.LocalEngine` settings among
+    :data:`serving.engine.REPLICA_FLAGS` (``torch_threads`` defaults to 1); its output goes to ``log_path``.
+
+    It starts on the base model alone: a trainer pushes the adapter version it resumes from."""
+    from serving.client import EngineClient
+    from serving.engine import replica_command
+
+    port = free_port()
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = replica_command(model, port=port, **{"torch_threads": 1, **settings})
+    with open(log_path, "ab") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    client = EngineClient(url, timeout_s=5)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine replica exited with {proc.returncode}; see {log_path}")
+        if client.health():
+            return proc, url
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"engine replica on {url} did not become healthy in {timeout_s:.0f}s; see {log_path}")
 
 
 @dataclass(frozen=True)

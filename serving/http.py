@@ -64,7 +64,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from serving.adapters import ShardAssembler
-from serving.capture import CaptureStore, capture_generate
+from serving.capture_store import CaptureStore, capture_generate
 from serving.protocol import BadRequest, Engine, parse_adapter_name, parse_generate, render_metrics
 
 # The largest request body a server reads: above a sharded adapter upload of a large model (one
@@ -804,61 +804,3 @@ class EngineServer(JsonServer):
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, **kwargs) -> EngineServer:
     """Serve ``engine`` on ``host:port`` from a background thread; returns the running server."""
     return EngineServer(engine, host, port, **kwargs).start()
-
-
-class SidecarServer(JsonServer):
-    """The capture sidecar for SGLang (see ``serving.capture``)."""
-
-    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
-                 limits: HttpLimits | None = None):
-        from serving.client import HttpPool
-
-        self.upstream = upstream.rstrip("/")
-        self.pool = HttpPool()
-        self.capture = CaptureStore()
-        self.shards = ShardAssembler(staging_dir)
-        routes: dict[tuple[str, str], Route] = {
-            ("POST", "/generate"): self._generate,
-            ("PUT", "/lora_shards/"): lambda r: EngineServer._shard(self, r),  # same receiving code
-            ("POST", "/commit_lora_adapter"): self._commit,
-            ("GET", "/sessions"): lambda r: {"sessions": self.capture.sessions()},
-            ("GET", "/sessions/"): lambda r: EngineServer._session(self, r),
-            ("DELETE", "/sessions/"): lambda r: EngineServer._drop_session(self, r),
-        }
-        for method in ("GET", "POST"):
-            for path in ("/load_lora_adapter", "/unload_lora_adapter", "/health", "/health_generate", "/server_info",
-                         "/get_server_info", "/metrics", "/flush_cache", "/get_model_info"):
-                routes.setdefault((method, path), self._passthrough)
-        super().__init__(routes, host, port, limits=limits)
-
-    def _upstream_generate(self, request) -> dict[str, Any]:
-        status, data, _ = self.pool.request("POST", f"{self.upstream}/generate", json.dumps(request.to_json()).encode())
-        if status >= 300:
-            raise HttpError(status, data.decode(errors="replace"))
-        return json.loads(data)
-
-    def _generate(self, req: Request) -> Any:
-        body = req.json()
-        requests = parse_generate(body)
-        answers = [capture_generate(self._upstream_generate, r, self.capture, self.upstream) for r in requests]
-        return answers if isinstance(body["input_ids"][0], list) else answers[0]
-
-    def _commit(self, req: Request) -> Any:
-        body = req.json()
-        name = parse_adapter_name(body)
-        path = self.shards.commit(name, body.get("num_shards"), body.get("adapter_config"))
-        # The sidecar shares the pod (and a volume) with SGLang, which loads from the path.
-        return self.pool.json("POST", f"{self.upstream}/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-
-    def _passthrough(self, req: Request) -> Any:
-        status, data, ctype = self.pool.request(req.method, f"{self.upstream}{req.path}", req.body or None)
-        if status >= 300:
-            raise HttpError(status, data.decode(errors="replace"))
-        if "json" in ctype:
-            return json.loads(data) if data else {}
-        return Text(data.decode(), ctype or "text/plain")
-
-
-def serve_sidecar(upstream: str, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
-                  limits: HttpLimits | None = None) -> SidecarServer:
-    return SidecarServer(upstream, host, port, staging_dir, limits).start()

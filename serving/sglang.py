@@ -1,6 +1,6 @@
 """SGLang on a cluster: server arguments and the pod spec of one replica, from resolved plan knobs.
 
-The run planner (``serving.planner``) resolves a run file into knobs named ``sglang_*``; this module
+The run planner (``training.planner``) resolves a run file into knobs named ``sglang_*``; this module
 consumes them as a plain mapping, so anything that has the numbers (the planner, a test, a script)
 can produce a replica spec:
 

@@ -1,10 +1,11 @@
 """A simulated engine: the engine HTTP API, real KV-cache accounting, a service-time model, no model.
 
 It exists so the router can be measured against a fleet of 64+ replicas and thousands of sessions
-on a laptop (``bench/router.py``). Each replica runs the same scheduler shape as the local engine
-and SGLang: admit waiting requests while the KV budget allows (a block prefix cache with LRU
-eviction gives the hits), prefill the uncached tokens, decode every running request together, and
-retract the newest request when the running ones outgrow the budget. Time is spent by sleeping:
+on a laptop (``bench/router.py``). Each replica runs the local engine's scheduler
+(:mod:`serving.scheduler`, shaped like SGLang's): admit waiting requests while the KV budget allows
+(a block prefix cache with LRU eviction gives the hits), prefill the uncached tokens, decode every
+running request together, and retract the newest request when the running ones outgrow the budget.
+Time is spent by sleeping:
 
     prefill_s = uncached_tokens * prefill_s_per_token / size_gpus
     decode step (decode_chunk_tokens for every running request) =
@@ -19,15 +20,14 @@ Run a fleet of them in one process:
 from __future__ import annotations
 
 import argparse
-import itertools
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from serving.prefix_cache import Block, PrefixCache
 from serving.protocol import BadRequest, GenerateRequest, finish_reason
+from serving.scheduler import KvScheduler
 
 
 @dataclass
@@ -47,9 +47,20 @@ class _SimReq:
     produced: int = 0
     locked: list[Block] = field(default_factory=list)
     cached_tokens: int = 0
-    prefilled: bool = False
+    admitted_before: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     arrived_s: float = field(default_factory=time.perf_counter)
+
+    # What the scheduler reads (serving.scheduler.Scheduled): the prompt's cached KV is reused; the
+    # tokens produced before a retraction are recomputed.
+    def prefix_tokens(self) -> list[int]:
+        return self.request.input_ids
+
+    def length(self) -> int:
+        return self.seq_len + self.produced
+
+    def kv_tokens(self) -> int:
+        return self.seq_len + self.produced
 
 
 class SimEngine:
@@ -60,20 +71,14 @@ class SimEngine:
         self.max_total_tokens = max_total_tokens
         self.max_running_requests = max_running_requests * size_gpus
         self.service = service or ServiceModel()
-        self.admission_reserve_tokens = admission_reserve_tokens
         self.name = name
         self.cache = PrefixCache(block_size)
+        self.scheduler: KvScheduler[_SimReq] = KvScheduler(
+            self.cache, max_total_tokens=max_total_tokens, max_running_requests=self.max_running_requests,
+            admission_reserve_tokens=admission_reserve_tokens)
         self._adapters: dict[str, str] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_SimReq] = deque()
-        self._running: list[_SimReq] = []
-        self._order = itertools.count()
-        self.num_retracted_reqs = 0
-        self.prompt_tokens_total = 0
-        self.cached_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_requests_total = 0
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"sim-{name}", daemon=True)
         self._thread.start()
@@ -89,10 +94,9 @@ class SimEngine:
         n = request.sampling_params.max_new_tokens
         seed = hash((tuple(request.input_ids[-8:]), n)) & 0xFFFFFFFFFFFF
         output_ids = [(seed >> (i % 40)) % 1000 + 10 for i in range(n)]
-        req = _SimReq(request, next(self._order), len(request.input_ids), output_ids)
         with self._lock:
-            self._waiting.append(req)
-            self.num_requests_total += 1
+            req = _SimReq(request, self.scheduler.next_order(), len(request.input_ids), output_ids)
+            self.scheduler.submit(req)
             self._wake.notify()
         req.done.wait()
         meta = {
@@ -126,86 +130,50 @@ class SimEngine:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            used = self._used_tokens()
-            stats = self.cache.stats
-            return {
-                "num_running_reqs": len(self._running), "num_queue_reqs": len(self._waiting),
-                "num_used_tokens": used, "token_usage": used / self.max_total_tokens,
-                "cache_hit_rate": stats.hit_tokens / stats.lookups_tokens if stats.lookups_tokens else 0.0,
-                "num_retracted_reqs": self.num_retracted_reqs, "max_total_num_tokens": self.max_total_tokens,
-                "prompt_tokens_total": self.prompt_tokens_total, "cached_tokens_total": self.cached_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total, "num_requests_total": self.num_requests_total,
-            }
+            return self.scheduler.metrics()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._wake.notify_all()
 
-    # --- the scheduler ----------------------------------------------------------------------
-
-    def _private(self, r: _SimReq) -> int:
-        return r.seq_len + r.produced - len(r.locked) * self.cache.block_size
-
-    def _used_tokens(self) -> int:
-        return self.cache.locked_tokens + sum(self._private(r) for r in self._running)
-
-    def _make_room(self, need: int) -> bool:
-        return self.cache.make_room(need, self.max_total_tokens, self._used_tokens())
+    # --- the scheduler thread (admission, retraction and KV accounting: serving.scheduler) -----
 
     def _loop(self) -> None:
         svc = self.service
+        sched = self.scheduler
         while True:
             with self._lock:
-                while not self._waiting and not self._running and not self._closed:
+                while not sched.waiting and not sched.running and not self._closed:
                     self._wake.wait()
                 if self._closed:
                     return
                 prefill_tokens = 0
-                while self._waiting and len(self._running) < self.max_running_requests:
-                    req = self._waiting[0]
-                    tokens = req.request.input_ids
-                    chain = self.cache.match(req.request.lora_path, tokens, max_tokens=len(tokens) - 1)
-                    hit = len(chain) * self.cache.block_size
-                    remaining = req.request.sampling_params.max_new_tokens - req.produced
-                    self.cache.lock(chain)
-                    if not self._make_room(len(tokens) - hit + req.produced + min(remaining, self.admission_reserve_tokens)):
-                        self.cache.unlock(chain)
-                        break
-                    self._waiting.popleft()
-                    if not req.prefilled:
-                        req.cached_tokens = hit
-                        self.cache.record_lookup(len(tokens), hit)
-                        self.prompt_tokens_total += len(tokens)
-                        self.cached_tokens_total += hit
-                        req.prefilled = True
-                    req.locked = self.cache.insert(req.request.lora_path, tokens, have=chain)
+
+                def prefill(req: _SimReq, chain: list[Block], hit: int) -> None:
+                    nonlocal prefill_tokens
+                    req.locked = self.cache.insert(req.request.lora_path, req.request.input_ids, have=chain)
                     self.cache.lock(req.locked[len(chain):])
-                    prefill_tokens += len(tokens) - hit + req.produced
-                    self._running.append(req)
-                batch = len(self._running)
+                    prefill_tokens += req.length() - hit
+
+                sched.admit(prefill)
+                batch = len(sched.running)
             step_s = prefill_tokens * svc.prefill_s_per_token / self.size_gpus
             if batch:
                 step_s += svc.decode_step_s + batch * svc.decode_s_per_req / self.size_gpus
             time.sleep(step_s)
             with self._lock:
                 grow = svc.decode_chunk_tokens
-                while len(self._running) > 1 and not self._make_room(grow * len(self._running)):
-                    victim = max(self._running, key=lambda r: r.order)
-                    self._running.remove(victim)
-                    self.cache.unlock(victim.locked)
-                    victim.locked = []
-                    self._waiting.appendleft(victim)
-                    self.num_retracted_reqs += 1
+                sched.retract_newest(grow)
                 finished = []
-                for req in self._running:
+                for req in sched.running:
                     step = min(grow, req.request.sampling_params.max_new_tokens - req.produced)
                     req.produced += step
-                    self.generation_tokens_total += step
+                    sched.generation_tokens_total += step
                     if req.produced >= req.request.sampling_params.max_new_tokens:
                         finished.append(req)
                 for req in finished:
-                    self._running.remove(req)
+                    sched.running.remove(req)
                     # The generated tokens' KV stays cached, as in SGLang: the next turn hits it.
                     self.cache.insert(req.request.lora_path, req.request.input_ids + req.output_ids, have=req.locked)
                     self.cache.unlock(req.locked)

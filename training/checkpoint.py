@@ -1,4 +1,20 @@
-"""Checkpoints: ``<run_dir>/checkpoints/step_NNNNNN/``, written under a temporary name and renamed.
+"""The run directory and its checkpoints: the one place their layout is written down.
+
+Everything a run writes lives under ``$POSTTRAIN_HOME/runs/<run_name>/`` (:func:`run_path`)::
+
+    store/rollouts.sqlite          the rollout store (:func:`store_path`)
+    adapters/<version>/            published adapters, for replicas that join later (:func:`adapters_volume`)
+    checkpoints/step_NNNNNN/       one folder per saved step (:func:`checkpoint_path`)
+        adapter/                   the peft adapter (:func:`adapter_dir`), absent at step 0
+        metadata.json              written last (:func:`read_metadata`)
+    metrics/                       steps.parquet, bins.parquet (:func:`metrics_dir`)
+    logs/                          engine logs, lost-episodes.jsonl (:func:`logs_dir`)
+    trainer.lock                   held by the run's one trainer (:func:`lock_path`)
+
+The trainer, the Dagster sensor and assets, and the tests all go through these functions, so a
+change of layout is made here once. :func:`list_checkpoints` lists the complete checkpoints of a run.
+
+Checkpoints are written under a temporary name and renamed (:func:`write_checkpoint`).
 
 A checkpoint holds the adapter (peft folder with safetensors), the optimizer state, every RNG state
 (Python, torch), the curriculum state, a snapshot of the rollout store, and ``metadata.json``, which is
@@ -17,6 +33,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import sqlite3
 import time
@@ -24,9 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+# torch is imported where tensors are read or written: the layout functions below are also used by
+# the Dagster code location, which should load without it.
 
 STEP_PREFIX = "step_"
+METADATA_FILE = "metadata.json"
+ADAPTER_DIR = "adapter"
+_CHECKPOINT_NAME = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 
 
 class CheckpointWriteError(OSError):
@@ -34,27 +55,146 @@ class CheckpointWriteError(OSError):
 
 
 class CheckpointLoadError(ValueError):
-    """A file of a checkpoint does not load; the message names the file and the reason."""
+    """A file of a checkpoint does not load; the message names the file and what was expected."""
 
     def __init__(self, message: str, path: Path | None = None) -> None:
         super().__init__(message)
         self.path = path
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"{STEP_PREFIX}{step:06d}"
+class IncompleteCheckpointError(CheckpointLoadError, FileNotFoundError):
+    """The checkpoint has no ``metadata.json`` (still being written, or not a checkpoint)."""
 
 
-def complete_steps(run_dir: Path) -> list[int]:
-    """Steps with a complete checkpoint (``metadata.json`` present), ascending."""
-    root = Path(run_dir) / "checkpoints"
-    steps = []
-    for meta in root.glob(f"{STEP_PREFIX}*/metadata.json"):
-        try:
-            steps.append(int(meta.parent.name.removeprefix(STEP_PREFIX)))
-        except ValueError:
-            continue
-    return sorted(steps)
+def _load_error(path: Path, exc: BaseException, prefix: str = "", expected: str = "") -> CheckpointLoadError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return CheckpointLoadError(f"{prefix}checkpoint file {path} does not load ({type(exc).__name__}: {reason})"
+                               + (f"; expected {expected}" if expected else ""), path)
+
+
+# -- the run directory -----------------------------------------------------------------------------
+
+
+def runs_root(home: str | os.PathLike[str]) -> Path:
+    """``HOME/runs``: one folder per run."""
+    return Path(home) / "runs"
+
+
+def run_path(home: str | os.PathLike[str], run_name: str) -> Path:
+    """``HOME/runs/RUN_NAME``: where everything of one run lives."""
+    return runs_root(home) / run_name
+
+
+def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_name(step: int) -> str:
+    """``step_NNNNNN``, zero-padded so names sort in step order."""
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def checkpoint_path(run_dir: str | os.PathLike[str], step: int) -> Path:
+    return checkpoints_dir(run_dir) / checkpoint_name(step)
+
+
+def adapter_dir(ckpt: str | os.PathLike[str]) -> Path:
+    """The peft adapter folder inside a checkpoint folder."""
+    return Path(ckpt) / ADAPTER_DIR
+
+
+def store_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "store" / "rollouts.sqlite"
+
+
+def adapters_volume(run_dir: str | os.PathLike[str]) -> Path:
+    """Published adapter versions, one folder each, for engine replicas that join later."""
+    return Path(run_dir) / "adapters"
+
+
+def logs_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "logs"
+
+
+def metrics_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "metrics"
+
+
+def lock_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "trainer.lock"
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A complete checkpoint of a run: its step and folder; :meth:`metadata` reads its ``metadata.json``."""
+
+    step: int
+    path: Path
+
+    def metadata(self) -> dict[str, Any]:
+        return read_metadata(self.path)
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[SavedCheckpoint]:
+    """The complete checkpoints of a run (``metadata.json`` present), in step order.
+
+    Folders being written (temporary names) and folders whose name is not ``step_NNNNNN`` are left
+    out. The metadata is read on demand, so one damaged file does not hide the other checkpoints.
+    """
+    found = []
+    for meta in checkpoints_dir(run_dir).glob(f"{STEP_PREFIX}*/{METADATA_FILE}"):
+        match = _CHECKPOINT_NAME.match(meta.parent.name)
+        if match and checkpoint_name(int(match[1])) == meta.parent.name:
+            found.append(SavedCheckpoint(int(match[1]), meta.parent))
+    return sorted(found, key=lambda c: c.step)
+
+
+def complete_steps(run_dir: str | os.PathLike[str]) -> list[int]:
+    """Steps with a complete checkpoint, ascending (the steps of :func:`list_checkpoints`)."""
+    return [c.step for c in list_checkpoints(run_dir)]
+
+
+def read_metadata(ckpt: str | os.PathLike[str], *, name: str | None = None) -> dict[str, Any]:
+    """The ``metadata.json`` of checkpoint folder ``ckpt`` as a dict.
+
+    Every problem raises :class:`CheckpointLoadError` naming the file and what was expected; a
+    missing file raises :class:`IncompleteCheckpointError` (also a ``FileNotFoundError``). ``name``
+    (e.g. a partition key) prefixes the message, as the caller knows the checkpoint.
+    """
+    path = Path(ckpt) / METADATA_FILE
+    prefix = f"checkpoint {name}: " if name else ""
+    if not path.is_file():
+        raise IncompleteCheckpointError(
+            f"{prefix}checkpoint file {path} is missing; a checkpoint is complete only once its "
+            f"{METADATA_FILE} is written", path)
+    try:
+        metadata = json.loads(path.read_bytes().decode("utf-8"))
+        if not isinstance(metadata, dict):
+            raise ValueError(f"a JSON {type(metadata).__name__}")
+    except (OSError, ValueError) as exc:
+        raise _load_error(path, exc, prefix, "a JSON object") from exc
+    return metadata
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """What serves a checkpoint: the base model folder and the adapter on it (none at step 0)."""
+
+    base_model: Path
+    adapter: Path | None
+    adapter_version: str | None
+
+
+def checkpoint_policy(ckpt: str | os.PathLike[str], *, name: str) -> CheckpointPolicy:
+    """The policy of checkpoint folder ``ckpt`` from its metadata; ``name`` labels errors and is the
+    adapter version when the metadata gives none."""
+    meta = read_metadata(ckpt, name=name)
+    base_model = meta.get("base_model")
+    if not base_model or not Path(base_model).is_dir():
+        raise FileNotFoundError(f"checkpoint {name}: metadata key 'base_model' ({base_model!r}) is not a model folder")
+    if not meta.get("adapter"):
+        return CheckpointPolicy(Path(base_model), None, None)
+    return CheckpointPolicy(Path(base_model), adapter_dir(ckpt), meta.get("adapter_version") or name)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -77,7 +217,7 @@ def write_checkpoint(
     try:
         fill(tmp)
         meta = {"step": step, "created_s": time.time(), **metadata}
-        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
         _fsync_tree(tmp)
     except Exception as exc:
         # torch.save on a full disk says only "unexpected pos N vs M": name the cause when it is that.
@@ -107,11 +247,15 @@ def write_checkpoint(
 
 def rng_state() -> dict[str, Any]:
     """Every RNG state as plain lists and a tensor (what ``torch.load(weights_only=True)`` reads)."""
+    import torch
+
     version, internal, gauss = random.getstate()
     return {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
@@ -119,6 +263,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def load_rng_state(path: Path) -> dict[str, Any]:
     """The RNG states saved at ``path``, checked for the shape :func:`set_rng_state` needs."""
+    import torch
+
     state = torch.load(path, weights_only=True, map_location="cpu")
     python = state.get("python") if isinstance(state, dict) else None
     if (not isinstance(python, (list, tuple)) or len(python) != 3 or not isinstance(python[1], (list, tuple))
@@ -140,47 +286,37 @@ def check_checkpoint(ckpt: Path) -> LoadedCheckpoint:
     """Read every file of checkpoint ``ckpt`` (metadata, adapter safetensors, optimizer, RNG,
     curriculum, store snapshot); the first that does not load raises :class:`CheckpointLoadError`
     naming it. The adapter and optimizer are only read here (the backend loads them)."""
+    import torch
     from safetensors.torch import load_file
 
     from training.curriculum import Curriculum
 
     ckpt = Path(ckpt)
-
-    def fail(path: Path, exc: BaseException) -> CheckpointLoadError:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return CheckpointLoadError(f"checkpoint file {path} does not load ({type(exc).__name__}: {reason})", path)
-
-    meta_path = ckpt / "metadata.json"
-    try:
-        metadata = json.loads(meta_path.read_bytes().decode("utf-8"))
-        if not isinstance(metadata, dict):
-            raise ValueError("expected a JSON object")
-    except (OSError, ValueError) as exc:
-        raise fail(meta_path, exc) from exc
-    weights = sorted((ckpt / "adapter").glob("*.safetensors"))
+    metadata = read_metadata(ckpt)
+    weights = sorted(adapter_dir(ckpt).glob("*.safetensors"))
     if metadata.get("adapter") and not weights:
-        raise fail(ckpt / "adapter", FileNotFoundError("no *.safetensors file in the adapter folder"))
+        raise _load_error(adapter_dir(ckpt), FileNotFoundError("no *.safetensors file in the adapter folder"))
     for path in weights:
         try:
             load_file(str(path), device="cpu")
         except Exception as exc:  # safetensors raises its own SafetensorError on a cut or foreign file
-            raise fail(path, exc) from exc
+            raise _load_error(path, exc) from exc
     optimizer = ckpt / "optimizer.pt"
     if optimizer.exists():
         try:
             torch.load(optimizer, weights_only=True, map_location="cpu")
         except Exception as exc:  # UnpicklingError, EOFError, RuntimeError from the zip reader...
-            raise fail(optimizer, exc) from exc
+            raise _load_error(optimizer, exc) from exc
     rng = None
     if (ckpt / "rng.pt").exists() or metadata.get("adapter"):
         try:
             rng = load_rng_state(ckpt / "rng.pt")
         except Exception as exc:
-            raise fail(ckpt / "rng.pt", exc) from exc
+            raise _load_error(ckpt / "rng.pt", exc) from exc
     try:
         curriculum = Curriculum.load(ckpt / "curriculum.json")
     except Exception as exc:
-        raise fail(ckpt / "curriculum.json", exc) from exc
+        raise _load_error(ckpt / "curriculum.json", exc) from exc
     snapshot = ckpt / "store.sqlite"
     if snapshot.exists():
         try:
@@ -192,15 +328,6 @@ def check_checkpoint(ckpt: Path) -> LoadedCheckpoint:
             if result is None or result[0] != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {result[0] if result else 'no answer'}")
         except sqlite3.Error as exc:
-            raise fail(snapshot, exc) from exc
+            raise _load_error(snapshot, exc) from exc
     return LoadedCheckpoint(metadata, rng, curriculum)
 
-
-def read_metadata(ckpt: Path) -> dict[str, Any]:
-    path = Path(ckpt) / "metadata.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {ckpt}: metadata.json is missing (an incomplete checkpoint)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"checkpoint {ckpt}: metadata.json is not valid JSON: {exc}") from exc

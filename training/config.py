@@ -11,14 +11,34 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
+# The choice lists of the trainer's keys, spelled here only: ``TrainConfig.validate`` checks them and
+# the run planner's ``[trainer]`` table (training.planner.schema) offers the same choices.
 DTYPES = ("", "float32", "bfloat16", "float16")
 # What an episode's reward is, from its grading (evals.grading.Scores): ``reward`` is 1 when every
 # target test passes and no existing test breaks, else 0; ``strict_target_score`` is the share of
 # target tests passed, 0 as soon as an existing test breaks (partial credit on multi-bug tasks).
 REWARDS = ("reward", "strict_target_score")
-
-
+# The trainer backends by name, and where each lives ("module:Class"); training.backends.load_backend
+# imports the one a config names, lazily, so that Megatron is only needed when asked for.
+BACKENDS = {
+    "torch_peft": "training.backends.torch_peft:TorchPeftBackend",
+    "megatron": "training.backends.megatron:MegatronBackend",
+}
 SANDBOX_RUNTIMES = ("bwrap", "gvisor", "k8s")
+
+
+def groups_per_step(collection_size: int, group_size: int) -> int:
+    """The trainer's ``groups_per_step`` (GRPO groups per optimizer step) from a run file's
+    ``[async] collection_size`` (samples per step) and ``group_size`` (samples per group).
+
+    The run file counts samples, the trainer counts groups; this is the one place one is derived from
+    the other. A ``collection_size`` that is not whole groups is refused (the trainer takes whole groups).
+    """
+    groups, rest = divmod(collection_size, group_size)
+    if rest:
+        raise ValueError(f"collection_size: {collection_size} is not a whole number of groups of group_size = "
+                         f"{group_size}; the trainer takes whole groups")
+    return groups
 
 
 @dataclass(frozen=True)
@@ -30,7 +50,7 @@ class TrainConfig:
     device: str = ""  # where the backend trains (cpu, cuda, cuda:N); empty: the backend's default
     dtype: str = ""  # the backend's weight dtype (float32, bfloat16, float16); empty: the backend's default
     steps: int = 44
-    groups_per_step: int = 6  # whole groups the trainer takes per step
+    groups_per_step: int = 6  # whole groups the trainer takes per step (from a run file: groups_per_step())
     group_size: int = 8  # samples per task per group
     max_policy_lag: int = 1  # a group sampled by adapter version v is used at steps <= v + 1 + lag
     producer_workers: int = 2  # threads running groups; 0 = synchronous (deterministic, for tests)
@@ -105,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'recompute' must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
         if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"{source}: key 'device' must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"{source}: key 'backend' must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"{source}: key 'reward' must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         if self.sandbox_runtime not in SANDBOX_RUNTIMES:

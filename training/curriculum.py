@@ -8,6 +8,13 @@ tasks the policy always or never solves (groups with no reward variance, hence n
 less. A task whose whole group failed goes into the retry queue and comes back ``retry_after_steps``
 later. The whole state (estimates, queue, step, random generator) is plain JSON, saved in every
 checkpoint.
+
+:func:`measure_base_model` measures those pass rates (the core of the ``difficulty_curriculum``
+asset, usable without Dagster) and writes ``curriculum.json``, the file a run file's
+``[curriculum] curriculum_file`` names::
+
+    measured = measure_base_model(model_dir, rl_tasks(load_suite(suite)), out_dir, attempts=4)
+    measured.curriculum.tiers()
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
+
+CURRICULUM_FILE = "curriculum.json"
+BASE_ATTEMPTS_FILE = "base_attempts.parquet"
 
 TIERS = ("easy", "medium", "hard")
 
@@ -132,6 +142,80 @@ class Curriculum:
         except json.JSONDecodeError as exc:
             raise ValueError(f"curriculum state {path}: not valid JSON: {exc}") from exc
         return cls.from_json(data, str(path))
+
+
+@dataclass(frozen=True)
+class BaseMeasurement:
+    """What :func:`measure_base_model` measured and wrote."""
+
+    curriculum: Curriculum
+    attempts_per_task: int
+    path: Path  # curriculum.json
+    attempts_path: Path  # one row per attempt (evals.evaluate rows), Parquet
+
+
+def measure_base_model(
+    model: str | Path,
+    tasks: Sequence[Any],
+    out_dir: str | Path,
+    *,
+    attempts: int,
+    settings: Mapping[str, Any] | None = None,
+    run_file: str = "",
+    max_turns: int = 4,
+    max_new_tokens: int = 48,
+    temperature: float = 1.0,
+    workers: int = 2,
+    sandbox_runtime: str = "bwrap",
+    log: Callable[[str], None] = print,
+) -> BaseMeasurement:
+    """The base model's pass rate on each of ``tasks`` (``evals.tasks.Task``) over ``attempts``
+    attempts, served by one local engine process (its log: ``out_dir/engine.log``), and the
+    curriculum they define with ``settings`` (``retry_after_steps``, ``open_hard_after_steps``).
+
+    Writes ``out_dir/curriculum.json`` (pass rates, tiers, settings, attempts, base model, run file;
+    atomically) and ``out_dir/base_attempts.parquet``. Attempts lost to sandbox failures are left
+    out of the rates; a task with no graded attempt at all is an error naming it.
+    """
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from evals.evaluate import evaluate
+    from evals.harness import HttpClient
+    from evals.sandbox import platform_sandbox_factory
+    from serving.fleet import start_engine
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = dict(settings or {})
+    proc, url = start_engine(str(model), out_dir / "engine.log")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        log(f"base model on {len(tasks)} RL tasks x {attempts} attempts")
+        rows = evaluate(
+            tasks, HttpClient(url), tokenizer, platform_sandbox_factory(sandbox_runtime), checkpoint="curriculum-base",
+            attempts=attempts, max_turns=max_turns, max_new_tokens=max_new_tokens,
+            temperature=temperature, workers=workers, stop_token_ids=(tokenizer.eos_token_id,),
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    frame = pd.DataFrame(rows)
+    graded = frame[frame["status"] != "infra_error"]
+    rates = graded.groupby("task_id")["reward"].mean().to_dict()
+    missing = sorted({t.id for t in tasks} - set(rates))
+    if missing:
+        raise RuntimeError(f"curriculum: every attempt of task {missing[0]!r} failed in the sandbox")
+    curriculum = Curriculum.from_pass_rates(rates, **settings)
+    path = out_dir / CURRICULUM_FILE
+    tmp = path.with_name(f".tmp-{CURRICULUM_FILE}")
+    tmp.write_text(json.dumps({"pass_rates": rates, "tiers": curriculum.tiers(), "settings": settings,
+                               "attempts_per_task": attempts, "base_model": str(model), "run_file": run_file},
+                              indent=1, sort_keys=True))
+    tmp.replace(path)
+    attempts_path = out_dir / BASE_ATTEMPTS_FILE
+    frame.to_parquet(attempts_path, index=False)
+    return BaseMeasurement(curriculum, attempts, path, attempts_path)
 
 
 def _from_state(state: Any) -> Any:

@@ -8,13 +8,14 @@ adapter versions), and a :class:`HarnessRunner` that runs each episode through t
 task's tests). ``environment = "module:function"`` names another factory with the same signature
 (tests use one).
 
-One replica is called directly. With ``replicas > 1`` they are a :class:`ReplicaFleet`: the
-project's router (:mod:`serving.router`, sessions sticky to a replica, moved and retried when one
-dies) in the trainer process, the replica processes behind it (:class:`serving.fleet.LocalFleet`),
-and a watcher that replaces a replica whose process exits; the replacement loads the newest adapter
-from the run's volume before it takes traffic. Weight publication pushes to the live replicas of the
-moment (``Environment.receivers`` is then a function), and each group announces its adapter version
-to the router first (:class:`FleetRunner`), so a replica that joined during a publication loads it too.
+One replica (:func:`serving.fleet.start_engine`) is called directly. With ``replicas > 1`` they
+are a :class:`ReplicaFleet`: the project's router (:mod:`serving.router`, sessions sticky to a
+replica, moved and retried when one dies) in the trainer process, the replica processes behind it
+(:class:`serving.fleet.LocalFleet`), and a watcher that replaces a replica whose process exits; the
+replacement loads the newest adapter from the run's volume before it takes traffic. Weight
+publication pushes to the live replicas of the moment (``Environment.receivers`` is then a
+function), and each group announces its adapter version to the router first (:class:`FleetRunner`),
+so a replica that joined during a publication loads it too.
 
 A trajectory becomes a :class:`~training.rollout.Rollout` from the exact token ids the engine returned:
 the sequence is the last call's input plus its output (each call's context extends the previous one
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from serving.adapters import newest_adapter
+from training.checkpoint import adapters_volume, logs_dir
 from training.config import TrainConfig
 from training.curriculum import Curriculum
 from training.loop import AdapterRef, EpisodeInfraError, GroupRunner
-from training.publish import newest_version
 from training.rollout import Rollout
 
 INFRA_RETRIES = 2
@@ -74,7 +75,7 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
             logprobs[start + j] = lp
     return Rollout(
         rollout_id=f"{group_id}-{traj.session_id.rsplit('/', 1)[-1]}", group_id=group_id, task_id=traj.task_id,
-        adapter_version=adapter.version, input_ids=ids, loss_mask=mask, serving_logprobs=logprobs, reward=reward,
+        adapter_step=adapter.version, input_ids=ids, loss_mask=mask, serving_logprobs=logprobs, reward=reward,
         info={"stop_reason": traj.stop_reason, "turns": len(calls), "committed": traj.committed,
               "agent_s": traj.agent_s, "grade_s": traj.grade_s,
               "grade_status": getattr(getattr(traj, "grade", None), "status", None)},
@@ -153,47 +154,15 @@ class HarnessRunner(PooledGroupRunner):
         raise EpisodeInfraError(task_id, group_id, index, INFRA_RETRIES + 1, traj.error)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_kwargs(cfg: TrainConfig) -> dict[str, int]:
-    """The settings of each local replica that the config (or the run plan's local engine args) sets."""
+    """The settings of each local replica that the config (or the run plan's local engine args) sets
+    (:func:`serving.fleet.start_engine` and :class:`serving.fleet.LocalFleet` take them)."""
     kwargs = {"torch_threads": 1}
     if cfg.engine_max_total_tokens:
         kwargs["max_total_tokens"] = cfg.engine_max_total_tokens
     if cfg.engine_max_running_requests:
         kwargs["max_running_requests"] = cfg.engine_max_running_requests
     return kwargs
-
-
-def start_engine(model: str, log_path: Path, timeout_s: float = 180.0, **settings: int) -> tuple[subprocess.Popen, str]:
-    """One engine replica as a local process (``settings``: see :func:`engine_kwargs`); returns it
-    and its URL once it answers /health.
-
-    It starts on the base model alone: the trainer pushes the adapter version it resumes from."""
-    from serving.engine import replica_command
-
-    port = free_port()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")
-    cmd = replica_command(model, port=port, **{"torch_threads": 1, **settings})
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    from serving.client import EngineClient
-
-    client = EngineClient(url, timeout_s=5)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine replica exited with {proc.returncode}; see {log_path}")
-        if client.health():
-            return proc, url
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"engine replica on {url} did not become healthy in {timeout_s:.0f}s; see {log_path}")
 
 
 def load_curriculum(cfg: TrainConfig, task_ids: list[str]) -> Curriculum:
@@ -218,7 +187,7 @@ def training_tasks(source: str) -> dict[str, Any]:
     """The RL tasks of ``source`` (:func:`evals.tasks.rl_tasks`: its ``train`` split without the
     demonstrations the embedded base model learned from): a built bundled suite folder is read as it
     is (the ``task_dataset`` asset built it); anything else goes through the evals loaders."""
-    from evals.bundled import default_suite_dir
+    from common.home import default_suite_dir
     from evals.tasks import load_bundled, load_tasks, rl_tasks
 
     path = Path(source) if source else default_suite_dir()
@@ -241,16 +210,17 @@ class ReplicaFleet:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, watch_interval_s: float = 0.5, log=print) -> None:
         from serving.fleet import LocalFleet
-        from serving.router import Router, serve_router
+        from serving.router.core import Router
+        from serving.router.server import serve_router
 
-        self.volume = Path(run_dir) / "adapters"
+        self.volume = adapters_volume(run_dir)
         self.volume.mkdir(parents=True, exist_ok=True)
         self.log = log
         self.router = Router("kv_headroom", adapters_volume=str(self.volume))
         self.server = serve_router(self.router)
         self.url = self.server.url
         self.fleet = LocalFleet(cfg.base_model, self.router, mode="process", engine_kwargs=engine_kwargs(cfg),
-                                log_dir=Path(run_dir) / "logs")
+                                log_dir=logs_dir(run_dir))
         self._announced: set[str] = set()
         self._announce_lock = threading.Lock()
         self._stop = threading.Event()
@@ -287,7 +257,7 @@ class ReplicaFleet:
             except Exception as exc:  # a replacement that fails to start is tried again on the next look
                 self.log(f"replica replacement failed, retrying: {exc!r}")
                 continue
-            newest = newest_version(self.volume)
+            newest = newest_adapter(self.volume)
             for r in replaced:
                 replica = self.router.replicas.get(r.url)
                 serving = sorted(replica.adapters) if replica is not None else []
@@ -361,7 +331,9 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
 
     if cfg.replicas > 1:
         return fleet_environment(cfg, run_dir, make_runner, curriculum)
-    proc, url = start_engine(cfg.base_model, run_dir / "logs" / "engine-0.log", **engine_kwargs(cfg))
+    from serving.fleet import start_engine
+
+    proc, url = start_engine(cfg.base_model, logs_dir(run_dir) / "engine-0.log", **engine_kwargs(cfg))
     runner = make_runner(url)
 
     def close() -> None:

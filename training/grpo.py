@@ -20,8 +20,11 @@ base model with the adapter disabled): ``exp(ref - logπ) - (ref - logπ) - 1``,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
+
+from training.backends import TrainBatch
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,25 @@ def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: 
         adv = adv / (std + eps)
     adv = torch.where(kept.unsqueeze(1), adv, torch.zeros_like(adv))
     return GroupAdvantages(advantages=adv.to(torch.float32), kept=kept, dropped_groups=int((~kept).sum()))
+
+
+def batch_from_groups(groups: Sequence[Any], *, scale_by_std: bool = False) -> tuple[TrainBatch | None, int]:
+    """One step's batch from whole groups (``training.store.Group``: ``rollouts``, each with
+    ``reward``, ``input_ids``, ``loss_mask`` and ``serving_logprobs``), in group order, leaving out
+    the groups without reward variance; and how many were left out. ``None`` when none is left."""
+    rewards = torch.tensor([[r.reward for r in g.rollouts] for g in groups])
+    adv = group_advantages(rewards, scale_by_std=scale_by_std)
+    ids, masks, lps, advs = [], [], [], []
+    for g, keep, row in zip(groups, adv.kept.tolist(), adv.advantages.tolist()):
+        if not keep:
+            continue
+        for r, a in zip(g.rollouts, row):
+            ids.append(r.input_ids)
+            masks.append(r.loss_mask)
+            lps.append(r.serving_logprobs)
+            advs.append(a)
+    batch = TrainBatch(ids, masks, lps, advs) if ids else None
+    return batch, adv.dropped_groups
 
 
 @dataclass(frozen=True)

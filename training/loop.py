@@ -38,11 +38,12 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from training.backends import StepResult, TrainBatch, TrainerBackend, load_backend
-from training.checkpoint import (CheckpointLoadError, check_checkpoint, checkpoint_path, complete_steps, rng_state,
-                                 set_rng_state, write_checkpoint)
+from training.checkpoint import (ADAPTER_DIR, CheckpointLoadError, adapter_dir, adapters_volume, check_checkpoint,
+                                 checkpoint_path, complete_steps, lock_path, logs_dir, metrics_dir, rng_state,
+                                 set_rng_state, store_path, write_checkpoint)
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.grpo import group_advantages
+from training.grpo import batch_from_groups
 from training.metrics import MetricsWriter, bin_rows
 from training.publish import AdapterPublisher, version_name
 from training.rollout import Rollout
@@ -95,7 +96,7 @@ class RunLock:
     releases it when the process dies (SIGKILL included), so a stale file never blocks a resume."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / "trainer.lock"
+        self.path = lock_path(run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -134,7 +135,7 @@ class Producer:
         self.errors: list[BaseException] = []
         self._failures_lock = threading.Lock()
         self._consecutive_failures: list[EpisodeInfraError] = []
-        self.lost_log = self.state.run_dir / "logs" / "lost-episodes.jsonl"
+        self.lost_log = logs_dir(self.state.run_dir) / "lost-episodes.jsonl"
 
     def produce(self, task_id: str, group_id: str, adapter: AdapterRef) -> bool:
         """Run and store one group; False when it lost an episode to the infrastructure and was dropped."""
@@ -246,8 +247,8 @@ class RunState:
         self.lock = lock or RunLock(self.run_dir)  # before anything reads or rewinds the run's state
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.backend = self._new_backend()
-        self.store = RolloutStore(self.run_dir / "store" / "rollouts.sqlite")
-        self.publisher = AdapterPublisher(self.run_dir / "adapters", receivers, streams=cfg.publish_streams)
+        self.store = RolloutStore(store_path(self.run_dir))
+        self.publisher = AdapterPublisher(adapters_volume(self.run_dir), receivers, streams=cfg.publish_streams)
         self._lock = threading.Lock()
         self.curriculum = curriculum
         self.step = 0
@@ -257,7 +258,7 @@ class RunState:
             self._resume_newest(done)
         else:
             self._write_base_checkpoint()
-        self.metrics = MetricsWriter(self.run_dir / "metrics", resume_step=self.step)
+        self.metrics = MetricsWriter(metrics_dir(self.run_dir), resume_step=self.step)
         (self.run_dir / "trainer-config.json").write_text(json.dumps(cfg.to_json(), indent=1))
         self._adapter = AdapterRef(0, None, None) if self.step == 0 else self._adapter_on_volume(self.step)
 
@@ -313,11 +314,11 @@ class RunState:
     def _adapter_on_volume(self, step: int) -> AdapterRef:
         """Resume: versions published after the checkpoint belong to steps being redone, so they leave
         the volume; the checkpoint's adapter goes to every replica (and the volume, if missing)."""
-        for path in (self.run_dir / "adapters").glob("step_*"):
+        for path in adapters_volume(self.run_dir).glob("step_*"):
             if int(path.name.removeprefix("step_")) > step:
                 shutil.rmtree(path)
-        result = self.publisher.publish(step, checkpoint_path(self.run_dir, step) / "adapter")
-        return AdapterRef(step, result.version, self.run_dir / "adapters" / result.version)
+        result = self.publisher.publish(step, adapter_dir(checkpoint_path(self.run_dir, step)))
+        return AdapterRef(step, result.version, adapters_volume(self.run_dir) / result.version)
 
     def _write_base_checkpoint(self) -> None:
         def fill(tmp: Path) -> None:
@@ -328,7 +329,7 @@ class RunState:
     def _metadata(self, step: int, base_only: bool = False, **extra: Any) -> dict[str, Any]:
         return {
             "run_name": self.cfg.run_name, "base_model": str(Path(self.cfg.base_model).resolve()),
-            "adapter": None if base_only else "adapter", "adapter_version": version_name(step) if step else None,
+            "adapter": None if base_only else ADAPTER_DIR, "adapter_version": version_name(step) if step else None,
             **extra,
         }
 
@@ -378,19 +379,7 @@ class RunState:
 
     def build_batch(self, groups: list[Group]) -> tuple[TrainBatch | None, int]:
         """The batch of the groups with reward variance, and how many groups were dropped."""
-        rewards = torch.tensor([[r.reward for r in g.rollouts] for g in groups])
-        adv = group_advantages(rewards, scale_by_std=self.cfg.scale_advantages_by_std)
-        ids, masks, lps, advs = [], [], [], []
-        for g, keep, row in zip(groups, adv.kept.tolist(), adv.advantages.tolist()):
-            if not keep:
-                continue
-            for r, a in zip(g.rollouts, row):
-                ids.append(r.input_ids)
-                masks.append(r.loss_mask)
-                lps.append(r.serving_logprobs)
-                advs.append(a)
-        batch = TrainBatch(ids, masks, lps, advs) if ids else None
-        return batch, adv.dropped_groups
+        return batch_from_groups(groups, scale_by_std=self.cfg.scale_advantages_by_std)
 
     def train(self, step: int, taken: TakenBatch) -> dict[str, Any]:
         started = time.perf_counter()
@@ -409,7 +398,7 @@ class RunState:
     def _step_row(self, step: int, taken: TakenBatch, batch: TrainBatch | None, dropped: int,
                   result: StepResult | None, train_s: float) -> dict[str, Any]:
         rollouts = [r for g in taken.groups for r in g.rollouts]
-        ages = [step - 1 - r.adapter_version for r in rollouts]
+        ages = [step - 1 - r.adapter_step for r in rollouts]
         used_tokens = batch.generated_tokens if batch is not None else 0
         consumed_tokens = sum(g.generated_tokens for g in taken.groups)
         discarded_tokens = sum(g.generated_tokens for g in taken.discarded)
@@ -443,12 +432,12 @@ class RunState:
         return write_checkpoint(self.run_dir, step, fill, self._metadata(step, **extra))
 
     def publish(self, step: int) -> Any:
-        tmp = self.run_dir / "adapters" / f".out-{version_name(step)}"
+        tmp = adapters_volume(self.run_dir) / f".out-{version_name(step)}"
         if tmp.exists():
             shutil.rmtree(tmp)
         self.backend.save_adapter(tmp)
         result = self.publisher.publish(step, tmp)
         shutil.rmtree(tmp)
         with self._lock:
-            self._adapter = AdapterRef(step, result.version, self.run_dir / "adapters" / result.version)
+            self._adapter = AdapterRef(step, result.version, adapters_volume(self.run_dir) / result.version)
         return result

@@ -34,7 +34,7 @@ def bin_rows(step: int, used: Iterable[Group], discarded: Iterable[Group], train
         for group in groups:
             for r in group.rollouts:
                 for kind, label in (("length", length_bin(r.generated_tokens)),
-                                    ("age", str(trainer_version - r.adapter_version))):
+                                    ("age", str(trainer_version - r.adapter_step))):
                     cell = acc.setdefault((kind, label), {"used_samples": 0, "used_tokens": 0,
                                                           "discarded_samples": 0, "discarded_tokens": 0})
                     cell[f"{status}_samples"] += 1

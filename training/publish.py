@@ -4,9 +4,10 @@
 HTTP requests (the serving side's sharded upload, :func:`serving.adapters.push_adapter`: tensors split
 into balanced safetensors shards, ``PUT /lora_shards/...`` then ``POST /commit_lora_adapter``; the
 replica assembles, checks and loads the version), and copies it to ``<run>/adapters/<version>/``
-(temporary name, then rename) for replicas that join later. Versions are named by step
-(``step_000012``); each replica keeps the newest ``keep_versions`` and unloads older ones that no
-running request uses (rollouts in flight finish on the version they started with).
+(temporary name, then rename) for replicas that join later (they load the newest complete one,
+:func:`serving.adapters.newest_adapter`). Versions are named by step (``step_000012``); each replica
+keeps the newest ``keep_versions`` and unloads older ones that no running request uses (rollouts in
+flight finish on the version they started with).
 
 The replicas are a list of URLs, or a function that returns the live ones at each publication (a
 fleet whose members die and are replaced: ``LocalFleet.live_urls``). With a function, a replica that
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from serving.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, newest_adapter, publish_to_volume, push_adapter
+from serving.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish_to_volume, push_adapter
 from serving.client import EngineError, HttpPool
 
 
@@ -99,8 +100,3 @@ class AdapterPublisher:
             except EngineError:
                 break  # still used by running requests: retried after the next version
             live.pop(0)
-
-
-def newest_version(adapters_dir: str | Path) -> tuple[str, str] | None:
-    """(version, path) of the newest complete version on the volume, for a replica joining late."""
-    return newest_adapter(adapters_dir)

@@ -3,8 +3,9 @@
 ``input_ids`` is the whole token sequence of the episode as the engine saw it (prompt, then every
 model turn and every tool observation in order). ``loss_mask`` is 1 exactly on the tokens the model
 generated; ``serving_logprobs`` holds the engine's log-probability of each of those tokens (0 where
-the mask is 0). ``adapter_version`` is the training step whose adapter sampled the rollout (0 is the
-base model): the trainer uses it to measure policy lag.
+the mask is 0). ``adapter_step`` is the training step whose adapter sampled the rollout (0 is the
+base model): the trainer uses it to measure policy lag. (The harness's ``adapter_version`` is the
+adapter's name, ``step_000012``; the rollout store keeps this step in its ``adapter_version`` column.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class Rollout:
     rollout_id: str
     group_id: str
     task_id: str
-    adapter_version: int
+    adapter_step: int
     input_ids: list[int]
     loss_mask: list[int]
     serving_logprobs: list[float]

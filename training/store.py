@@ -77,7 +77,7 @@ CREATE TABLE IF NOT EXISTS dropped_groups (
 class Group:
     group_id: str
     task_id: str
-    adapter_version: int
+    adapter_step: int
     rollouts: list[Rollout]
 
     @property
@@ -176,12 +176,12 @@ class RolloutStore:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def add_group(self, group_id: str, task_id: str, adapter_version: int, group_size: int) -> None:
+    def add_group(self, group_id: str, task_id: str, adapter_step: int, group_size: int) -> None:
         """Announce a group before its rollouts arrive (idempotent)."""
         with self._conn() as conn:
             conn.execute(
                 "INSERT OR IGNORE INTO groups(group_id, task_id, adapter_version, group_size, created_s) VALUES (?,?,?,?,?)",
-                (group_id, task_id, adapter_version, group_size, time.time()),
+                (group_id, task_id, adapter_step, group_size, time.time()),
             )
 
     def drop_group(self, group_id: str, reason: str) -> None:
@@ -204,7 +204,7 @@ class RolloutStore:
                 "INSERT INTO rollouts(rollout_id, group_id, task_id, adapter_version, reward, total_tokens, "
                 "generated_tokens, input_ids, loss_mask, serving_logprobs, info, created_s) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
-                    rollout.rollout_id, rollout.group_id, rollout.task_id, rollout.adapter_version,
+                    rollout.rollout_id, rollout.group_id, rollout.task_id, rollout.adapter_step,
                     float(rollout.reward), len(rollout.input_ids), rollout.generated_tokens,
                     _pack(rollout.input_ids, "i"), _pack(rollout.loss_mask, "b"),
                     _pack(rollout.serving_logprobs, "f"), json.dumps(rollout.info), time.time(),
@@ -228,13 +228,13 @@ class RolloutStore:
         ).fetchall()
         rollouts = [
             Rollout(
-                rollout_id=r[0], group_id=group_id, task_id=task_id, adapter_version=r[1],
+                rollout_id=r[0], group_id=group_id, task_id=task_id, adapter_step=r[1],
                 input_ids=_unpack(r[2], "i"), loss_mask=_unpack(r[3], "b"), serving_logprobs=_unpack(r[4], "f"),
                 reward=r[5], info=json.loads(r[6]),
             )
             for r in rows
         ]
-        return Group(group_id=group_id, task_id=task_id, adapter_version=version, rollouts=rollouts)
+        return Group(group_id=group_id, task_id=task_id, adapter_step=version, rollouts=rollouts)
 
     def complete_group_ids(self) -> set[str]:
         """Ids of every group whose rollouts are all stored, whatever their status."""

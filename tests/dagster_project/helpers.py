@@ -1,13 +1,19 @@
 """Checkpoint folders as a run writes them, for tests of the platform wiring."""
 
-import json
 from pathlib import Path
+
+from training.checkpoint import ADAPTER_DIR, adapter_dir, run_path, write_checkpoint as write_run_checkpoint
 
 
 def write_checkpoint(home: Path, run_name: str, step: int, **meta) -> Path:
-    """Write ``runs/<run>/checkpoints/step_NNNNNN`` with an adapter file and ``metadata.json``."""
-    ckpt = home / "runs" / run_name / "checkpoints" / f"step_{step:06d}"
-    ckpt.mkdir(parents=True)
-    (ckpt / "adapter_model.safetensors").write_bytes(b"\0" * 64)
-    (ckpt / "metadata.json").write_text(json.dumps({"step": step, "run_name": run_name, **meta}))
-    return ckpt
+    """Checkpoint ``step`` of run ``run_name`` under ``home``, written by the trainer's own
+    :func:`training.checkpoint.write_checkpoint`: an adapter file (none at step 0, the base model)
+    and ``metadata.json`` with ``meta``."""
+
+    def fill(tmp: Path) -> None:
+        if step:
+            adapter_dir(tmp).mkdir()
+            (adapter_dir(tmp) / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+
+    metadata = {"run_name": run_name, "adapter": ADAPTER_DIR if step else None, **meta}
+    return write_run_checkpoint(run_path(home, run_name), step, fill, metadata)

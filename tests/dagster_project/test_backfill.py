@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from dagster_project.instance import ensure_dagster_home
-from dagster_project.partitions import checkpoints_partitions
+from assets.partitions import checkpoints_partitions
 from tests.dagster_project.helpers import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,10 +1,14 @@
-"""The asset graph is the platform's public surface: keys, partitions and edges are pinned here."""
+"""The asset graph is the platform's public surface: keys, partitions and edges are pinned here,
+each as an exact set, so a refactor that adds, drops or rewires an asset is seen."""
+
+import ast
+from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from dagster_project.definitions import defs
-from dagster_project.partitions import checkpoint_partition_key, parse_checkpoint_partition_key
+from assets.partitions import checkpoint_partition_key, parse_checkpoint_partition_key
 
 KEYS = {"task_dataset", "image_cache", "difficulty_curriculum", "rl_run", "checkpoints", "deepswe_eval", "eval_report"}
 EDGES = {
@@ -16,6 +20,8 @@ EDGES = {
     "eval_report": {"deepswe_eval"},
     "task_dataset": set(),
 }
+PARTITIONS = {"checkpoints": "checkpoints", "deepswe_eval": "checkpoints"}  # every other asset: unpartitioned
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_asset_keys():
@@ -32,14 +38,33 @@ def test_partitions():
             assert partitions.name == "checkpoints"
         else:
             assert partitions is None, key
+    partitioned = {k.to_user_string(): graph.get(k).partitions_def.name
+                   for k in graph.get_all_asset_keys() if graph.get(k).partitions_def is not None}
+    assert partitioned == PARTITIONS
 
 
 @pytest.mark.parametrize("asset", sorted(EDGES))
 def test_dependencies(asset):
     graph = defs.resolve_asset_graph()
     parents = {k.to_user_string() for k in graph.get(dg.AssetKey(asset)).parent_keys}
-    assert parents >= EDGES[asset]
-    assert parents <= KEYS
+    assert parents == EDGES[asset]
+
+
+def test_the_graph_has_exactly_these_edges():
+    graph = defs.resolve_asset_graph()
+    edges = {(p.to_user_string(), k.to_user_string()) for k in graph.get_all_asset_keys() for p in graph.get(k).parent_keys}
+    assert edges == {(parent, child) for child, parents in EDGES.items() for parent in parents}
+
+
+def test_assets_never_import_dagster_project():
+    """Imports point down the graph: ``dagster_project`` imports ``assets``, never the reverse."""
+    upward = []
+    for path in sorted((ROOT / "assets").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            upward += [f"{path.name}: {name}" for name in names if name.split(".")[0] == "dagster_project"]
+    assert upward == []
 
 
 def test_every_asset_has_a_description():

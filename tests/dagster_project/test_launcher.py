@@ -3,7 +3,7 @@
 import dagster as dg
 import pytest
 
-from dagster_project.resources import WorkloadLauncher
+from assets.resources import WorkloadLauncher
 
 
 @dg.asset

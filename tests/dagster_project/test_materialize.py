@@ -3,10 +3,11 @@
 import dagster as dg
 import pytest
 
+from assets.partitions import checkpoints_partitions
+from assets.resources import PosttrainStorage
 from assets.training import checkpoints
-from dagster_project.partitions import checkpoints_partitions
-from dagster_project.resources import PosttrainStorage
 from tests.dagster_project.helpers import write_checkpoint
+from training.checkpoint import checkpoint_path, run_path
 
 
 def test_checkpoint_partition_materializes_with_metadata(posttrain_home):
@@ -30,7 +31,7 @@ def test_checkpoint_partition_materializes_with_metadata(posttrain_home):
 
 
 def test_incomplete_checkpoint_fails_with_a_clear_error(posttrain_home):
-    (posttrain_home / "runs" / "r1" / "checkpoints" / "step_000003").mkdir(parents=True)
+    checkpoint_path(run_path(posttrain_home, "r1"), 3).mkdir(parents=True)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(checkpoints_partitions.name, ["r1-step_000003"])
         with pytest.raises(FileNotFoundError, match="r1-step_000003: .*metadata.json is missing"):

@@ -2,17 +2,18 @@
 
 import dagster as dg
 
-from dagster_project.partitions import checkpoints_partitions
-from dagster_project.resources import PosttrainStorage
+from assets.partitions import checkpoints_partitions
+from assets.resources import PosttrainStorage
 from dagster_project.sensors import new_checkpoint_sensor
 from tests.dagster_project.helpers import write_checkpoint
+from training.checkpoint import checkpoint_path, run_path
 
 
 def test_new_checkpoints_become_partitions_with_eval_requests(posttrain_home):
     write_checkpoint(posttrain_home, "r1", 0)
     write_checkpoint(posttrain_home, "r1", 4)
     # A checkpoint still being written (no metadata.json yet) is not picked up.
-    (posttrain_home / "runs" / "r1" / "checkpoints" / "step_000008").mkdir()
+    checkpoint_path(run_path(posttrain_home, "r1"), 8).mkdir()
     storage = PosttrainStorage(root=str(posttrain_home))
     with dg.instance_for_test() as instance:
         context = dg.build_sensor_context(instance=instance, resources={"storage": storage})

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dagster_project.instance import ensure_dagster_home
+from serving.fleet import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"task_dataset", "image_cache", "difficulty_curriculum", "rl_run", "checkpoints", "deepswe_eval", "eval_report"}
@@ -20,12 +20,6 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
     "--hide-scrollbars", "--window-size=1600,1000", "--virtual-time-budget=20000",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import pandas as pd
 import pytest
 
 from assets.evals import deepswe_eval, eval_report
+from assets.resources import PosttrainStorage
 from assets.tasks import task_dataset
-from dagster_project.resources import PosttrainStorage
+from training.checkpoint import write_checkpoint
 
 from .conftest import DEEPSWE
 
@@ -78,9 +79,8 @@ def test_deepswe_eval_of_a_checkpoint(small_suite, posttrain_home):
     storage = PosttrainStorage(root=str(posttrain_home))
     model = build_tiny_model(posttrain_home / "model")
     key = "t-step_000000"
-    ckpt = storage.checkpoint_dir(key)
-    ckpt.mkdir(parents=True)
-    (ckpt / "metadata.json").write_text(json.dumps({"step": 0, "base_model": str(model), "adapter": None}))
+    ckpt = write_checkpoint(storage.run_dir("t"), 0, lambda tmp: None, {"base_model": str(model), "adapter": None})
+    assert ckpt == storage.checkpoint_dir(key)
     config = {"tasks": str(small_suite), "split": "eval", "attempts": 2, "max_turns": 1, "max_new_tokens": 8,
               "workers": 1}
     with dg.instance_for_test() as instance:
@@ -95,3 +95,32 @@ def test_deepswe_eval_of_a_checkpoint(small_suite, posttrain_home):
     assert set(rows["checkpoint"]) == {key} and set(rows["split"]) == {"eval"}
     assert rows["status"].isin(["graded", "apply_failed", "infra_error"]).all()
     assert meta["adapter_version"].value == "base"
+
+
+@pytest.mark.slow
+def test_difficulty_curriculum_from_a_served_model(small_suite, posttrain_home, tmp_path):
+    """The curriculum asset on a run file of its own: a real (random, tiny) model served by an engine
+    process, one attempt per RL task, the pass rates and tiers written to curriculum.json."""
+    from assets.curriculum import difficulty_curriculum
+    from evals.bundled import load_suite
+    from evals.tasks import rl_tasks
+    from serving.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'[model]\npath = "{model}"\n\n[curriculum]\ntasks = "{small_suite}"\nretry_after_steps = 3\n')
+    storage = PosttrainStorage(root=str(posttrain_home))
+    config = {"run_file": str(run_file), "attempts_per_task": 1, "max_turns": 1, "max_new_tokens": 8, "workers": 1}
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([difficulty_curriculum], instance=instance, resources={"storage": storage},
+                                run_config={"ops": {"difficulty_curriculum": {"config": config}}})
+        assert result.success
+        meta = result.asset_materializations_for_node("difficulty_curriculum")[0].metadata
+    written = json.loads((storage.curriculum_dir() / "curriculum.json").read_text())
+    ids = {t.id for t in rl_tasks(load_suite(small_suite))}
+    assert set(written["pass_rates"]) == ids and meta["tasks"].value == len(ids)
+    assert sorted(t for tier in written["tiers"].values() for t in tier) == sorted(ids)
+    assert written["settings"] == {"retry_after_steps": 3} and written["attempts_per_task"] == 1
+    assert written["run_file"] == str(run_file) and written["base_model"] == str(model)
+    assert len(pd.read_parquet(storage.curriculum_dir() / "base_attempts.parquet")) == len(ids)
+    assert (storage.curriculum_dir() / "engine.log").is_file()

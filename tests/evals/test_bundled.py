@@ -46,7 +46,7 @@ def test_built_suite_is_real(small_suite, small_tasks):
 
 
 def test_rebuild_gives_identical_commits(small_tasks, tmp_path):
-    from evals.bundled import _task_json, _write_repo, generate
+    from evals.bundled import _write_repo, generate
 
     gen = generate(per_level=2)[0]
     assert _write_repo(gen, tmp_path / "repo") == small_tasks[0].base_commit
@@ -83,7 +83,8 @@ def test_demonstration_round_trips(small_tasks):
 def test_every_fix_of_the_suite_is_an_edit_of_a_unique_line():
     """The generator draws a task again while a buggy line's text repeats in its module, so each
     reference ``edit`` names its line unambiguously; applying the edits gives the fixed module."""
-    from evals.bundled import _edits_are_unique, apply_edits
+    from evals.actions import apply_edits
+    from evals.bundled import _edits_are_unique
     from evals.harness import replace_once
 
     gens = bundled.generate()
@@ -121,7 +122,7 @@ def test_the_train_split_is_demonstrations_for_the_base_model_and_rl_tasks_for_t
     import dataclasses
 
     from evals.tasks import demonstration_tasks, rl_tasks
-    from training.base_model import demonstrations
+    from training.demonstrations import demonstrations
     from training.episodes import training_tasks
 
     demos, rl = demonstration_tasks(small_tasks), rl_tasks(small_tasks)

@@ -133,7 +133,8 @@ def _workdir(task, factory):
 
 
 def test_only_committed_work_is_graded(small_tasks):
-    from evals.bundled import apply_edits, default_sandbox_factory
+    from evals.actions import apply_edits
+    from evals.bundled import default_sandbox_factory
 
     factory = default_sandbox_factory()
     task = small_tasks[0]

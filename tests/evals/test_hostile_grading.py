@@ -145,7 +145,7 @@ def test_sessions_a_test_command_runs():
 
 def test_honest_fix_stream_and_report_agree(task, factory):
     """The stream's ids are the JUnit report's: an honest fix has no run-time signal and reward 1."""
-    from evals.bundled import apply_edits
+    from evals.actions import apply_edits
 
     module = task.metadata["module_file"]
     edits = [(line, text) for _, line, text in task.metadata["reference_edits"]]
@@ -273,7 +273,7 @@ def test_gvisor_atexit_daemon_and_kill_all_score_zero(task):
 
 def _fix_diff(task, box) -> str:
     """The reference fix as a diff, made in the agent's box and left there for its scripts."""
-    from evals.bundled import apply_edits
+    from evals.actions import apply_edits
 
     module = task.metadata["module_file"]
     source = box.read_file(module).decode()
@@ -634,7 +634,7 @@ def test_eval_report_counts_flagged_attempts_and_can_exclude_them(posttrain_home
     import pandas as pd
 
     from assets.evals import eval_report
-    from dagster_project.resources import PosttrainStorage
+    from assets.resources import PosttrainStorage
 
     storage = PosttrainStorage(root=str(posttrain_home))
     out = storage.evals_dir() / "deepswe"

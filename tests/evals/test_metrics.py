@@ -1,6 +1,3 @@
-import math
-
-import numpy as np
 import pytest
 
 from evals.metrics import bootstrap, paired_difference, pass_at_k

@@ -133,8 +133,8 @@ SECTIONS = sorted(k for k, v in EMBEDDED.items() if isinstance(v, dict))
 @given(section=st.sampled_from(SECTIONS), key=st.text(string.ascii_lowercase + "_", min_size=1, max_size=20),
        value=json_values, use_known_key=st.booleans(), data=st.data())
 def test_run_toml_with_a_wrong_key_or_value_is_refused_naming_it(section, key, value, use_known_key, data):
-    from serving.planner.schema import PlanError
-    from serving.planner.resolve import resolve
+    from training.planner.schema import PlanError
+    from training.planner.resolve import resolve
 
     if use_known_key and EMBEDDED[section]:
         key = data.draw(st.sampled_from(sorted(EMBEDDED[section])))
@@ -149,8 +149,8 @@ def test_run_toml_with_a_wrong_key_or_value_is_refused_naming_it(section, key, v
 @FUZZ
 @given(text=st.text(max_size=200))
 def test_run_toml_file_of_any_text_is_refused_or_planned(tmp_path_factory, text):
-    from serving.planner.schema import PlanError
-    from serving.planner.resolve import resolve
+    from training.planner.schema import PlanError
+    from training.planner.resolve import resolve
 
     path = tmp_path_factory.mktemp("run") / "run.toml"
     path.write_text(text)
@@ -296,7 +296,8 @@ def test_engine_refuses_a_huge_prompt_clearly(engine):
 @pytest.fixture(scope="module")
 def router():
     from serving.http import serve
-    from serving.router import Router, serve_router
+    from serving.router.core import Router
+    from serving.router.server import serve_router
     from serving.sim import SimEngine
 
     replica = serve(SimEngine(max_total_tokens=8192), port=0)

@@ -28,8 +28,10 @@ WAIT_S = 120.0  # the most a test waits for a server to act; a server that never
 def _make(kind: str, limits: HttpLimits):
     """A running server of ``kind`` with ``limits`` (and the simulated engine behind it); returns
     the server and a function that stops everything."""
-    from serving.http import serve, serve_sidecar
-    from serving.router import Router, serve_router
+    from serving.capture import serve_sidecar
+    from serving.http import serve
+    from serving.router.core import Router
+    from serving.router.server import serve_router
     from serving.sim import SimEngine
 
     if kind == "engine":

@@ -2,7 +2,7 @@
 plan | validate | run`` is refused naming the file and saying it must be UTF-8; a Harbor dataset
 with a task whose task.toml, instruction.md or tests/config.json cannot be decoded or parsed lists
 that task as incomplete with a reason naming the file, and the other tasks load. Through the real
-CLI entry (``dagster_project.cli.main``). Promise: DESIGN "Errors"; serving/planner/schema.py
+CLI entry (``dagster_project.cli.main``). Promise: DESIGN "Errors"; training/planner/schema.py
 (``load_run_file``); evals/tasks.py (``load_harbor``). Text-level malformations of these files are
 tests/reliability/test_bad_input.py's."""
 
@@ -20,7 +20,7 @@ LATIN1 = "Café Ünïcödé".encode("latin-1")  # valid Latin-1, never valid UTF
 
 @pytest.mark.parametrize("command", [["plan"], ["validate"], ["run", "--dry-run"]])
 def test_a_run_toml_that_is_not_utf8_is_refused_naming_the_file(tmp_path, capsys, command):
-    from serving.planner.cli import EXIT_INVALID
+    from training.planner.cli import EXIT_INVALID
 
     path = tmp_path / "latin1-run.toml"
     path.write_bytes(b'[run]\nname = "' + LATIN1 + b'"\n')

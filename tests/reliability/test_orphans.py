@@ -24,19 +24,19 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("starter", ["training.episodes.start_engine", "serving.fleet.LocalFleet"])
+@pytest.mark.parametrize("starter", ["serving.fleet.start_engine", "serving.fleet.LocalFleet"])
 def test_replicas_exit_when_the_trainer_is_sigkilled(tmp_path, starter):
     model = save_tiny_qwen(tmp_path / "model")
-    if starter == "training.episodes.start_engine":
+    if starter == "serving.fleet.start_engine":
         body = f"""
-            from training.episodes import start_engine
+            from serving.fleet import start_engine
             proc, url = start_engine({str(model)!r}, Path({str(tmp_path / 'engine.log')!r}))
             pids = [proc.pid]
         """
     else:
         body = f"""
             from serving.fleet import LocalFleet
-            from serving.router import Router
+            from serving.router.core import Router
             fleet = LocalFleet({str(model)!r}, Router("kv_headroom"), mode="process")
             fleet.scale_up(2)
             pids = [p.pid for p in fleet.members.values()]

@@ -95,8 +95,9 @@ def test_in_process_servers_default_to_loopback():
     import inspect
 
     from serving.fleet import LocalFleet
-    from serving.http import JsonServer, serve, serve_sidecar
-    from serving.router import serve_router
+    from serving.capture import serve_sidecar
+    from serving.http import JsonServer, serve
+    from serving.router.server import serve_router
 
     for fn in (serve, serve_router, serve_sidecar, JsonServer.__init__, LocalFleet.__init__):
         assert inspect.signature(fn).parameters["host"].default == "127.0.0.1", fn

@@ -30,7 +30,8 @@ def test_exec_prints_the_result_as_json(suite, runtime, capsys, posttrain_home):
     assert code == 0 and out["exit_code"] == 0
     assert set(out) == {"exit_code", "stdout", "stderr", "truncated", "timed_out", "duration_s"}
     assert "1 passed" in out["stdout"] and not out["truncated"]
-    from sandboxes.runtimes import default_cache, run_root
+    from sandboxes.rootfs import run_root
+    from sandboxes.runtimes import default_cache
 
     assert not run_root(default_cache(), create=False).exists()  # the sandbox is gone
 

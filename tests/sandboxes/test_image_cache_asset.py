@@ -11,7 +11,7 @@ import pytest
 
 import sandboxes
 from assets.images import image_cache
-from dagster_project.resources import PosttrainStorage
+from assets.resources import PosttrainStorage
 
 from .conftest import make_repo
 

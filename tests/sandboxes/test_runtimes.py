@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import sandboxes
-from sandboxes.runtimes import Cgroup, run_root
+from sandboxes.cgroups import Cgroup
+from sandboxes.rootfs import run_root
 
 from .conftest import runtime_params
 
@@ -99,7 +100,7 @@ def test_debris_of_a_killed_harness_is_reaped(repo, store, cache):
     import subprocess
     import sys
 
-    from sandboxes.runtimes import reap_stale_sandboxes
+    from sandboxes.reaping import reap_stale_sandboxes
 
     script = (
         "import os, sys, sandboxes\n"

@@ -5,7 +5,8 @@ import torch
 from serving.adapters import newest_adapter, publish_to_volume, push_adapter
 from serving.client import EngineClient, EngineError
 from serving.engine import LocalEngine
-from serving.http import serve, serve_sidecar
+from serving.capture import serve_sidecar
+from serving.http import serve
 
 PROMPT = list(range(20, 70))
 

@@ -1,6 +1,5 @@
 """The local engine over real HTTP on 127.0.0.1 with a tiny random Qwen2 model."""
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

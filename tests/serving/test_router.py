@@ -8,7 +8,9 @@ import pytest
 from serving.adapters import publish_to_volume
 from serving.client import EngineClient, EngineError
 from serving.fleet import LocalFleet
-from serving.router import KvHeadroom, Replica, Router, serve_router
+from serving.router.core import Router
+from serving.router.policy import KvHeadroom, Replica
+from serving.router.server import serve_router
 
 PROMPT = list(range(30, 70))
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}

@@ -6,7 +6,9 @@ import time
 
 from serving.client import EngineClient
 from serving.http import serve
-from serving.router import KvHeadroom, Replica, Router, Session, SessionLengths, serve_router
+from serving.router.core import Router
+from serving.router.policy import KvHeadroom, Replica, Session, SessionLengths
+from serving.router.server import serve_router
 from serving.sim import ServiceModel, SimEngine
 
 FAST = ServiceModel(prefill_s_per_token=1e-7, decode_step_s=1e-4, decode_s_per_req=0.0, decode_chunk_tokens=8)

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from training.base_model import BaseModelSpec, augment, build_base_model
+from training.base_model import BaseModelSpec, build_base_model
+from training.demonstrations import augment
 
 PROMPT = (
     "Fix scale_price in kitchen.py so its test passes.\n"
@@ -53,7 +54,7 @@ def test_rename_modules_renames_the_file_everywhere() -> None:
 
 def test_a_verify_transcript_tests_then_commits_after_all_tests_pass() -> None:
 
-    from training.base_model import ANSWER, OBSERVATION, transcript
+    from training.demonstrations import ANSWER, OBSERVATION, transcript
 
     segments = transcript(PROMPT, ANSWER_TEXT, "verify", random.Random(0))
     assert segments == (("replace kitchen.py:5     return x * 4\ntest\n", ANSWER),
@@ -63,7 +64,7 @@ def test_a_verify_transcript_tests_then_commits_after_all_tests_pass() -> None:
 
 def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trained_on_the_failures() -> None:
 
-    from training.base_model import ANSWER, OBSERVATION, TRIED, transcript
+    from training.demonstrations import ANSWER, OBSERVATION, TRIED, transcript
 
     mistakes = set()
     for seed in range(60):
@@ -93,7 +94,8 @@ def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trai
 
 def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() -> None:
 
-    from training.base_model import _examples, transcript
+    from training.base_model import _examples
+    from training.demonstrations import transcript
 
     class Chars:  # one id per character; 0 is the end-of-text token
         eos_token_id = 0
@@ -111,7 +113,7 @@ def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() 
 
 def test_variants_of_a_transcript_rename_and_renumber_every_model_turn() -> None:
 
-    from training.base_model import OBSERVATION, transcript
+    from training.demonstrations import OBSERVATION, transcript
 
     segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(2))
     for prompt, answer in augment([(PROMPT, segments)], copies=6, seed=4)[1:]:
@@ -128,7 +130,7 @@ def test_edit_transcripts_fail_with_the_harness_observations() -> None:
     test still fails) or names code the module does not hold, whose observation is the harness's own
     error."""
     from evals.harness import replace_once
-    from training.base_model import ANSWER, TRIED, transcript
+    from training.demonstrations import ANSWER, TRIED, transcript
 
     answer = "edit return x + 4 => return x * 4\ncommit\n"
     listing = "\n".join(re.findall(r"^\d+ (.*)$", PROMPT, flags=re.M))  # the module, where the harness looks
@@ -165,7 +167,7 @@ def test_the_variants_do_not_depend_on_the_interpreters_hash_seed() -> None:
     import sys
 
     prompt = PROMPT.replace("shift_size", "scale_costs")  # as long as scale_price
-    code = ("import json; from training.base_model import augment; "
+    code = ("import json; from training.demonstrations import augment; "
             f"print(json.dumps(augment([({prompt!r}, {ANSWER_TEXT!r})], copies=4, seed=0)))")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)]

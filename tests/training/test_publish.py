@@ -8,8 +8,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from serving.adapters import newest_adapter
 from training.backends.torch_peft import TorchPeftBackend
-from training.publish import AdapterPublisher, newest_version
+from training.publish import AdapterPublisher
 
 
 def test_publish_reaches_every_replica_and_the_volume(tmp_path: Path, tiny_model_dir: Path):
@@ -27,7 +28,7 @@ def test_publish_reaches_every_replica_and_the_volume(tmp_path: Path, tiny_model
             assert result.version == f"step_{step:06d}" and result.replicas == 2
         for s in servers:
             assert sorted(EngineClient(s.url).server_info()["loaded_adapters"]) == ["step_000002", "step_000003"]
-        version, path = newest_version(tmp_path / "volume")
+        version, path = newest_adapter(tmp_path / "volume")
         assert version == "step_000003"
         sent = load_file(str(tmp_path / "out3" / "adapter_model.safetensors"))
         stored = load_file(str(Path(path) / "adapter_model.safetensors"))

@@ -13,17 +13,15 @@ import math
 import pytest
 import torch
 
-from training.recompute import (
+from training.attention import (
     CUDA_KERNEL_NAMES,
     AttentionKernels,
-    DecoderShape,
-    Qwen3Decoder,
     attention_kernels,
     check_attention_kernels,
     chosen_attention_kernels,
-    layer_forward,
     select_attention_kernels,
 )
+from training.reference_decoder import DecoderShape, Qwen3Decoder, layer_forward
 
 TINY = DecoderShape(
     hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -249,6 +247,16 @@ def test_kernel_selection_expands_kv_before_giving_up_on_a_candidate():
 def test_kernel_selection_names_every_failure_when_nothing_matches():
     with pytest.raises(RuntimeError, match="no attention kernels on cpu .* match the float32 reference: cudnn: RuntimeError"):
         select_attention_kernels([_raising("cudnn", "unavailable"), _wrong_gradients("bad-build")], "cpu", torch.float32)
+
+
+def test_kernel_selection_under_no_grad_still_checks_the_gradients():
+    """The first use of the kernels may be a scoring pass under ``torch.no_grad`` (the Megatron
+    backend's core attention picks them on its first call): the float32 reference still gets its
+    gradients, so the right kernels are chosen rather than every candidate rejected."""
+    with torch.no_grad():
+        choice = select_attention_kernels([_wrong_gradients("bad-build"), _cpu_kernels()], "cpu", torch.float32)
+    assert choice.kernels.name == "torch-flash-cpu" and set(choice.rejected) == {"bad-build", "bad-build+expanded-kv"}
+    assert all(e < 1e-4 for e in choice.errors.values())
 
 
 def test_reference_check_measures_real_errors():

@@ -78,8 +78,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("recompute", ["attention_output", "full"])
 def test_backend_step_matches_no_recomputation(model_dir, recompute, monkeypatch):
     calls = []
-    apply = recompute_module._KeepAttentionOutput.apply
-    monkeypatch.setattr(recompute_module._KeepAttentionOutput, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = recompute_module.KeepAttentionOutput.apply
+    monkeypatch.setattr(recompute_module.KeepAttentionOutput, "apply", lambda *a: calls.append(1) or apply(*a))
 
     ref, ref_grads, ref_adapter = _step(_backend(model_dir, "none"))
     assert not calls

@@ -19,7 +19,7 @@ from training.store import RolloutStore
 
 def _rollout(group: str, i: int, version: int, reward: float) -> Rollout:
     return Rollout(
-        rollout_id=f"{group}-{i}", group_id=group, task_id=f"task-{group}", adapter_version=version,
+        rollout_id=f"{group}-{i}", group_id=group, task_id=f"task-{group}", adapter_step=version,
         input_ids=[1, 2, 3 + i], loss_mask=[0, 1, 1], serving_logprobs=[0.0, -0.5, -0.25], reward=reward,
         info={"turns": 1},
     )
@@ -87,7 +87,7 @@ WRITER = textwrap.dedent(
         group = f"g{n}"
         store.add_group(group, "t", 0, 4)
         for i in range(4):
-            store.put(Rollout(rollout_id=f"{group}-{i}", group_id=group, task_id="t", adapter_version=0,
+            store.put(Rollout(rollout_id=f"{group}-{i}", group_id=group, task_id="t", adapter_step=0,
                               input_ids=list(range(200)), loss_mask=[0] + [1] * 199,
                               serving_logprobs=[0.0] + [-1.0] * 199, reward=1.0))
             print(f"{group}-{i}", flush=True)

@@ -19,6 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from training.config import BACKENDS
+
 
 @dataclass(frozen=True)
 class TrainBatch:
@@ -77,12 +79,6 @@ class TrainerBackend(Protocol):
     def load_state(self, directory: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
         ...
-
-
-BACKENDS = {
-    "torch_peft": "training.backends.torch_peft:TorchPeftBackend",
-    "megatron": "training.backends.megatron:MegatronBackend",
-}
 
 
 def micro_batches(input_ids: list[list[int]], micro_batch_tokens: int) -> list[list[int]]:

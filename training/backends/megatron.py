@@ -3,8 +3,9 @@
 Run one process per GPU (``torchrun --nproc-per-node N``); every rank builds the backend with the
 same arguments and feeds it the same :class:`~training.backends.TrainBatch`. The base model is a
 Hugging Face Qwen2 or Qwen3 folder (``config.json`` + safetensors); each rank reads only its shard
-of every weight. The GRPO loss is :func:`training.grpo.grpo_loss`, the same function the torch/peft
-backend uses, on token log-probabilities computed from vocabulary-parallel logits.
+of every weight (:mod:`training.backends.megatron_weights`). The step is
+:func:`training.backends.step.grpo_train_step`, the one the torch/peft backend takes, on token
+log-probabilities computed from vocabulary-parallel logits.
 
 LoRA sits on Megatron's fused linears as one adapter per Hugging Face projection, so that the
 adapter this backend saves is a plain peft folder with the names the torch/peft backend and the
@@ -20,7 +21,7 @@ loads here exactly:
 
 Replicated factors get identical gradients on every rank (the column case all-reduces the rank-r
 gradient; the row case sees the already-reduced output gradient), so plain per-rank AdamW keeps
-them identical. Attention runs through the kernels :mod:`training.recompute` checks and picks (cuDNN on Hopper).
+them identical. Attention runs through the kernels :mod:`training.attention` checks and picks (cuDNN on Hopper).
 
 Checkpoints: ``save_state`` writes ``adapter/`` (the peft folder, as the torch backend does) and one
 ``optimizer-tp{rank}.pt`` per rank; ``load_state`` takes that layout. An adapter-only folder from
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -41,8 +41,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
-from training.grpo import grpo_loss
+from training.backends import StepResult, TrainBatch
+from training.backends.megatron_weights import QwenConfig, load_base_weights
+from training.backends.step import grpo_train_step
+from training.checkpoint import adapter_dir
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -58,87 +60,6 @@ def _megatron():
             "the megatron trainer backend needs megatron-core (pip install 'posttrain[gpu]')"
         ) from e
     return parallel_state, tensor_parallel, GPTModel, get_gpt_layer_local_spec, TransformerConfig
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face config and weights.
-
-
-@dataclass(frozen=True)
-class QwenConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.model_type == "qwen2"
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
-
-    @classmethod
-    def from_folder(cls, model_path: Path) -> "QwenConfig":
-        path = Path(model_path) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"base model {model_path}: no config.json (expected a Hugging Face model folder)")
-        c = json.loads(path.read_text())
-        if c.get("model_type") not in ("qwen2", "qwen3"):
-            raise ValueError(f"{path}: model_type {c.get('model_type')!r}; the megatron backend takes qwen2 or qwen3")
-        heads = c["num_attention_heads"]
-        return cls(
-            model_type=c["model_type"], vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(c.get("rope_theta", 10000.0)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        )
-
-
-class _SafetensorsFolder:
-    """Reads single tensors or row/column slices of them from a (possibly sharded) safetensors folder."""
-
-    def __init__(self, model_path: Path):
-        from safetensors import safe_open
-
-        model_path = Path(model_path)
-        index = model_path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        else:
-            files = sorted(model_path.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"base model {model_path}: no *.safetensors files")
-            weight_map = {}
-            for f in files:
-                with safe_open(str(f), framework="pt") as h:
-                    weight_map.update({k: f.name for k in h.keys()})
-        self._where = weight_map
-        self._handles = {name: safe_open(str(model_path / name), framework="pt") for name in set(weight_map.values())}
-        self.model_path = model_path
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        if name not in self._where:
-            raise KeyError(f"base model {self.model_path}: weight {name} is missing")
-        sl = self._handles[self._where[name]].get_slice(name)
-        if rows is None and cols is None:
-            return sl[:]
-        if cols is None:
-            return sl[rows]
-        return sl[rows if rows is not None else slice(None), cols]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +138,7 @@ def _concat(deltas: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _FlashCoreAttention(nn.Module):
-    """Megatron core attention through the flash kernels of :mod:`training.recompute` (causal, GQA)."""
+    """Megatron core attention through the flash kernels of :mod:`training.attention` (causal, GQA)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
@@ -228,7 +149,7 @@ class _FlashCoreAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from training.recompute import _FlashAttention, attention_kernels
+        from training.attention import FlashAttention, attention_kernels
 
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("flash core attention: packed sequences and attention bias are not supported")
@@ -240,7 +161,7 @@ class _FlashCoreAttention(nn.Module):
         else:
             if self.kernels is None:
                 self.kernels = attention_kernels(q.device, dtype=q.dtype)
-            out = _FlashAttention.apply(q, k, v, self.kernels, self.softmax_scale)
+            out = FlashAttention.apply(q, k, v, self.kernels, self.softmax_scale)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -352,7 +273,7 @@ class MegatronBackend:
             self.model.cuda()
         else:
             _keep_rope_on_cpu(self.model)
-        self._load_base_weights()
+        load_base_weights(self.model, self.model_path, cfg, tp, self.tp_rank)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.lora_modules = self._add_lora(lora_rank, lora_alpha)
@@ -362,58 +283,6 @@ class MegatronBackend:
         self.optimizer = torch.optim.AdamW(self.lora_parameters(), lr=learning_rate, weight_decay=weight_decay)
 
     # -- building ------------------------------------------------------------------------------
-
-    def _load_base_weights(self) -> None:
-        cfg, tp, r = self.config, self.tp, self.tp_rank
-        src = _SafetensorsFolder(self.model_path)
-        d = cfg.head_dim
-        groups = cfg.num_kv_heads // tp
-        q_per_group = cfg.num_heads // cfg.num_kv_heads
-
-        def chunk(n: int) -> slice:
-            return slice(r * n // tp, (r + 1) * n // tp)
-
-        def qkv(prefix: str, suffix: str) -> torch.Tensor:
-            q = src.get(f"{prefix}.q_proj.{suffix}", rows=chunk(cfg.num_heads * d))
-            k = src.get(f"{prefix}.k_proj.{suffix}", rows=chunk(cfg.num_kv_heads * d))
-            v = src.get(f"{prefix}.v_proj.{suffix}", rows=chunk(cfg.num_kv_heads * d))
-            rest = q.shape[1:]
-            parts = (q.reshape(groups, q_per_group * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest))
-            return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-        want: dict[str, torch.Tensor] = {
-            "embedding.word_embeddings.weight": src.get("model.embed_tokens.weight", rows=chunk(cfg.vocab_size)),
-            "decoder.final_layernorm.weight": src.get("model.norm.weight"),
-        }
-        if not cfg.tie_word_embeddings:
-            want["output_layer.weight"] = src.get("lm_head.weight", rows=chunk(cfg.vocab_size))
-        for i in range(cfg.num_layers):
-            hf, mg = f"model.layers.{i}", f"decoder.layers.{i}"
-            want[f"{mg}.input_layernorm.weight"] = src.get(f"{hf}.input_layernorm.weight")
-            want[f"{mg}.pre_mlp_layernorm.weight"] = src.get(f"{hf}.post_attention_layernorm.weight")
-            want[f"{mg}.self_attention.linear_qkv.weight"] = qkv(f"{hf}.self_attn", "weight")
-            if cfg.qkv_bias:
-                want[f"{mg}.self_attention.linear_qkv.bias"] = qkv(f"{hf}.self_attn", "bias")
-            if cfg.qk_norm:
-                want[f"{mg}.self_attention.q_layernorm.weight"] = src.get(f"{hf}.self_attn.q_norm.weight")
-                want[f"{mg}.self_attention.k_layernorm.weight"] = src.get(f"{hf}.self_attn.k_norm.weight")
-            want[f"{mg}.self_attention.linear_proj.weight"] = src.get(f"{hf}.self_attn.o_proj.weight", cols=chunk(cfg.num_heads * d))
-            want[f"{mg}.mlp.linear_fc1.weight"] = torch.cat([
-                src.get(f"{hf}.mlp.gate_proj.weight", rows=chunk(cfg.intermediate_size)),
-                src.get(f"{hf}.mlp.up_proj.weight", rows=chunk(cfg.intermediate_size)),
-            ])
-            want[f"{mg}.mlp.linear_fc2.weight"] = src.get(f"{hf}.mlp.down_proj.weight", cols=chunk(cfg.intermediate_size))
-        params = dict(self.model.named_parameters())
-        missing = sorted(set(params) - set(want))
-        if missing:
-            raise RuntimeError(f"megatron parameters with no Hugging Face source: {missing[:5]}")
-        with torch.no_grad():
-            for name, value in want.items():
-                if name not in params:
-                    raise RuntimeError(f"megatron model has no parameter {name}")
-                if params[name].shape != value.shape:
-                    raise RuntimeError(f"{name}: megatron shard {tuple(params[name].shape)}, source {tuple(value.shape)}")
-                params[name].copy_(value)
 
     def _add_lora(self, rank: int, alpha: float) -> list[tuple[str, nn.Module]]:
         cfg, tp = self.config, self.tp
@@ -495,30 +364,23 @@ class MegatronBackend:
         """One GRPO step: the same batch on every rank, same loss and statistics on every rank."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = max(batch.generated_tokens, 1)
-        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "w": 0.0, "clip": 0.0}
-        for idx in micro_batches(batch.input_ids, self.micro_batch_tokens):
-            ids = pad_rows([batch.input_ids[i] for i in idx], 0, torch.long, self.device)
-            mask = pad_rows([batch.loss_mask[i] for i in idx], 0, torch.float32, self.device)
-            serving = pad_rows([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32, self.device)
-            adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=self.device)
-            logprobs = self.token_logprobs(ids)
-            ref = None
-            if self.kl_coef:
-                self._set_lora(False)
-                try:
-                    with torch.no_grad():
-                        ref = self.token_logprobs(ids)
-                finally:
-                    self._set_lora(True)
-            loss, stats = grpo_loss(logprobs, serving, mask, adv, tis_cap=self.tis_cap, ref_logprobs=ref, kl_coef=self.kl_coef)
-            share = stats.tokens / total_tokens
-            (loss * share).backward()
-            sums["loss"] += stats.loss * share
-            sums["pg"] += stats.pg_loss * share
-            sums["kl"] += stats.kl * share
-            sums["w"] += stats.mean_is_weight * share
-            sums["clip"] += stats.clipped_is_fraction * share
+        return grpo_train_step(
+            batch, micro_batch_tokens=self.micro_batch_tokens, device=self.device,
+            policy_logprobs=lambda ids, _attention_mask: self.token_logprobs(ids),
+            reference_logprobs=self._reference_logprobs, tis_cap=self.tis_cap, kl_coef=self.kl_coef,
+            optimizer_step=self._optimizer_step,
+        )
+
+    def _reference_logprobs(self, input_ids: torch.Tensor, _attention_mask: torch.Tensor) -> torch.Tensor:
+        """Token log-probabilities with every LoRA branch off (the base model), for the KL term."""
+        self._set_lora(False)
+        try:
+            with torch.no_grad():
+                return self.token_logprobs(input_ids)
+        finally:
+            self._set_lora(True)
+
+    def _optimizer_step(self) -> torch.Tensor:
         grad_norm = self._grad_norm()
         if self.max_grad_norm:
             factor = (self.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
@@ -526,10 +388,7 @@ class MegatronBackend:
                 if p.grad is not None:
                     p.grad.mul_(factor.to(p.grad.dtype))
         self.optimizer.step()
-        return StepResult(
-            loss=sums["loss"], pg_loss=sums["pg"], kl=sums["kl"], tokens=batch.generated_tokens,
-            grad_norm=float(grad_norm), mean_is_weight=sums["w"], clipped_is_fraction=sums["clip"],
-        )
+        return grad_norm
 
     # -- adapter and state --------------------------------------------------------------------
 
@@ -609,7 +468,7 @@ class MegatronBackend:
 
     def save_state(self, directory: Path) -> None:
         directory = Path(directory)
-        self.save_adapter(directory / "adapter")
+        self.save_adapter(adapter_dir(directory))
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f"optimizer-tp{self.tp_rank}.pt.tmp"
         if dist.get_rank() < self.tp:  # one copy per tensor-parallel rank
@@ -619,7 +478,7 @@ class MegatronBackend:
 
     def load_state(self, directory: Path) -> None:
         directory = Path(directory)
-        self.load_adapter(directory / "adapter")
+        self.load_adapter(adapter_dir(directory))
         opt = directory / f"optimizer-tp{self.tp_rank}.pt"
         if not opt.is_file():
             raise FileNotFoundError(f"checkpoint {directory}: {opt.name} is missing (saved with another tensor-parallel size?)")

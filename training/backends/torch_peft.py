@@ -12,7 +12,7 @@ layer keeps its input and is replayed whole in backward); ``"attention_output"``
 input, attention output and log-sum-exp and replays everything but attention (Qwen2/Qwen3 models;
 on CUDA with ``dtype="bfloat16"`` or ``"float16"``, the flash kernels' input types). Its attention
 kernels are the fastest ones of the device that match a float32 reference when first used
-(``training.recompute.chosen_attention_kernels``: cuDNN on Hopper, flash-attn where installed).
+(``training.attention.chosen_attention_kernels``: cuDNN on Hopper, flash-attn where installed).
 
 With ``dtype="bfloat16"`` (or ``"float16"``) the LoRA factors live in the model's dtype, so no
 activation is cast for an adapter, and AdamW steps float32 master copies of them: each step copies
@@ -30,10 +30,11 @@ from typing import Sequence
 
 import torch
 
-from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
-from training.grpo import grpo_loss
+from training.backends import StepResult, TrainBatch
+from training.backends.step import grpo_train_step
+from training.checkpoint import adapter_dir
 from training.logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
-from training.recompute import RECOMPUTE_MODES, _plain_lora, keep_attention_output_in_hf_layers
+from training.recompute import RECOMPUTE_MODES, keep_attention_output_in_hf_layers, plain_lora
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -159,35 +160,23 @@ class TorchPeftBackend:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
-        total_tokens = max(batch.generated_tokens, 1)
-        sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "w": 0.0, "clip": 0.0}
-        for idx in micro_batches(batch.input_ids, self.micro_batch_tokens):
-            ids = pad_rows([batch.input_ids[i] for i in idx], 0, torch.long, self.device)
-            attn = pad_rows([[1] * len(batch.input_ids[i]) for i in idx], 0, torch.long, self.device)
-            mask = pad_rows([batch.loss_mask[i] for i in idx], 0, torch.float32, self.device)
-            serving = pad_rows([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32, self.device)
-            adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=self.device)
-            logprobs = self.token_logprobs(ids, attn)
-            ref = None
-            if self.kl_coef:
-                with torch.no_grad(), self.model.disable_adapter():
-                    ref = self.token_logprobs(ids, attn)
-            loss, stats = grpo_loss(logprobs, serving, mask, adv, tis_cap=self.tis_cap, ref_logprobs=ref, kl_coef=self.kl_coef)
-            share = stats.tokens / total_tokens
-            (loss * share).backward()
-            self._accumulate_master_grads()
-            sums["loss"] += stats.loss * share
-            sums["pg"] += stats.pg_loss * share
-            sums["kl"] += stats.kl * share
-            sums["w"] += stats.mean_is_weight * share
-            sums["clip"] += stats.clipped_is_fraction * share
+        return grpo_train_step(
+            batch, micro_batch_tokens=self.micro_batch_tokens, device=self.device,
+            policy_logprobs=self.token_logprobs, reference_logprobs=self._reference_logprobs,
+            tis_cap=self.tis_cap, kl_coef=self.kl_coef,
+            after_backward=self._accumulate_master_grads, optimizer_step=self._optimizer_step,
+        )
+
+    def _reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Token log-probabilities under the base model (the adapter disabled), for the KL term."""
+        with torch.no_grad(), self.model.disable_adapter():
+            return self.token_logprobs(input_ids, attention_mask)
+
+    def _optimizer_step(self) -> torch.Tensor:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
         self.optimizer.step()
         self._copy_masters_to_model()
-        return StepResult(
-            loss=sums["loss"], pg_loss=sums["pg"], kl=sums["kl"], tokens=batch.generated_tokens,
-            grad_norm=float(grad_norm), mean_is_weight=sums["w"], clipped_is_fraction=sums["clip"],
-        )
+        return grad_norm
 
     def refresh_masters(self) -> None:
         """Take the float32 masters from the adapter's weights; call after editing those in place
@@ -226,7 +215,7 @@ class TorchPeftBackend:
 
     def save_state(self, directory: Path) -> None:
         directory = Path(directory)
-        self.save_adapter(directory / "adapter")
+        self.save_adapter(adapter_dir(directory))
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         if any(m is not p for p, m in zip(self.params, self.masters)):
             # the adapter folder holds the 16-bit weights; resume from the float32 masters
@@ -237,7 +226,7 @@ class TorchPeftBackend:
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        weights = directory / "adapter" / "adapter_model.safetensors"
+        weights = adapter_dir(directory) / "adapter_model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"checkpoint {directory}: {weights.name} is missing under adapter/")
         result = set_peft_model_state_dict(self.model, load_file(str(weights), device=self.device))
@@ -263,12 +252,12 @@ class TorchPeftBackend:
 def _fused_lora_forward(module: torch.nn.Module, original):
     """``x @ W.T`` plus each active adapter's ``scaling · (x @ A.T) @ B.T`` added in the GEMM's
     epilogue (``addmm``): no separate scale and sum passes over the (tokens, out) output. Falls back
-    to peft's forward where the module does more (see ``training.recompute._plain_lora``) or the
+    to peft's forward where the module does more (see ``training.recompute.plain_lora``) or the
     adapter's dtype differs from the input's."""
     import torch.nn.functional as F
 
     def forward(x, *args, **kwargs):
-        parts = _plain_lora(module) if not args and not kwargs else None
+        parts = plain_lora(module) if not args and not kwargs else None
         if parts is None:
             return original(x, *args, **kwargs)
         weight, adapters = parts

@@ -2,7 +2,7 @@
 
 Locally the trainer's entry point (``python -m training``) runs as a child process with the resolved
 plan; it starts the engine, router and sandboxes it needs. On Kubernetes the manifests of
-``serving.planner.k8s`` are applied server-side (:func:`apply_k8s`): the API server merges each
+``training.planner.k8s`` are applied server-side (:func:`apply_k8s`): the API server merges each
 object under the field manager ``posttrain``, so the same plan applied twice changes nothing, and a
 changed plan updates the objects in place. ``dry_run=True`` asks the API server what would change
 and changes nothing.
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serving.planner.resolve import Plan
+from common.home import default_home
+from training.planner.resolve import Plan
 
 PLAN_FILENAME = "resolved-plan.json"
 TRAINER_MODULE = "training"
@@ -34,8 +35,8 @@ def default_run_dir(plan: Plan, home: str | None = None) -> Path:
     """``[run] dir`` if set, else HOME/runs/NAME with HOME = --home, $POSTTRAIN_HOME, ./posttrain-data."""
     if plan.run_file.run.dir:
         return Path(plan.run_file.run.dir).expanduser().resolve()
-    root = home or os.environ.get("POSTTRAIN_HOME") or str(Path.cwd() / "posttrain-data")
-    return Path(root).expanduser().resolve() / "runs" / plan.run_name
+    root = Path(home).expanduser().resolve() if home else default_home()
+    return root / "runs" / plan.run_name
 
 
 def write_resolved_plan(plan: Plan, run_dir: str | os.PathLike[str], *, replace: bool = False) -> Path:
@@ -141,7 +142,7 @@ def object_path(manifest: dict[str, Any]) -> str:
     collection = _COLLECTIONS.get((api, kind))
     if collection is None:
         raise RunStartError(f"{kind}/{manifest['metadata'].get('name')}: no REST collection known for "
-                            f"{api} {kind} (serving/planner/runner.py _COLLECTIONS)")
+                            f"{api} {kind} (training/planner/runner.py _COLLECTIONS)")
     prefix = "/api/v1" if api == "v1" else f"/apis/{api}"
     meta = manifest["metadata"]
     return f"{prefix}/namespaces/{meta['namespace']}/{collection}/{meta['name']}"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes import k8s as sandbox_k8s
-from serving.planner import k8s, resolve, runner
+from training.planner import k8s, resolve, runner
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "olmo35-b300.toml"
 
@@ -343,14 +343,14 @@ def test_a_changed_trainer_job_is_refused_with_what_to_do(manifests, apiserver):
 
 
 def test_priority_class_and_tolerations_flow_from_the_kubernetes_section():
-    """The schema has no such keys yet: a section that has them (as the schema would parse them)
-    puts them on every workload pod, next to the GPU toleration of GPU pods."""
+    """``[kubernetes] priority_class`` (a schema key) and tolerations (not one yet: a section that has
+    them, as the schema would parse them) go on every workload pod, next to the GPU toleration of GPU pods."""
     import dataclasses
     import types
 
     plan = resolve(EXAMPLE)
-    kube = types.SimpleNamespace(**dataclasses.asdict(plan.run_file.kubernetes), priority_class="rl-training",
-                                 tolerations=[{"key": "pool", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}])
+    kube = types.SimpleNamespace(**{**dataclasses.asdict(plan.run_file.kubernetes), "priority_class": "rl-training",
+                                    "tolerations": [{"key": "pool", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}]})
     plan = dataclasses.replace(plan, run_file=dataclasses.replace(plan.run_file, kubernetes=kube))
     manifests = k8s.build_manifests(plan)
     assert k8s.validate_manifests(manifests, "1.37.0") == []

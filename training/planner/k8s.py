@@ -22,7 +22,7 @@ Least privilege, as an operator reads it:
 
 Every container runs a module's ``__main__`` (``WORKLOAD_MODULES``), the same entry points that run
 locally. ``posttrain run --target k8s --dry-run`` prints these manifests; without ``--dry-run`` they
-are applied server-side (``serving.planner.runner.apply_k8s``), so a second run changes nothing.
+are applied server-side (``training.planner.runner.apply_k8s``), so a second run changes nothing.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 from sandboxes.k8s import label_value, sandbox_selector
 from serving import sglang
-from serving.planner.resolve import Plan
-from serving.planner.runner import TRAINER_MODULE, trainer_args
+from training.planner.resolve import Plan
+from training.planner.runner import TRAINER_MODULE, trainer_args
 
 # The entry point of each workload, run as ``python -m MODULE``.
 WORKLOAD_MODULES = {

@@ -13,10 +13,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from serving.planner import k8s
-from serving.planner.resolve import Plan, resolve
-from serving.planner.runner import RunStartError, apply_k8s, default_run_dir, start_local, write_resolved_plan
-from serving.planner.schema import PlanError
+from training.planner import k8s
+from training.planner.resolve import Plan, resolve
+from training.planner.runner import RunStartError, apply_k8s, default_run_dir, start_local, write_resolved_plan
+from training.planner.schema import PlanError
 
 BOX_WIDTH = 96
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from training.config import BACKENDS, REWARDS, TrainConfig
+
 # Constraint tags carried in field metadata.
 POSITIVE = "positive"
 NON_NEGATIVE = "non-negative"
@@ -95,11 +97,13 @@ class InferenceSection:
 class TrainerSection:
     """``[trainer]``: the GRPO learner on a LoRA adapter.
 
-    The keys are those of the trainer's config (``python -m training --config``); a key left out
-    takes the trainer's own default, which lives with the trainer. ``gpus`` sizes the trainer pod.
+    The keys are those of the trainer's config (``training.config.TrainConfig``, which
+    ``python -m training --config`` reads), of the same types and with its choice lists; a key left
+    out takes the trainer's own default, which lives with the trainer. ``gpus`` sizes the trainer pod
+    and is the only key of this table that is not the trainer's (``_check_trainer_keys``).
     """
 
-    backend: str | None = field(default=None, metadata=_key(choices=("torch_peft", "megatron")))
+    backend: str | None = field(default=None, metadata=_key(choices=tuple(BACKENDS)))
     steps: int | None = field(default=None, metadata=_key(POSITIVE))
     learning_rate: float | None = field(default=None, metadata=_key(POSITIVE))
     lora_rank: int | None = field(default=None, metadata=_key(POSITIVE))
@@ -108,7 +112,7 @@ class TrainerSection:
     tis_cap: float | None = field(default=None, metadata=_key(POSITIVE, doc="truncated importance-sampling cap"))
     scale_advantages_by_std: bool | None = None
     temperature: float | None = field(default=None, metadata=_key(POSITIVE))
-    reward: str | None = field(default=None, metadata=_key(choices=("reward", "strict_target_score"),
+    reward: str | None = field(default=None, metadata=_key(choices=REWARDS,
                                                             doc="the grading score an episode is rewarded with"))
     max_new_tokens: int | None = field(default=None, metadata=_key(POSITIVE, doc="per model turn"))
     max_turns: int | None = field(default=None, metadata=_key(POSITIVE, doc="per episode"))
@@ -121,11 +125,33 @@ class TrainerSection:
     gpus: int = field(default=0, metadata=_key(NON_NEGATIVE, doc="GPUs of the trainer pod on Kubernetes"))
 
 
+# The keys of [trainer] that size the trainer's pod rather than configure the trainer.
+TRAINER_POD_KEYS = ("gpus",)
+
+
+def _check_trainer_keys() -> None:
+    """Every ``[trainer]`` key but the pod's is a ``TrainConfig`` field of the same type (optional
+    here), so that the plan's trainer table always loads; a key added to one and not the other, or
+    retyped, fails at import instead of in a run."""
+    config_types = typing.get_type_hints(TrainConfig)
+    for name, hint in typing.get_type_hints(TrainerSection).items():
+        if name in TRAINER_POD_KEYS:
+            continue
+        if name not in config_types or hint != config_types[name] | None:
+            raise TypeError(f"[trainer] {name}: {hint} is not an optional TrainConfig field "
+                            f"({config_types.get(name, 'absent')} in training.config.TrainConfig)")
+
+
+_check_trainer_keys()
+
+
 @dataclass(frozen=True)
 class AsyncSection:
     """``[async]``: how much work is in flight and how stale it may be when trained on."""
 
     group_size: int = field(default=8, metadata=_key(POSITIVE, doc="samples per prompt (GRPO group)"))
+    # samples per trainer step; the trainer counts groups: groups_per_step = collection_size / group_size
+    # (training.config.groups_per_step, the one place the two are related)
     collection_size: int = field(default=48, metadata=_key(POSITIVE, doc="samples per trainer step (whole groups)"))
     async_max_concurrent_samples: int | None = field(default=None, metadata=_key(POSITIVE))
     max_policy_lag: int = field(default=1, metadata=_key(NON_NEGATIVE, doc="adapter versions a sample may lag"))

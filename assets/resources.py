@@ -15,24 +15,20 @@ from typing import Any, Literal, Mapping, Sequence
 
 import dagster as dg
 
-from dagster_project.partitions import parse_checkpoint_partition_key
-
-DEFAULT_HOME_ENV = "POSTTRAIN_HOME"
-
-
-def default_home() -> str:
-    """``$POSTTRAIN_HOME``, else ``posttrain-data`` in the current directory."""
-    return os.environ.get(DEFAULT_HOME_ENV) or str(Path.cwd() / "posttrain-data")
+from assets.partitions import parse_checkpoint_partition_key
+from common.home import default_home
+from training.checkpoint import checkpoint_path, run_path, runs_root
 
 
 class PosttrainStorage(dg.ConfigurableResource):
-    """The root folder of a posttrain deployment and the layout beneath it."""
+    """The root folder of a posttrain deployment and the layout beneath it (a run's own folder is
+    laid out by :mod:`training.checkpoint`)."""
 
     root: str | None = None  # None: $POSTTRAIN_HOME, else ./posttrain-data, read when used
 
     @property
     def path(self) -> Path:
-        return Path(self.root or default_home()).expanduser().resolve()
+        return Path(self.root).expanduser().resolve() if self.root else default_home()
 
     def datasets_dir(self) -> Path:
         return self.path / "datasets"
@@ -44,15 +40,15 @@ class PosttrainStorage(dg.ConfigurableResource):
         return self.path / "curriculum"
 
     def runs_dir(self) -> Path:
-        return self.path / "runs"
+        return runs_root(self.path)
 
     def run_dir(self, run_name: str) -> Path:
-        return self.runs_dir() / run_name
+        return run_path(self.path, run_name)
 
     def checkpoint_dir(self, partition_key: str) -> Path:
         """The folder of the checkpoint named by a ``checkpoints`` partition key."""
         run_name, step = parse_checkpoint_partition_key(partition_key)
-        return self.run_dir(run_name) / "checkpoints" / f"step_{step:06d}"
+        return checkpoint_path(self.run_dir(run_name), step)
 
     def evals_dir(self) -> Path:
         return self.path / "evals"

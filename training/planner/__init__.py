@@ -8,7 +8,7 @@ a measured preset or the generic defaults, and gives advice with stable codes.
 Use it from Python; the ``rl_run`` asset is meant to plan exactly so, so that the CLI and Dagster
 resolve a run file alike::
 
-    from serving.planner import TRAINER_MODULE, PlanError, resolve, trainer_args, write_resolved_plan
+    from training.planner import TRAINER_MODULE, PlanError, resolve, trainer_args, write_resolved_plan
 
     plan = resolve("examples/embedded.toml")   # or a dict shaped like the TOML
     plan.to_json()                             # the JSON that `posttrain plan` prints
@@ -26,11 +26,11 @@ From the shell::
     posttrain run RUN.toml [--target local|k8s] [--dry-run]
 """
 
-from serving.planner.geometry import Geometry
-from serving.planner.presets import PRESETS, Preset
-from serving.planner.resolve import Advice, Plan, resolve
-from serving.planner.runner import TRAINER_MODULE, trainer_args, write_resolved_plan
-from serving.planner.schema import PlanError, RunFile, load_run_file, parse_run_dict
+from serving.admission import Geometry
+from training.planner.presets import PRESETS, Preset
+from training.planner.resolve import Advice, Plan, resolve
+from training.planner.runner import TRAINER_MODULE, trainer_args, write_resolved_plan
+from training.planner.schema import PlanError, RunFile, load_run_file, parse_run_dict
 
 __all__ = [
     "PRESETS",

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.planner import PRESETS, PlanError, resolve
+from training.planner import PRESETS, PlanError, resolve
 
 # A dense Qwen-style 7B-like geometry.
 DENSE = {
@@ -257,7 +257,7 @@ def test_unavailable_metadata_is_a_warning_and_no_fit(tmp_path: Path) -> None:
 
 
 def test_bad_run_files_name_the_file_and_the_key(tmp_path: Path) -> None:
-    from serving.planner import load_run_file
+    from training.planner import load_run_file
 
     path = tmp_path / "bad.toml"
     path.write_text(
@@ -361,3 +361,37 @@ def test_sizing_rules_hold_for_any_geometry(layers, kv_heads, head_dim, recurren
     assert m["fits"] == (m["total_gib"] <= m["budget_gib"]) or abs(m["total_gib"] - m["budget_gib"]) < 1e-3
     budget = plan.producer_budget_samples
     assert budget % group == 0 and budget >= max(group * 4, 2 * engines * admission) and budget - group < max(group * 4, 2 * engines * admission)
+
+
+def test_the_trainer_table_is_the_trainers_config_with_its_choices(monkeypatch) -> None:
+    """[trainer] offers training.config's choice lists, and a [trainer] key that is not a TrainConfig
+    field of the same type is refused when the schema is imported, not in a run."""
+    import dataclasses
+
+    from training import config
+    from training.planner import schema
+
+    with pytest.raises(PlanError) as bad:
+        resolve(run(DENSE, inference={"max_context_length": 4096}, trainer={"backend": "jax", "reward": "f2p"}))
+    assert "[trainer] backend: expected one of 'torch_peft', 'megatron', got 'jax'" in str(bad.value)
+    assert "[trainer] reward: expected one of 'reward', 'strict_target_score', got 'f2p'" in str(bad.value)
+    assert tuple(config.BACKENDS) == ("torch_peft", "megatron") and config.REWARDS == ("reward", "strict_target_score")
+    schema._check_trainer_keys()  # the schema as it is agrees with TrainConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Retyped(config.TrainConfig):
+        steps: float = 44.0
+
+    monkeypatch.setattr(schema, "TrainConfig", Retyped)
+    with pytest.raises(TypeError, match=r"\[trainer\] steps: .* is not an optional TrainConfig field"):
+        schema._check_trainer_keys()
+
+
+def test_groups_per_step_is_derived_from_collection_size_in_one_place() -> None:
+    from training.config import groups_per_step
+
+    assert groups_per_step(48, 8) == 6
+    plan = resolve(run(DENSE, inference={"max_context_length": 4096}, async_={"group_size": 4, "collection_size": 12}))
+    assert plan.trainer_config()["groups_per_step"] == 3 == groups_per_step(12, 4)
+    with pytest.raises(ValueError, match="collection_size: 10 is not a whole number of groups of group_size = 4"):
+        groups_per_step(10, 4)

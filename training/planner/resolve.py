@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from serving import sglang
-from serving.planner.geometry import GIB, Geometry, resolve_geometry
-from serving.planner.presets import (
+from serving.admission import GIB, Geometry
+from training.config import groups_per_step
+from training.planner.geometry import resolve_geometry
+from training.planner.presets import (
     DATASHEET_GPU_MEMORY_GIB,
     GENERIC_ADMISSION,
     GENERIC_DEFAULTS,
@@ -33,7 +35,7 @@ from serving.planner.presets import (
     RADIX_RECURRENT_SLOTS_PER_REQUEST,
     Preset,
 )
-from serving.planner.schema import PlanError, RunFile, load_run_file, parse_run_dict
+from training.planner.schema import PlanError, RunFile, load_run_file, parse_run_dict
 
 PLAN_FORMAT_VERSION = 1
 
@@ -124,7 +126,7 @@ class Plan:
         if rf.model.path:
             table["base_model"] = rf.model.path
         table["group_size"] = rf.async_.group_size
-        table["groups_per_step"] = rf.async_.collection_size // rf.async_.group_size
+        table["groups_per_step"] = groups_per_step(rf.async_.collection_size, rf.async_.group_size)
         table["max_policy_lag"] = rf.async_.max_policy_lag
         if rf.curriculum.tasks:
             table["tasks"] = rf.curriculum.tasks
@@ -219,11 +221,10 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
             raise PlanError([f"{src}: [inference] profile: no profile {inf.profile!r}; profiles: {names}"])
         _check_preset_applies(rf, preset, geometry, warnings)
 
-    if asy.collection_size % asy.group_size:
-        problems.append(
-            f"{src}: [async] collection_size: {asy.collection_size} is not a whole number of groups of "
-            f"group_size = {asy.group_size}; the trainer takes whole groups"
-        )
+    try:
+        groups_per_step(asy.collection_size, asy.group_size)
+    except ValueError as exc:
+        problems.append(f"{src}: [async] {exc}")
 
     # --- context length ----------------------------------------------------------------------------
     if inf.max_context_length is not None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.planner import k8s, resolve, runner, write_resolved_plan
-from serving.planner.cli import EXIT_INVALID, EXIT_NOT_STARTED, EXIT_UNSOUND
+from training.planner import k8s, resolve, runner, write_resolved_plan
+from training.planner.cli import EXIT_INVALID, EXIT_NOT_STARTED, EXIT_UNSOUND
 from dagster_project.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

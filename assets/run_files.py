@@ -1,0 +1,56 @@
+"""Run files as the assets read them: the TOML with the embedded default placed under the storage root.
+
+``difficulty_curriculum`` and ``rl_run`` both start from a run file (default
+``examples/embedded.toml``) and from its base model, which for the embedded default is built here
+from the bundled suite's demonstrations the first time it is needed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from assets.resources import PosttrainStorage
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_RUN_FILE = PROJECT_ROOT / "examples" / "embedded.toml"
+EMBEDDED_MODEL_NAME = "embedded-base"
+
+
+def run_file_dict(storage: PosttrainStorage, run_file: str) -> tuple[dict[str, Any], str]:
+    """The run TOML as a dict, with the embedded default's model and tasks placed under ``storage``."""
+    path = Path(run_file) if run_file else EMBEDDED_RUN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"run file {path} is missing")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"run file {path}: not valid TOML: {exc}") from exc
+    model = data.setdefault("model", {})
+    if model.get("name") == EMBEDDED_MODEL_NAME:
+        model["path"] = str(storage.path / "models" / "base")
+    curriculum = data.setdefault("curriculum", {})
+    curriculum.setdefault("tasks", str(storage.datasets_dir() / "bundled"))
+    return data, str(path)
+
+
+def ensure_embedded_base(context: dg.AssetExecutionContext, data: dict[str, Any],
+                         *, sft_steps: int = 0, reuse_any: bool = False) -> Path:
+    """The base model folder. The embedded default's is built from the training split unless a build
+    of the same settings and data is there (``reuse_any``: any complete build is used as is)."""
+    model = Path(data["model"].get("path") or "")
+    if data["model"].get("name") == EMBEDDED_MODEL_NAME and not (reuse_any and (model / "build.json").is_file()):
+        from evals.bundled import load_suite
+        from evals.tasks import demonstration_tasks
+        from training.base_model import BaseModelSpec, build_base_model
+
+        tasks = demonstration_tasks(load_suite(data["curriculum"]["tasks"]))
+        spec = BaseModelSpec(sft_steps=sft_steps) if sft_steps else BaseModelSpec()
+        context.log.info(f"building (or reusing) the embedded base model at {model} from {len(tasks)} demonstrations")
+        build_base_model(model, tasks, spec)
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(f"run file key model.path: {model} is not a Hugging Face model folder")
+    return model

@@ -1,0 +1,1 @@
+"""Leaf utilities every package may import; ``common`` itself imports nothing of the project."""

@@ -1,0 +1,89 @@
+"""The router over HTTP: the engine API in front of the replicas, plus fleet management.
+
+    server = serve_router(Router("kv_headroom"), port=0)   # 127.0.0.1 by default; server.url
+
+Endpoints: the engine API (``POST /generate``, ``GET /health``, ``/metrics``, ``/server_info``,
+``/sessions/{rid}``: a session's captured calls from every replica it used), plus
+``POST /end_session {rid}``, ``POST /workers {url, pool, size_gpus}`` (alias ``/add_worker``),
+``POST /remove_worker {url}``, ``GET /workers``, ``POST /publish_adapter {lora_name, lora_path}``.
+Bad input is answered 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving.http import HttpError, HttpLimits, JsonServer, Request, Text
+from serving.protocol import BadRequest, parse_adapter_name
+from serving.router.core import Router
+
+
+class RouterServer(JsonServer):
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None):
+        self.router = router
+        routes = {
+            ("POST", "/generate"): lambda r: router.generate(r.json(), r.body),
+            ("POST", "/end_session"): self._end_session,
+            ("GET", "/sessions/"): self._session,
+            ("POST", "/workers"): self._add_worker,
+            ("POST", "/add_worker"): self._add_worker,
+            ("POST", "/remove_worker"): self._remove_worker,
+            ("GET", "/workers"): lambda r: {"workers": [x.describe() for x in list(router.replicas.values())]},
+            ("POST", "/publish_adapter"): self._publish,
+            ("GET", "/health"): lambda r: {"status": "ok"},
+            ("GET", "/server_info"): lambda r: {"policy": router.policy.name, "newest_ready_version": router.newest_ready_version(),
+                                                "replicas": len(router.replicas)},
+            ("GET", "/metrics"): lambda r: Text("".join(f"posttrain:{k} {float(v)!r}\n" for k, v in router.metrics().items())),
+        }
+        super().__init__(routes, host, port, limits=limits)
+
+    def _end_session(self, req: Request) -> Any:
+        body = req.json()
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            raise BadRequest("rid must be the session id (a string)")
+        return {"ended": self.router.end_session(rid)}
+
+    def _session(self, req: Request) -> Any:
+        rid = "/".join(req.params)
+        return {"rid": rid, "calls": self.router.session_record(rid)}
+
+    def _add_worker(self, req: Request) -> Any:
+        body = req.json()
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        url = body.get("url") or (req.query.get("url") or [None])[0]
+        if not isinstance(url, str) or not url.startswith("http"):
+            raise BadRequest(f"url must be the replica's http:// address, got {url!r}")
+        try:
+            replica = self.router.add_replica(url, body.get("pool", "on_demand"), body.get("size_gpus", 1))
+        except OSError as exc:
+            raise HttpError(502, f"url {url}: replica not reachable: {exc}") from exc
+        return replica.describe()
+
+    def _remove_worker(self, req: Request) -> Any:
+        body = req.json()
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        url = body.get("url") or (req.query.get("url") or [None])[0]
+        if not isinstance(url, str):
+            raise BadRequest("url must be the replica's address")
+        self.router.remove_replica(url)
+        return {"removed": url}
+
+    def _publish(self, req: Request) -> Any:
+        body = req.json()
+        name = parse_adapter_name(body)
+        path = body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("lora_path must be the adapter's directory on the shared volume")
+        return self.router.publish_adapter(name, path)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.router.close()
+
+
+def serve_router(router: Router, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None) -> RouterServer:
+    """Serve ``router`` from a background thread; ``limits`` bounds slow or odd clients (``serving.http``)."""
+    return RouterServer(router, host, port, limits).start()

@@ -1,0 +1,65 @@
+"""The GRPO step both trainer backends take: micro-batches, the loss, its gradients, one optimizer step.
+
+A backend supplies how to score token log-probabilities under its policy (and, for the KL term,
+under the reference policy: the same model with its adapter off), what to do after each
+micro-batch's backward, and its optimizer step (clipping included); :func:`grpo_train_step` does
+the rest the same way for every backend. Each micro-batch's loss is weighted by its share of the
+batch's generated tokens, so the step does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
+from training.grpo import grpo_loss
+
+# (input ids, attention mask), both (rows, longest row) and right-padded -> (rows, longest row)
+# log-probabilities, column t that of token t (column 0 is 0)
+LogprobsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grpo_train_step(
+    batch: TrainBatch,
+    *,
+    micro_batch_tokens: int,
+    device: torch.device | str,
+    policy_logprobs: LogprobsFn,
+    reference_logprobs: LogprobsFn,
+    tis_cap: float,
+    kl_coef: float,
+    optimizer_step: Callable[[], torch.Tensor | float],
+    after_backward: Callable[[], None] | None = None,
+) -> StepResult:
+    """Accumulate the gradients of ``batch``'s GRPO loss over micro-batches of at most
+    ``micro_batch_tokens`` padded tokens, then call ``optimizer_step`` (which clips, steps and
+    returns the gradient norm before clipping). ``reference_logprobs`` is called only when
+    ``kl_coef`` is set, and must not record gradients; ``after_backward`` runs after each
+    micro-batch's backward. The caller clears the gradients before."""
+    total_tokens = max(batch.generated_tokens, 1)
+    sums = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "w": 0.0, "clip": 0.0}
+    for idx in micro_batches(batch.input_ids, micro_batch_tokens):
+        ids = pad_rows([batch.input_ids[i] for i in idx], 0, torch.long, device)
+        attn = pad_rows([[1] * len(batch.input_ids[i]) for i in idx], 0, torch.long, device)
+        mask = pad_rows([batch.loss_mask[i] for i in idx], 0, torch.float32, device)
+        serving = pad_rows([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32, device)
+        adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=device)
+        logprobs = policy_logprobs(ids, attn)
+        ref = reference_logprobs(ids, attn) if kl_coef else None
+        loss, stats = grpo_loss(logprobs, serving, mask, adv, tis_cap=tis_cap, ref_logprobs=ref, kl_coef=kl_coef)
+        share = stats.tokens / total_tokens
+        (loss * share).backward()
+        if after_backward is not None:
+            after_backward()
+        sums["loss"] += stats.loss * share
+        sums["pg"] += stats.pg_loss * share
+        sums["kl"] += stats.kl * share
+        sums["w"] += stats.mean_is_weight * share
+        sums["clip"] += stats.clipped_is_fraction * share
+    grad_norm = optimizer_step()
+    return StepResult(
+        loss=sums["loss"], pg_loss=sums["pg"], kl=sums["kl"], tokens=batch.generated_tokens,
+        grad_norm=float(grad_norm), mean_is_weight=sums["w"], clipped_is_fraction=sums["clip"],
+    )
