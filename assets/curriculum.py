@@ -29,14 +29,14 @@ def difficulty_curriculum(
     """Pass rates of the base model over k attempts per RL task (the train split without the base
     model's demonstrations, :func:`evals.tasks.rl_tasks`), the tiers from easy to hard
     they define, and the retry queue of tasks no attempt solved."""
-    from evals.bundled import load_suite
+    from evals.bundled import read_suite
     from evals.tasks import rl_tasks
     from training.curriculum import TIERS, measure_base_model, tier_of
 
     data, source = run_file_dict(storage, config.run_file)
     model = ensure_embedded_base(context, data, sft_steps=config.sft_steps)
     attempts = config.attempts_per_task or data["curriculum"].get("attempts_per_task") or 4
-    tasks = rl_tasks(load_suite(data["curriculum"]["tasks"]))
+    tasks = rl_tasks(read_suite(data["curriculum"]["tasks"]))
     settings = {k: data["curriculum"][k] for k in ("retry_after_steps", "open_hard_after_steps") if k in data["curriculum"]}
     measured = measure_base_model(
         model, tasks, storage.curriculum_dir(), attempts=attempts, settings=settings, run_file=source,

@@ -43,11 +43,11 @@ def ensure_embedded_base(context: dg.AssetExecutionContext, data: dict[str, Any]
     of the same settings and data is there (``reuse_any``: any complete build is used as is)."""
     model = Path(data["model"].get("path") or "")
     if data["model"].get("name") == EMBEDDED_MODEL_NAME and not (reuse_any and (model / "build.json").is_file()):
-        from evals.bundled import load_suite
+        from evals.bundled import read_suite
         from evals.tasks import demonstration_tasks
         from training.base_model import BaseModelSpec, build_base_model
 
-        tasks = demonstration_tasks(load_suite(data["curriculum"]["tasks"]))
+        tasks = demonstration_tasks(read_suite(data["curriculum"]["tasks"]))
         spec = BaseModelSpec(sft_steps=sft_steps) if sft_steps else BaseModelSpec()
         context.log.info(f"building (or reusing) the embedded base model at {model} from {len(tasks)} demonstrations")
         build_base_model(model, tasks, spec)

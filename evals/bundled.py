@@ -409,3 +409,13 @@ def load_suite(path: str | Path | None = None, *, per_level: int = TASKS_PER_LEV
                rl_per_level: int | None = None) -> list[Task]:
     """The bundled tasks (built on first use)."""
     return list(load_bundled(ensure_suite(path, per_level=per_level, rl_per_level=rl_per_level)).tasks)
+
+
+def read_suite(path: str | Path | None = None) -> list[Task]:
+    """The tasks of a built suite folder as they are, whatever sizes it was built with (the
+    ``task_dataset`` asset decided them); a folder with no suite yet is built at the default sizes.
+    Unlike :func:`load_suite`, it never rebuilds a suite that is there."""
+    path = Path(path) if path else default_suite_dir()
+    if (path / "suite.json").is_file():
+        return list(load_bundled(path).tasks)
+    return load_suite(path)

@@ -102,7 +102,7 @@ def test_difficulty_curriculum_from_a_served_model(small_suite, posttrain_home, 
     """The curriculum asset on a run file of its own: a real (random, tiny) model served by an engine
     process, one attempt per RL task, the pass rates and tiers written to curriculum.json."""
     from assets.curriculum import difficulty_curriculum
-    from evals.bundled import load_suite
+    from evals.bundled import read_suite
     from evals.tasks import rl_tasks
     from serving.tiny import build_tiny_model
 
@@ -117,7 +117,9 @@ def test_difficulty_curriculum_from_a_served_model(small_suite, posttrain_home, 
         assert result.success
         meta = result.asset_materializations_for_node("difficulty_curriculum")[0].metadata
     written = json.loads((storage.curriculum_dir() / "curriculum.json").read_text())
-    ids = {t.id for t in rl_tasks(load_suite(small_suite))}
+    suite = read_suite(small_suite)
+    assert len(suite) == 9  # read as it was built, not rebuilt at the default sizes
+    ids = {t.id for t in rl_tasks(suite)}
     assert set(written["pass_rates"]) == ids and meta["tasks"].value == len(ids)
     assert sorted(t for tier in written["tiers"].values() for t in tier) == sorted(ids)
     assert written["settings"] == {"retry_after_steps": 3} and written["attempts_per_task"] == 1
