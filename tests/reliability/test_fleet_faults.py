@@ -1,4 +1,4 @@
-"""Engine replicas killed mid-step and the router restarted. Promises (serving/router.py, serving/fleet.py,
+"""Engine replicas killed mid-step and the router restarted. Promises (serving/router/, serving/fleet.py,
 DESIGN "Engine replicas"/"Router"): a replica that fails a call is marked dead, its sessions move and the
 failed call is retried elsewhere; a replica that joins loads the newest adapter before taking traffic;
 a session keeps one adapter version for its whole life. Replicas are ``serving.sim`` engines, each its

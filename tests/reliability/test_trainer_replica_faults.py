@@ -1,5 +1,5 @@
 """40% of the trainer's engine replicas SIGKILLed mid-step, inside ``python -m training``. Promises
-(training/episodes.py, serving/fleet.py, serving/router.py): the run goes on and finishes every step;
+(training/episodes.py, serving/fleet.py, serving/router/): the run goes on and finishes every step;
 the dead replicas are replaced and each replacement joins serving the newest published adapter; the
 calls in flight on them are retried elsewhere; no finished rollout is lost (every group in the store
 is whole and every rollout is trained on); each session keeps one adapter version when it moves.
