@@ -7,13 +7,13 @@ from the bundled suite's demonstrations the first time it is needed.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
 from assets.resources import PosttrainStorage
+from training.planner.schema import read_run_toml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_RUN_FILE = PROJECT_ROOT / "examples" / "embedded.toml"
@@ -25,10 +25,7 @@ def run_file_dict(storage: PosttrainStorage, run_file: str) -> tuple[dict[str, A
     path = Path(run_file) if run_file else EMBEDDED_RUN_FILE
     if not path.is_file():
         raise FileNotFoundError(f"run file {path} is missing")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"run file {path}: not valid TOML: {exc}") from exc
+    data = read_run_toml(path)
     model = data.setdefault("model", {})
     if model.get("name") == EMBEDDED_MODEL_NAME:
         model["path"] = str(storage.path / "models" / "base")

@@ -322,6 +322,12 @@ def parse_run_dict(data: Mapping[str, Any], source: str = "<dict>") -> RunFile:
 
 def load_run_file(path: str | Path) -> RunFile:
     """Read and validate a run TOML file; raise ``PlanError`` naming the file and the keys."""
+    return parse_run_dict(read_run_toml(path), source=str(path))
+
+
+def read_run_toml(path: str | Path) -> dict[str, Any]:
+    """A run file's TOML as a dict, unvalidated; ``PlanError`` naming the file when it cannot be read,
+    is not UTF-8 or is not TOML."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -336,4 +342,4 @@ def load_run_file(path: str | Path) -> RunFile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PlanError([f"{path}: not valid TOML: {exc}"]) from exc
-    return parse_run_dict(data, source=str(path))
+    return data
