@@ -50,7 +50,6 @@ import posixpath
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
@@ -233,32 +232,18 @@ def agent_exhaustion(sandbox: Sandbox) -> tuple[str, str] | None:
     a lost node) or a daemon that hangs says nothing about the agent.
     """
     box = getattr(sandbox, "sandbox", sandbox)
-    why_gone = getattr(box, "why_gone", None)
-    if not callable(why_gone):
+    why_gone, ended = getattr(box, "why_gone", None), getattr(box, "ended_from_inside", None)
+    if not (callable(why_gone) and callable(ended)):
         return None
-    why = why_gone()
-    if getattr(box, "expired", False):
+    why = why_gone()  # waits briefly for the runtime to exit, so its exit code is known below
+    cause = ended()
+    if cause == "wall_time":
         return AGENT_WALL_TIME, why
-    if _oom_kills(box) > 0:
+    if cause == "memory_limit":
         return AGENT_MEMORY_LIMIT, f"{why}; the sandbox's memory limit was reached (its cgroup's OOM killer fired)"
-    code = getattr(getattr(box, "proc", None), "returncode", None)
-    if isinstance(code, int) and code > 128:
-        return AGENT_KILLED_SANDBOX, f"{why}; the processes inside the sandbox were killed from inside (signal {code - 128})"
+    if cause == "killed_from_inside":
+        return AGENT_KILLED_SANDBOX, f"{why}; the processes inside the sandbox were killed from inside (signal {box.proc.returncode - 128})"
     return None
-
-
-def _oom_kills(box: Any) -> int:
-    """How many processes the sandbox's cgroup OOM-killed (0 when unknown)."""
-    for folder in getattr(getattr(box, "cgroup", None), "paths", []):
-        for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
-            try:
-                for line in (Path(folder) / name).read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill" and value.strip().isdigit():
-                        return int(value)
-            except OSError:
-                continue
-    return 0
 
 
 class _AgentEnded(Exception):

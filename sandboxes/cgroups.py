@@ -96,6 +96,20 @@ class Cgroup:
                     continue
         return None
 
+    def oom_kills(self) -> int:
+        """How many processes the cgroup's OOM killer ended (0 when the kernel does not say)."""
+        for p in self.paths:
+            for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
+                try:
+                    text = (p / name).read_text()
+                except OSError:
+                    continue
+                for line in text.splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit():
+                        return int(value)
+        return 0
+
     def kill(self) -> None:
         """SIGKILL every process of the sandbox (a fork bomb's too: it is one pass over a frozen list
         only if new children cannot appear, so repeat until the cgroup is empty)."""

@@ -356,9 +356,26 @@ class Sandbox:
                 code = self.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 return "the sandbox's runtime is still running but its daemon does not answer"
-            hint = " (the sandbox exceeded its memory limit?)" if code in (-9, 137) else ""
+            if self.cgroup is not None:  # the cgroup says whether its OOM killer fired
+                hint = " (the sandbox exceeded its memory limit)" if self.cgroup.oom_kills() > 0 else ""
+            else:  # runsc's own cgroup is not read here
+                hint = " (the sandbox exceeded its memory limit?)" if code in (-9, 137) else ""
             return f"the {self.runtime.name} runtime exited with code {code}{hint}"
         return ""
+
+    def ended_from_inside(self) -> str | None:
+        """What ended the sandbox when its own processes did: ``wall_time`` (its wall-time limit),
+        ``memory_limit`` (its cgroup's OOM killer fired) or ``killed_from_inside`` (the runtime exited
+        with a code above 128, as it does when the processes inside it were killed from inside); None
+        when nothing says so (killed from the host, lost, or still running)."""
+        if self.expired:
+            return "wall_time"
+        if self.cgroup is not None and self.cgroup.oom_kills() > 0:
+            return "memory_limit"
+        code = self.proc.poll() if self.proc is not None else None
+        if code is not None and code > 128:
+            return "killed_from_inside"
+        return None
 
     def _expire(self) -> None:
         self.expired = True
