@@ -16,7 +16,7 @@ from typing import Any, Literal, Mapping, Sequence
 import dagster as dg
 
 from assets.partitions import parse_checkpoint_partition_key
-from common.home import default_home
+from sandboxes.home import default_home
 from training.checkpoint import checkpoint_path, run_path, runs_root
 
 

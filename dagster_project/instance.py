@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common.home import HOME_ENV, default_home
+from sandboxes.home import HOME_ENV, default_home
 
 DAGSTER_YAML = """\
 telemetry:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from common.home import default_suite_dir
+from sandboxes.home import default_suite_dir
 from evals.actions import apply_edits, content_edits, failing_summary
 from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.home import default_suite_dir
+from sandboxes.home import default_suite_dir
 
 
 def task_repo(suite: Path, task_id: str) -> tuple[Path, dict]:

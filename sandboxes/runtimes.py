@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from common.home import default_home
+from sandboxes.home import default_home
 from sandboxes.cache import LayerCache, Lease
 from sandboxes.cgroups import Cgroup, remove_empty_cgroups
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError

@@ -187,7 +187,7 @@ def training_tasks(source: str) -> dict[str, Any]:
     """The RL tasks of ``source`` (:func:`evals.tasks.rl_tasks`: its ``train`` split without the
     demonstrations the embedded base model learned from): a built bundled suite folder is read as it
     is (the ``task_dataset`` asset built it); anything else goes through the evals loaders."""
-    from common.home import default_suite_dir
+    from sandboxes.home import default_suite_dir
     from evals.tasks import load_bundled, load_tasks, rl_tasks
 
     path = Path(source) if source else default_suite_dir()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.home import default_home
+from sandboxes.home import default_home
 from training.planner.resolve import Plan
 
 PLAN_FILENAME = "resolved-plan.json"

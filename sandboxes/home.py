@@ -1,6 +1,8 @@
 """Where posttrain keeps its data: ``$POSTTRAIN_HOME``.
 
 Datasets, image stores, runs, eval results and the Dagster instance all live under this one root.
+Its default is computed here, once: ``sandboxes`` imports nothing else of the project, so every
+package may import this module.
 """
 
 import os

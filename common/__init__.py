@@ -1,1 +1,0 @@
-"""Leaf utilities every package may import; ``common`` itself imports nothing of the project."""
