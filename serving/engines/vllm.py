@@ -32,9 +32,11 @@ import sys
 from typing import Any
 
 from serving.client import EngineError, HttpPool, error_message
+from serving.engines.vllm_server import BUSY_POLL_ENV
 from serving.engines.base import EngineMetrics, Generation
 from serving.protocol import BASE_WEIGHT_VERSION, BadRequest, SamplingParams
 
+DEFAULT_BUSY_POLL_S = 0.05  # seconds vLLM's processes spin waiting on each other (serving.engines.vllm_server)
 SERVED_MODEL_NAME = BASE_WEIGHT_VERSION  # the base model's name in vLLM's API; adapters go by version name
 
 
@@ -53,12 +55,15 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
                  host: str = "127.0.0.1", block_size: int = 32, dtype: str = "float32",
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  cpu_cores: str | None = None, tool_call_parser: str | None = None,
-                 python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+                 busy_poll_s: float | None = None, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of a vLLM OpenAI-API server for ``model`` on ``host:port``.
 
     ``kv_cache_gib`` is the KV cache (``VLLM_CPU_KVCACHE_SPACE`` on the CPU build); ``cpu_cores``
     pins its compute threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"`` or ``"0-3"``; vLLM picks
-    when None); ``tool_call_parser`` (e.g. ``"hermes"``) turns on tool calls in its chat API.
+    when None); ``tool_call_parser`` (e.g. ``"hermes"``) turns on tool calls in its chat API;
+    ``busy_poll_s`` caps how long its processes spin waiting on each other (:mod:`serving.engines.vllm_server`);
+    None takes ``$POSTTRAIN_VLLM_BUSY_POLL_S``, else 50 ms (vLLM spins 1 s, which on a CPU host takes the
+    cores the sandboxes need).
     ``vllm serve`` is not used: the CPU build's package metadata is not named ``vllm``."""
     if max_loras < 1:
         raise ValueError(f"max_loras must be >= 1, got {max_loras}")
@@ -67,7 +72,7 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
                          f"lora_rank_slot({max_lora_rank}) gives the one to use")
     if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 1 (the CPU build reads an integer), got {kv_cache_gib!r}")
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    argv = [python, "-m", "serving.engines.vllm_server", "--model", str(model),
             "--served-model-name", SERVED_MODEL_NAME, "--enable-lora", "--max-lora-rank", str(max_lora_rank),
             "--max-loras", str(max_loras), "--enable-prefix-caching", "--block-size", str(block_size),
             "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--enable-prompt-tokens-details",
@@ -88,6 +93,7 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
     })
     if cpu_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+    env[BUSY_POLL_ENV] = repr(float(busy_poll_s)) if busy_poll_s is not None else env.get(BUSY_POLL_ENV) or repr(DEFAULT_BUSY_POLL_S)
     env.pop("PYTHONPATH", None)  # the server imports vLLM's packages, never the project's
     return argv, env
 

@@ -9,7 +9,8 @@ import torch
 from serving.adapters import publish_to_volume, push_adapter
 from serving.client import EngineClient, EngineError, error_message
 from serving.engines.base import EngineMetrics
-from serving.engines.vllm import SERVED_MODEL_NAME, VllmEngine, normalize_metrics, parse_completion, vllm_command
+from serving.engines.vllm_server import BUSY_POLL_ENV
+from serving.engines.vllm import DEFAULT_BUSY_POLL_S, SERVED_MODEL_NAME, VllmEngine, normalize_metrics, parse_completion, vllm_command
 from serving.protocol import SamplingParams
 
 PROMPT = list(range(30, 90))
@@ -215,7 +216,8 @@ def test_error_shapes_give_the_engines_message():
 
 def test_launch_command():
     argv, env = vllm_command("/models/base", 31001, max_loras=3, max_lora_rank=8, kv_cache_gib=2, cpu_cores="1")
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:3] == ["-m", "serving.engines.vllm_server"]  # vLLM's api_server, with its busy polling capped
+    assert env[BUSY_POLL_ENV] == repr(DEFAULT_BUSY_POLL_S)
     flags = dict(zip(argv, argv[1:]))
     assert flags["--model"] == "/models/base" and flags["--served-model-name"] == SERVED_MODEL_NAME
     assert (flags["--max-loras"], flags["--max-lora-rank"], flags["--port"], flags["--host"]) == ("3", "8", "31001", "127.0.0.1")
@@ -224,3 +226,33 @@ def test_launch_command():
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "PYTHONPATH" not in env
     with pytest.raises(ValueError, match="kv_cache_gib"):
         vllm_command("/m", 1, kv_cache_gib=0.5)
+    assert vllm_command("/m", 1, busy_poll_s=1)[1][BUSY_POLL_ENV] == "1.0"
+
+
+def test_the_busy_poll_setting_reaches_vllms_queue_readers(monkeypatch):
+    """The wrapper caps the spin of vLLM's own shared-memory queue readers (the real class, built
+    the way vLLM builds it), refuses a setting that is not a number of seconds, and leaves vLLM's
+    default alone when unset."""
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    from serving.engines import vllm_server
+
+    assert vllm_server.busy_poll_s({}) is None
+    assert vllm_server.busy_poll_s({BUSY_POLL_ENV: "0.05"}) == 0.05
+    for bad in ("fast", "-1", "nan"):
+        with pytest.raises(SystemExit, match=BUSY_POLL_ENV):
+            vllm_server.busy_poll_s({BUSY_POLL_ENV: bad})
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "__init__", shm_broadcast.SpinCondition.__init__)
+    context = zmq.Context()
+    try:
+        address = f"inproc://posttrain-spin-test-{id(context)}"
+        writer = shm_broadcast.SpinCondition(is_reader=False, context=context, notify_address=address)
+        assert shm_broadcast.SpinCondition(True, context, address).busy_loop_s == 1  # vLLM's default
+        vllm_server.set_busy_poll(0.05)
+        vllm_server.set_busy_poll(0.05)  # applied once, not wrapped twice
+        reader = shm_broadcast.SpinCondition(True, context, address)
+        assert reader.busy_loop_s == 0.05 and writer.busy_loop_s == 0
+        assert shm_broadcast.SpinCondition(True, context, address, busy_loop_s=0.01).busy_loop_s == 0.01
+    finally:
+        context.destroy(linger=0)
