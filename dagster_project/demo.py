@@ -41,8 +41,11 @@ DEMO_RUN: dict[str, Any] = {
         "async": {"group_size": 8, "collection_size": 40, "max_policy_lag": 1},
     },
 }
-DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS}
-DEMO_EVAL: dict[str, Any] = {"attempts": 8, "max_turns": DEMO_TURNS}
+# Four episodes at a time in the curriculum and the evaluations (two would leave the cores idle while
+# an episode waits on the engine, and vLLM serves four requests in one batch for about the cost of one).
+DEMO_WORKERS = 4
+DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
+DEMO_EVAL: dict[str, Any] = {"attempts": 8, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
 
 
 def _stage(message: str, started: float) -> None:
@@ -129,13 +132,38 @@ def summarize(storage: PosttrainStorage, keys: list[str], k: int) -> list[dict[s
     return out
 
 
+def headline_lines(storage: PosttrainStorage, keys: list[str]) -> list[str]:
+    """The paired change in held-out pass@1 of each evaluated checkpoint from the base, with its 95%
+    interval, and per level (what ``eval_report`` puts first)."""
+    from evals.report import headlines, load_attempt_rows, newest_runs
+
+    rows = newest_runs(load_attempt_rows(storage.evals_dir() / "deepswe"))
+    if rows.empty:
+        return []
+    lines = []
+    for h in headlines(rows[rows["checkpoint"].isin(keys)]):
+        c = h.change
+        lines.append(f"{h.checkpoint}: pass@1 change over the base model {100 * c.value:+.1f} points, 95% CI "
+                     f"[{100 * c.low:+.1f}, {100 * c.high:+.1f}] (paired over {c.n_tasks} tasks)")
+        for lv in h.levels:
+            d = lv["change"]
+            lines.append(f"  level {lv['level']} ({lv['tasks']} tasks): {100 * lv['base']:.1f}% -> {100 * lv['new']:.1f}% "
+                         f"({100 * d.value:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}])")
+    return lines
+
+
 def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
-             curriculum_config: dict[str, Any] | None = None, eval_config: dict[str, Any] | None = None) -> int:
+             curriculum_config: dict[str, Any] | None = None, eval_config: dict[str, Any] | None = None,
+             seed: int = 0) -> int:
     from dagster_project.definitions import defs
 
     started = time.monotonic()
     storage = PosttrainStorage()
     rl_config = {"run_name": run_name, **(DEMO_RUN if rl_run_config is None else rl_run_config)}
+    if seed:
+        overrides = dict(rl_config.get("overrides") or {})
+        overrides["trainer"] = {**(overrides.get("trainer") or {}), "seed": seed}
+        rl_config["overrides"] = overrides
     eval_cfg = {**DEMO_EVAL, **(eval_config or {})}
     with dg.DagsterInstance.get() as instance:
         _stage(f"Dagster instance at {instance.root_directory}; files under {storage.path}", started)
@@ -172,8 +200,8 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
         for row in rows:
             _stage(f"{row['checkpoint']}: held-out pass@1 {100 * row['pass@1']:.1f}%  pass@{k} "
                    f"{100 * row[f'pass@{k}']:.1f}%  target score {row['target_score']:.3f}  ({row['tasks']} tasks)", started)
-        if len(rows) == 2:
-            _stage(f"pass@1 change over the base model: {100 * (rows[1]['pass@1'] - rows[0]['pass@1']):+.1f} points", started)
+        for line in headline_lines(storage, evaluated):
+            _stage(line, started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
         _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)
     return 0

@@ -28,7 +28,7 @@ import pandas as pd
 
 from evals.flawed import FlawedList
 from evals.grading import INFRA_ERROR
-from evals.metrics import Estimate, bootstrap, paired_difference, pass_at_k
+from evals.metrics import Estimate, bootstrap, paired_attempt_difference, paired_difference, pass_at_k
 from evals.signals import split_signals
 
 _KEY = re.compile(r"^(?P<run>.+)-step_(?P<step>\d{6})$")
@@ -165,6 +165,75 @@ def build_report(rows: pd.DataFrame, flawed_lists: Sequence[FlawedList] = (), *,
             base_rows = kept[kept["checkpoint"] == base] if base and base != ckpt else None
             out.append(score_checkpoint(mine, k=k, resamples=resamples, seed=seed, base_rows=base_rows, subset=name))
     return out
+
+
+@dataclass
+class Headline:
+    """The change in held-out pass@1 from a run's base model to one of its checkpoints, paired on the
+    tasks both were graded on, overall and per difficulty level."""
+
+    checkpoint: str
+    base: str
+    base_pass_at_1: float
+    pass_at_1: float
+    change: Estimate  # new - base, two-level bootstrap (tasks, then attempts within tasks)
+    levels: list[dict[str, Any]] = field(default_factory=list)  # level, tasks, base, new, change (Estimate)
+
+
+def _attempt_rewards(rows: pd.DataFrame) -> dict[str, list[float]]:
+    graded = rows[rows["status"] != INFRA_ERROR]
+    return {t: (g["reward"] >= 1.0).astype(float).tolist() for t, g in graded.groupby("task_id", sort=True)}
+
+
+def headlines(rows: pd.DataFrame, *, resamples: int = 2000, seed: int = 0) -> list[Headline]:
+    """For every checkpoint with its run's base model (step 0) in ``rows``: held-out pass@1 of both,
+    the paired change with its 95% interval (bootstrap over tasks, attempts within tasks), and the
+    same per ``difficulty`` level where rows carry one."""
+    out = []
+    checkpoints = sorted(rows["checkpoint"].unique(), key=lambda c: (checkpoint_step(c) or 0, c)) if len(rows) else []
+    for ckpt in checkpoints:
+        base = base_checkpoint(ckpt)
+        if not base or base == ckpt or base not in set(checkpoints):
+            continue
+        mine, theirs = rows[rows["checkpoint"] == ckpt], rows[rows["checkpoint"] == base]
+        new_r, base_r = _attempt_rewards(mine), _attempt_rewards(theirs)
+        common = sorted(set(new_r) & set(base_r))
+        if not common:
+            continue
+        mean = lambda d, ids: float(np.mean([np.mean(d[t]) for t in ids]))  # noqa: E731
+        head = Headline(ckpt, base, mean(base_r, common), mean(new_r, common),
+                        paired_attempt_difference(new_r, base_r, resamples=resamples, seed=seed))
+        if "difficulty" in mine.columns:
+            level_of = mine.drop_duplicates("task_id").set_index("task_id")["difficulty"].to_dict()
+            for level in sorted({level_of[t] for t in common if pd.notna(level_of.get(t))}):
+                ids = [t for t in common if level_of.get(t) == level]
+                head.levels.append({
+                    "level": int(level) if float(level).is_integer() else level, "tasks": len(ids),
+                    "base": mean(base_r, ids), "new": mean(new_r, ids),
+                    "change": paired_attempt_difference({t: new_r[t] for t in ids}, {t: base_r[t] for t in ids},
+                                                        resamples=resamples, seed=seed),
+                })
+        out.append(head)
+    return out
+
+
+def headline_markdown(heads: Sequence[Headline]) -> str:
+    """The headlines as Markdown, in points of pass@1: the overall change with its interval and a
+    table per level."""
+    parts = []
+    for h in heads:
+        c = h.change
+        parts.append(f"**{h.checkpoint}**: held-out pass@1 {100 * h.base_pass_at_1:.1f}% -> {100 * h.pass_at_1:.1f}%, "
+                     f"change **{100 * c.value:+.1f} points**, 95% CI [{100 * c.low:+.1f}, {100 * c.high:+.1f}] "
+                     f"(paired over {c.n_tasks} tasks against {h.base}; bootstrap over tasks, attempts within tasks)\n")
+        if h.levels:
+            parts.append("| level | tasks | base pass@1 | pass@1 | change (points) | 95% CI |\n|---|---|---|---|---|---|")
+            for lv in h.levels:
+                d = lv["change"]
+                parts.append(f"| {lv['level']} | {lv['tasks']} | {100 * lv['base']:.1f}% | {100 * lv['new']:.1f}% | "
+                             f"{100 * d.value:+.1f} | [{100 * d.low:+.1f}, {100 * d.high:+.1f}] |")
+            parts.append("")
+    return "\n".join(parts) if parts else "_no checkpoint evaluated beside its run's base model yet_\n"
 
 
 def markdown_tables(report: Sequence[CheckpointScores], k: int = 8) -> str:

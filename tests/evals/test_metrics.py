@@ -1,6 +1,6 @@
 import pytest
 
-from evals.metrics import bootstrap, paired_difference, pass_at_k
+from evals.metrics import bootstrap, paired_attempt_difference, paired_difference, pass_at_k
 
 
 @pytest.mark.parametrize(
@@ -69,3 +69,47 @@ def test_per_task_with_one_attempt_has_one_pass_column():
     assert list(table.columns).count("pass@1") == 1
     assert table["pass@1"].tolist() == [1.0, 0.0, 1.0]
     assert score_checkpoint(rows, k=1, resamples=50).estimates["pass@1"].value == pytest.approx(2 / 3)
+
+
+def test_paired_attempt_difference_carries_attempt_noise_and_pairs_tasks():
+    # 40 tasks; the new checkpoint solves one more of 8 attempts on each: +1/8 on every task
+    base = {f"t{i}": [1.0] * (i % 5) + [0.0] * (8 - i % 5) for i in range(40)}
+    new = {t: [1.0] * (int(sum(v)) + 1) + [0.0] * (7 - int(sum(v))) for t, v in base.items()}
+    new["only-new"] = [1.0] * 8  # not paired: left out
+    est = paired_attempt_difference(new, base, resamples=1000, seed=3)
+    assert est.n_tasks == 40 and est.value == pytest.approx(1 / 8)
+    # every per-task difference is exactly 1/8, so an interval over tasks alone has no width; the
+    # attempts resampled within tasks widen it, around the point estimate
+    task_only = paired_difference({t: sum(v) / 8 for t, v in new.items()}, {t: sum(v) / 8 for t, v in base.items()})
+    assert task_only.high - task_only.low == pytest.approx(0.0)
+    assert est.low < 1 / 8 < est.high and est.high - est.low > 0.05
+    assert paired_attempt_difference(new, base, resamples=1000, seed=3) == est  # seeded
+    with pytest.raises(ValueError, match="share no task"):
+        paired_attempt_difference({"a": [1.0]}, {"b": [0.0]})
+    with pytest.raises(ValueError, match="'t0' has no attempt"):
+        paired_attempt_difference({"t0": []}, {"t0": [1.0]})
+
+
+def test_headline_per_level_pairs_the_run_with_its_base():
+    import pandas as pd
+
+    from evals.report import headline_markdown, headlines
+
+    rows = []
+    for ckpt, solved in (("r-step_000000", 2), ("r-step_000010", 6)):
+        for level in (1, 3):
+            for t in range(10):
+                for a in range(8):
+                    reward = 1.0 if a < (solved if level == 1 else 1) else 0.0
+                    rows.append({"checkpoint": ckpt, "task_id": f"l{level}-{t}", "difficulty": level, "attempt": a,
+                                 "status": "graded", "reward": reward})
+    rows.append({"checkpoint": "r-step_000010", "task_id": "l1-0", "difficulty": 1, "attempt": 8,
+                 "status": "infra_error", "reward": 0.0})  # not an attempt of the policy: left out
+    heads = headlines(pd.DataFrame(rows), resamples=500)
+    assert [h.checkpoint for h in heads] == ["r-step_000010"] and heads[0].base == "r-step_000000"
+    h = heads[0]
+    assert h.change.value == pytest.approx((4 / 8) / 2) and h.change.low > 0
+    assert [(lv["level"], lv["tasks"]) for lv in h.levels] == [(1, 10), (3, 10)]
+    assert h.levels[0]["change"].value == pytest.approx(0.5) and h.levels[1]["change"].value == pytest.approx(0.0)
+    text = headline_markdown(heads)
+    assert "change **+25.0 points**" in text and "| 3 | 10 | 12.5% | 12.5% | +0.0 |" in text
