@@ -59,7 +59,10 @@ def check_none_dropped(datasets: Path) -> dg.AssetCheckResult:
 
 
 def check_splits_disjoint(datasets: Path) -> dg.AssetCheckResult:
-    """No task id appears twice, and no train task shares its id or its instruction with an eval task."""
+    """No task id appears twice, and no train task is an eval task again: same id, or same instruction
+    on the same starting snapshot (base commit, else image). Generated suites word instructions from
+    templates ("A test of orders.py fails. Fix the bug in orders.py."), so the text alone repeats
+    across different repositories; the same text on the same commit is the same task."""
     frame = _tasks(datasets)
     problems = []
     dupes = sorted(frame["id"][frame["id"].duplicated()].unique())
@@ -69,9 +72,14 @@ def check_splits_disjoint(datasets: Path) -> dg.AssetCheckResult:
     both = sorted(set(train["id"]) & set(held_out["id"]))
     if both:
         problems.append(f"in both train and eval: {', '.join(both[:5])}")
-    same_text = sorted(set(train["instruction"]) & set(held_out["instruction"]))
-    if same_text:
-        problems.append(f"{len(same_text)} instruction(s) shared by a train and an eval task")
+    def same_task_keys(part: Any) -> set[tuple[str, str]]:
+        snapshot = [str(c) if isinstance(c, str) and c else (str(i) if isinstance(i, str) and i else "")
+                    for c, i in zip(part.get("base_commit", [None] * len(part)), part.get("image", [None] * len(part)))]
+        return set(zip(part["instruction"], snapshot))
+
+    same_task = sorted(same_task_keys(train) & same_task_keys(held_out))
+    if same_task:
+        problems.append(f"{len(same_task)} instruction(s) shared by a train and an eval task on the same snapshot")
     return dg.AssetCheckResult(
         check_name="splits_disjoint", passed=not problems,
         metadata={"train": len(train), "eval": len(held_out), **({"problems": "; ".join(problems)} if problems else {})},

@@ -61,6 +61,13 @@ def test_overlapping_splits_are_named(tmp_path):
     assert not result.passed
     assert "appear more than once: c" in result.description and "in both train and eval: c" in result.description
     assert "2 instruction(s) shared" in result.description  # "same text", and c's own
+    # a templated instruction on two different repositories is two tasks; on one commit, one task
+    templated = [{**_task("t", "train", "A test of orders.py fails."), "base_commit": "aaa"},
+                 {**_task("e", "eval", "A test of orders.py fails."), "base_commit": "bbb"}]
+    assert check_splits_disjoint(_datasets(tmp_path / "templated", templated)).passed
+    templated[1]["base_commit"] = "aaa"
+    leaked = check_splits_disjoint(_datasets(tmp_path / "leaked", templated))
+    assert not leaked.passed and "1 instruction(s) shared by a train and an eval task on the same snapshot" in leaked.description
 
 
 def test_an_unvalidated_oracle_fails(tmp_path):
