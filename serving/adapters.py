@@ -28,6 +28,7 @@ import re
 import shutil
 import tempfile
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,12 @@ class ShardAssembler:
     """The receiving side of ``push_adapter``, kept by each replica's HTTP layer."""
 
     def __init__(self, staging_dir: str | Path | None = None):
-        self.staging_dir = Path(staging_dir) if staging_dir else Path(tempfile.mkdtemp(prefix="posttrain-adapters-"))
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        if staging_dir:
+            self.staging_dir = Path(staging_dir)
+            self.staging_dir.mkdir(parents=True, exist_ok=True)
+        else:  # a folder of its own, removed with the assembler or when the process exits
+            self.staging_dir = Path(tempfile.mkdtemp(prefix="posttrain-adapters-"))
+            weakref.finalize(self, shutil.rmtree, str(self.staging_dir), ignore_errors=True)
         self._parts: dict[str, dict[int, bytes]] = {}
         self._expected: dict[str, int] = {}
         self._lock = threading.Lock()

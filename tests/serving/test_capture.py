@@ -1,5 +1,7 @@
 """Capture inside the replica, replay through the model, the SGLang capture sidecar, sharded adapter upload."""
 
+from pathlib import Path
+
 import torch
 
 from serving.adapters import newest_adapter, publish_to_volume, push_adapter
@@ -106,3 +108,18 @@ def test_volume_publication_and_newest_version(adapters, tmp_path):
     publish_to_volume(adapters["v000001"], volume, "v000009")
     (volume / "v000011").mkdir()  # an incomplete version is not picked
     assert newest_adapter(volume) == ("v000010", str(volume / "v000010"))
+
+
+def test_a_replicas_shard_staging_folder_goes_with_it(tmp_path):
+    """The folder an assembler makes for itself (every replica's capture front has one) is removed
+    when the process exits; a folder it was given is the caller's and stays."""
+    import subprocess
+    import sys
+
+    given = tmp_path / "given"
+    code = ("from serving.adapters import ShardAssembler\n"
+            f"own = ShardAssembler(); given = ShardAssembler({str(given)!r})\n"
+            "(own.staging_dir / 'v1').mkdir(); print(own.staging_dir)\n")
+    own = Path(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+    assert own.name.startswith("posttrain-adapters-") and not own.exists()
+    assert given.is_dir()
