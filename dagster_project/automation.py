@@ -1,8 +1,9 @@
 """Declarative automation: the daemon's sensor that evaluates the assets' ``AutomationCondition``s.
 
-``eval_report`` carries its condition (refresh after any ``deepswe_eval`` partition updates, once no
-report run is in progress, whether or not other evals still run); this sensor, running by default, evaluates it every 30 s and
-launches the report runs, tagged ``posttrain/workload=report``.
+``eval_report`` carries its condition (refresh after every ``deepswe_eval`` materialization newer than
+the report's last request, once no report run is in progress, whether or not other evals still run;
+``assets/evals.py`` says why it is not ``since_last_handled``); this sensor, running by default,
+evaluates it every 30 s and launches the report runs, tagged ``posttrain/workload=report``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ report_automation_sensor = dg.AutomationConditionSensorDefinition(
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=30,
     run_tags=REPORT_TAGS,
-    description="Refreshes eval_report after any deepswe_eval partition is materialized.",
+    description="Refreshes eval_report after every deepswe_eval materialization.",
 )
 
 automation_sensors = [report_automation_sensor]

@@ -5,12 +5,16 @@ and the ``checkpoint_eval`` job, the ``checkpoints`` asset, the launcher and its
 observer. Two stand-ins, said here because they are not the real thing: ``rl_run`` launches the
 steps workload (a trainer that reports steps and writes checkpoints exactly as the trainer does, but
 trains nothing), and ``deepswe_eval`` writes graded attempt rows without a model, as no engine and
-sandbox fleet can be started for every eval within this test. ``eval_report`` and the automation
-sensor are the real ones. The stand-ins keep the real assets' keys,
-partitions, pools, retry policy and job tags, which is what the concurrency rule acts on.
+sandbox fleet can be started for every eval within this test; with ``POSTTRAIN_TEST_EVAL_GATE`` set
+to a folder, an eval run of a backfill waits until a file named after the backfill's id is there
+before it records its rows, so a test can choose when an eval lands. ``eval_report`` and the
+automation sensor are the real ones. The stand-ins keep the real assets' keys, partitions, pools,
+retry policy and job tags, which is what the concurrency rule acts on.
 """
 
 import os
+import time
+from pathlib import Path
 
 import dagster as dg
 
@@ -42,6 +46,11 @@ def rl_run(context: dg.AssetExecutionContext, storage: PosttrainStorage, launche
 @dg.asset(group_name="evals", deps=[checkpoints], partitions_def=checkpoints_partitions, pool=EVAL_POOL,
           retry_policy=dg.RetryPolicy(max_retries=2, delay=30, backoff=dg.Backoff.EXPONENTIAL))
 def deepswe_eval(context: dg.AssetExecutionContext, storage: PosttrainStorage):
+    gate = os.environ.get("POSTTRAIN_TEST_EVAL_GATE")
+    opened = Path(gate or ".") / context.run.tags.get("dagster/backfill", "")
+    deadline = time.monotonic() + 400
+    while gate and not opened.is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
     rows = [{c: None for c in ROW_COLUMNS} | {"checkpoint": context.partition_key, "task_id": "t0", "attempt": a,
                                                "status": "graded", "reward": 1.0, "partial": 1.0, "target_score": 1.0,
                                                "strict_target_score": 1.0, "signals": "", "committed": True}
