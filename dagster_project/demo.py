@@ -202,6 +202,11 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
                    f"{100 * row[f'pass@{k}']:.1f}%  target score {row['target_score']:.3f}  ({row['tasks']} tasks)", started)
         for line in headline_lines(storage, evaluated):
             _stage(line, started)
+        waiting = [key for key in keys if key not in evaluated]
+        if waiting:
+            _stage(f"not evaluated here: {', '.join(waiting)} (deepswe_eval shows them Missing); `posttrain ui` "
+                   f"evaluates them (its sensor asks for every saved checkpoint), or `posttrain backfill deepswe_eval "
+                   f"--partitions {','.join(waiting)}`", started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
         _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)
     return 0
