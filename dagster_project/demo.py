@@ -1,9 +1,9 @@
 """``posttrain demo``: the whole asset graph on the embedded default, in the local instance.
 
 Materializes ``task_dataset``, ``image_cache``, ``difficulty_curriculum`` (which builds the embedded
-base model first) and ``rl_run``; adds a ``checkpoints`` partition for every checkpoint the run saved;
-evaluates the base model (step 0) and the final checkpoint (the other checkpoints stay partitions that
-``posttrain backfill deepswe_eval`` or the sensor evaluates later); then builds ``eval_report`` and
+base model first) and ``rl_run``; adds ``checkpoints`` partitions for the base model (step 0) and the
+final checkpoint and evaluates them (the sensor adds and evaluates the others the first time the
+daemon runs: ``posttrain ui``); then builds ``eval_report`` and
 prints held-out pass@1, pass@k and target scores of the base and the final checkpoint side by side.
 Everything lands in the local Dagster instance, so ``posttrain ui`` shows it after.
 
@@ -184,9 +184,11 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
         keys = [k for k in complete_checkpoint_keys(storage) if parse_checkpoint_partition_key(k)[0] == run_name]
         if not keys:
             raise RuntimeError(f"run {run_name!r} saved no checkpoint under {storage.run_dir(run_name)}")
-        known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
-        instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in keys if k not in known])
         evaluated = sorted({keys[0], keys[-1]})
+        # Only the checkpoints evaluated here become partitions now; the sensor adds the others, and
+        # asks for their evals, the first time the daemon runs (`posttrain ui`).
+        known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
+        instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in evaluated if k not in known])
         for i, key in enumerate(evaluated, 1):
             _stage(f"evaluating checkpoint {key} ({i}/{len(evaluated)})", started)
             _execute(defs, "checkpoint_eval", instance, partition_key=key,
@@ -204,9 +206,8 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             _stage(line, started)
         waiting = [key for key in keys if key not in evaluated]
         if waiting:
-            _stage(f"not evaluated here: {', '.join(waiting)} (deepswe_eval shows them Missing); `posttrain ui` "
-                   f"evaluates them (its sensor asks for every saved checkpoint), or `posttrain backfill deepswe_eval "
-                   f"--partitions {','.join(waiting)}`", started)
+            _stage(f"not evaluated here: {', '.join(waiting)}; `posttrain ui` evaluates them (its sensor adds a "
+                   f"checkpoints partition for each saved checkpoint it has not seen and asks for its eval)", started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
         _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)
     return 0
