@@ -28,9 +28,21 @@ STATUSES = ("graded", "apply_failed", "agent_fault", "infra_error")
 class DeepSWEEvalConfig(dg.Config):
     """How a checkpoint is evaluated. ``tasks``: a task source (``bundled`` is the suite under the
     datasets folder); ``split``: which of its tasks (empty: all). ``max_infra_error_share``: the
-    share of attempts lost to the infrastructure above which the run's check fails."""
+    share of attempts lost to the infrastructure above which the run's check fails.
+
+    ``harbor_dataset``: a Harbor dataset folder (DeepSWE v1.1's tasks, or ``posttrain tasks
+    export-harbor`` output) to evaluate on instead of ``tasks`` (empty: the ``tasks`` source);
+    ``harbor_sources``: the folder of repository sources its images are built from (git folders or
+    bundles named by repository); ``harbor_tasks``: task ids to evaluate (empty: every buildable
+    task; a task without a split counts as held out); ``harbor_network``: let a missing image's
+    recipe reach the package registries (with the date cutoff). Each attempt then runs DeepSWE
+    v1.1's verifier flow (``assets.harbor_eval``)."""
 
     tasks: str = "bundled"
+    harbor_dataset: str = ""
+    harbor_sources: str = ""
+    harbor_tasks: list[str] = []
+    harbor_network: bool = True
     split: str = "eval"
     attempts: int = 8
     max_turns: int = 4
@@ -137,13 +149,18 @@ def deepswe_eval(
 
     key = context.partition_key
     policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
-    tasks = load_eval_tasks(config.tasks, config.split, bundled_dir=storage.datasets_dir() / "bundled")
-    rows = evaluate_checkpoint(
-        tasks, policy.base_model, platform_sandbox_factory(config.sandbox_runtime), checkpoint=key,
-        adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
-        max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-        seed=config.seed, workers=config.workers, log=context.log.info,
-    )
+    if config.harbor_dataset:  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
+        from assets.harbor_eval import harbor_eval_rows
+
+        tasks, rows = harbor_eval_rows(context, config, storage, policy)
+    else:
+        tasks = load_eval_tasks(config.tasks, config.split, bundled_dir=storage.datasets_dir() / "bundled")
+        rows = evaluate_checkpoint(
+            tasks, policy.base_model, platform_sandbox_factory(config.sandbox_runtime), checkpoint=key,
+            adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
+            max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+            seed=config.seed, workers=config.workers, log=context.log.info,
+        )
     path = write_rows(rows, eval_rows_path(storage, key, context.run_id))
 
     frame = pd.DataFrame(rows)
@@ -195,11 +212,27 @@ def check_report_complete(reported: set[str], evaluated: set[str]) -> dg.AssetCh
     )
 
 
-# Refresh after any deepswe_eval partition updates, once no report run is in progress. Evals of other
+# Refresh after every deepswe_eval materialization, once no report run is in progress. Evals of other
 # checkpoints still running do not hold it back: during an RL run some eval is nearly always going.
+#
+# Why not ``any_deps_updated().since_last_handled()``: the automation sensor looks at the instance
+# every 30 s, and when the trigger (a dep updated since the last tick) and the reset (the report was
+# requested or materialized since the last tick) are both true on one tick, SINCE keeps the trigger
+# only if both carry event timestamps and the trigger's is later. In Dagster 1.13, ``|`` and ``&``
+# drop those timestamps, and both built-in compositions use them (``any_deps_updated`` is
+# ``newly_updated & ~executed_with_root_target | will_be_requested``, ``handled`` is
+# ``newly_requested | newly_updated | initial_evaluation``), so the reset always won: a second eval
+# that finished within the same 30 s as the previous refresh (or its request) was dropped, and the
+# report stayed at the older rows. Here both sides are single operands that carry timestamps (a dep's
+# materialization time; the requesting tick's time), so an eval that lands after the request that
+# reset the condition sets it again. The report's own materialization is no reset: each refresh the
+# sensor launches was requested first, and a report run that read its rows before the eval landed is
+# followed by one more refresh.
 REPORT_AUTOMATION = (
-    dg.AutomationCondition.any_deps_updated().since_last_handled() & ~dg.AutomationCondition.in_progress()
-).with_label("after any deepswe_eval partition")
+    dg.AutomationCondition.any_deps_match(dg.AutomationCondition.newly_updated())
+    .since(dg.AutomationCondition.newly_requested())
+    & ~dg.AutomationCondition.in_progress()
+).with_label("after every deepswe_eval materialization")
 
 
 @dg.asset(
@@ -210,15 +243,18 @@ REPORT_AUTOMATION = (
 def eval_report(
     context: dg.AssetExecutionContext, config: EvalReportConfig, storage: PosttrainStorage
 ) -> dg.MaterializeResult:
-    """Per checkpoint: pass@1, pass@k, partial and strict target score with 95% bootstrap intervals,
+    """First, each checkpoint's change in held-out pass@1 from its run's base model, paired on the same
+    tasks with a 95% interval (bootstrap over tasks, attempts within tasks), overall and per level.
+    Per checkpoint: pass@1, pass@k, partial and strict target score with 95% bootstrap intervals,
     and the change from the run's base model (step 0) with a paired 95% interval; every score again
     with each flawed-task list (``datasets/flawed/``) left out and without flagged attempts. Each
     checkpoint is scored on its newest eval run; ``repeats`` shows pass@1 of every run and the
     spread between them. The plots put every run side by side: pass@1 per step, the training
-    curves, pass@k and target scores. Refreshes on its own after any ``deepswe_eval`` partition."""
+    curves, pass@k and target scores. Refreshes on its own after every ``deepswe_eval`` materialization."""
     from evals.flawed import load_flawed_lists
     from evals.report import (
-        build_report, flagged_mask, load_attempt_rows, markdown_tables, newest_runs, plot_pass_at_1, plot_pass_at_k,
+        build_report, flagged_mask, headline_markdown, headlines, load_attempt_rows, markdown_tables, newest_runs,
+        plot_pass_at_1, plot_pass_at_k,
         plot_target_scores, parse_key, repeat_spread, report_rows, signal_counts, spread_markdown,
     )
     from training.checkpoint import metrics_dir
@@ -239,9 +275,11 @@ def eval_report(
     out = storage.reports_dir()
     out.mkdir(parents=True, exist_ok=True)
     tables = markdown_tables(report, k=config.k)
+    headline = headline_markdown(headlines(rows, resamples=config.resamples))
     spread = repeat_spread(every_run, config.k)
     repeats = spread_markdown(spread)
-    (out / "eval_report.md").write_text("# Evaluation report\n\n" + tables + "\n### Repeats\n\n" + repeats)
+    (out / "eval_report.md").write_text("# Evaluation report\n\n## Change from the base model\n\n" + headline
+                                        + "\n" + tables + "\n### Repeats\n\n" + repeats)
     report_rows(report).round(4).to_csv(out / "eval_report.csv", index=False)
     p1 = plot_pass_at_1(report, out / "pass_at_1.png")
     pk = plot_pass_at_k(rows, out / "pass_at_k.png", k_max=config.k)
@@ -258,6 +296,7 @@ def eval_report(
         "signals": dg.MetadataValue.json(signal_counts(graded)),
         "flawed_dir": dg.MetadataValue.path(str(flawed_dir)),
         "flawed_lists": dg.MetadataValue.json({fl.name: sorted(fl.ids) for fl in lists}),
+        "change from the base model": dg.MetadataValue.md(headline),
         "scores": dg.MetadataValue.md(tables),
         "repeats": dg.MetadataValue.md(repeats),
         "pass@1 per checkpoint": dg.MetadataValue.md(png_markdown(p1, "pass@1 per checkpoint")),

@@ -87,42 +87,56 @@ def _harbor_recipes(tasks) -> dict[str, tuple[str, str]]:
     return out
 
 
+def build_harbor_images(context, recipes: dict[str, tuple[str, str]], sources: str, store, cache, *,
+                        network: bool = True, compression: str = "zstd") -> tuple[dict, dict[str, str]]:
+    """Build (or find in ``store``) the image of every Harbor task in ``recipes`` (``task id ->
+    (Dockerfile, base commit)``) from the repository sources in ``sources``, unpack it into the
+    node's ``cache``, and log one progress line per task (``[i/n] task: size, built in s`` or
+    ``cached``). Returns the builds (``task id -> HarborBuild``) and the failures (``task id ->
+    why``): one task that cannot be built does not stop the others."""
+    import time
+
+    from sandboxes.harbor import build_harbor_image, harbor_image_name
+
+    built, failures = {}, {}
+    for i, (task_id, (dockerfile, base)) in enumerate(sorted(recipes.items()), 1):
+        started = time.perf_counter()
+        try:
+            b = build_harbor_image(harbor_image_name(task_id), dockerfile, base, sources, store, network=network,
+                                   compression=compression, log=context.log.debug)
+            lease = cache.acquire(b.image, store)
+            lease.release()
+        except Exception as exc:  # noqa: BLE001 - any failure of one task is reported, the rest build
+            failures[task_id] = str(exc)[-2000:]
+            context.log.warning(f"[{i}/{len(recipes)}] {task_id}: no image: {str(exc)[-500:]}")
+            continue
+        built[task_id] = b
+        seconds = time.perf_counter() - started
+        context.log.info(f"[{i}/{len(recipes)}] {task_id}: {b.image.size_bytes / 1e6:.1f} MB, "
+                         f"{'cached' if b.cached else f'built in {seconds:.1f} s'}")
+    return built, failures
+
+
 def _build_harbor(context, recipes, config: ImageCacheConfig, store, cache, report) -> str:
     """Build every Harbor task's image from its recipe, logging progress; failures join the report's."""
     import json
     import os
-    import time
-
-    from sandboxes.harbor import build_harbor_image, harbor_image_name
 
     if recipes and not config.harbor_sources:
         for task_id in recipes:
             report["failures"][task_id] = "a Harbor task: set harbor_sources (the repository sources folder) to build it"
         return ""
+    built, failures = build_harbor_images(context, recipes, config.harbor_sources, store, cache,
+                                          network=config.harbor_network, compression=config.compression)
+    report["failures"].update(failures)
+    report["images"] += len(built)
     lines = ["| task | image | size (MB) | build (s) |", "|---|---|---|---|"]
-    built = {}
-    for i, (task_id, (dockerfile, base)) in enumerate(sorted(recipes.items()), 1):
-        started = time.perf_counter()
-        try:
-            b = build_harbor_image(harbor_image_name(task_id), dockerfile, base, config.harbor_sources, store,
-                                   network=config.harbor_network, compression=config.compression,
-                                   log=context.log.debug)
-            lease = cache.acquire(b.image, store)
-            lease.release()
-        except Exception as exc:  # noqa: BLE001 - any failure of one task is reported, the rest build
-            report["failures"][task_id] = str(exc)[-2000:]
-            context.log.warning(f"[{i}/{len(recipes)}] {task_id}: no image: {str(exc)[-500:]}")
-            continue
-        built[task_id] = b.image.name
-        seconds = time.perf_counter() - started
-        context.log.info(f"[{i}/{len(recipes)}] {task_id}: {b.image.size_bytes / 1e6:.1f} MB, "
-                         f"{'cached' if b.cached else f'built in {seconds:.1f} s'}")
-        lines.append(f"| {task_id} | {b.image.name} | {b.image.size_bytes / 1e6:.1f} | {b.build_s:.1f} |")
-        report["images"] += 1
+    lines += [f"| {task_id} | {b.image.name} | {b.image.size_bytes / 1e6:.1f} | {b.build_s:.1f} |"
+              for task_id, b in sorted(built.items())]
     if built:  # the index maps task ids to image names: add the Harbor ones
         index_path = store.root / "index.json"
         index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-        index.update(built)
+        index.update({task_id: b.image.name for task_id, b in built.items()})
         tmp = store.root / f".index.json.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
         os.replace(tmp, index_path)

@@ -28,7 +28,8 @@ verifier.
 
 :func:`export_harbor` writes the bundled suite as Harbor tasks (with their repositories as git
 bundles), so the whole path runs on tasks this project owns. :func:`evaluate_harbor` gives attempt
-rows with :data:`evals.evaluate.ROW_COLUMNS`.
+rows with :data:`evals.evaluate.ROW_COLUMNS`; :func:`evaluate_harbor_checkpoint` serves a checkpoint
+and evaluates it (the ``deepswe_eval`` asset on a Harbor dataset).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import inspect
 import json
 import os
 import shlex
@@ -86,17 +86,17 @@ def build_task_image(task: Task, sources: str | Path, store, *, network: bool = 
 
 def harbor_sandbox_factory(store=None, cache=None, runtime: str = "bwrap") -> SandboxFactory:
     """Sandboxes of Harbor tasks: the task's built image (:func:`build_task_image`), its limits from
-    ``task.toml`` (:func:`sandboxes.harbor.harbor_limits`) and its environment
-    (:func:`sandboxes.harbor.harbor_env`: the task's virtual environment first, plugins autoloaded)."""
+    ``task.toml`` (:func:`sandboxes.harbor.harbor_limits`), its environment
+    (:func:`sandboxes.harbor.harbor_env`: the task's virtual environment first, plugins autoloaded),
+    and a writable root where the task needs one (``metadata["writable_root"]``, decided by
+    :func:`evals.tasks.needs_writable_root`: a verifier that installs into ``/opt/venv``), for the
+    agent's sandbox and the verifier's alike, as in the task's container."""
     import sandboxes
     from sandboxes.harbor import harbor_env, harbor_limits
     from sandboxes.runtimes import SandboxError, default_cache, default_store
 
     store = store or default_store()
     cache = cache or default_cache()
-    # a task's verifier may write outside /app (DeepSWE's bandit tasks reinstall into /opt/venv), as in
-    # its container: where the runtime offers a writable root (writes land in the sandbox's own layer), use it
-    writable = {"writable_root": True} if "writable_root" in inspect.signature(sandboxes.start).parameters else {}
 
     @contextlib.contextmanager
     def factory(task: Task) -> Iterator[PlatformSandbox]:
@@ -106,7 +106,8 @@ def harbor_sandbox_factory(store=None, cache=None, runtime: str = "bwrap") -> Sa
         try:
             image = store.load_image(name)
             box = sandboxes.start(image, runtime=runtime, limits=limits, store=store, cache=cache,
-                                  env=harbor_env(store, name), **writable)
+                                  env=harbor_env(store, name),
+                                  writable_root=bool(task.metadata.get("writable_root", False)))
         except (SandboxError, OSError) as exc:
             raise InfraError(f"task {task.id}: the {runtime} sandbox of image {name} did not start: {exc}") from exc
         with box:
@@ -444,6 +445,59 @@ def evaluate_harbor(tasks: Sequence[Task], factory: SandboxFactory, *, agent: st
     jobs = [(ti, a) for ti in range(len(tasks)) for a in range(attempts)]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(one, jobs))
+
+
+def model_context_tokens(base_model: str | Path) -> int | None:
+    """The context length of a Hugging Face model folder (``max_position_embeddings``), or None.
+    Real tasks' prompts can be longer than a small model's context: an episode that does not fit
+    stops (``stop_reason="context"``, nothing committed) instead of the engine refusing the call."""
+    try:
+        config = json.loads((Path(base_model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def evaluate_harbor_checkpoint(tasks: Sequence[Task], base_model: str | Path, factory: SandboxFactory, *,
+                               checkpoint: str, adapter: str | Path | None = None,
+                               adapter_version: str | None = None, attempts: int = 8, workers: int = 1,
+                               record_dir: str | Path | None = None, engine_log: str | Path | None = None,
+                               log: Callable[[str], None] | None = None, **episode_kwargs: Any) -> list[dict[str, Any]]:
+    """:func:`evaluate_harbor` of a checkpoint with the built-in agent loop: ``base_model`` (a Hugging
+    Face folder) with the peft folder ``adapter`` loaded as ``adapter_version`` (none: the base model
+    alone), served by an engine replica process for the length of the call
+    (:func:`evals.evaluate.served_model`: vLLM unless ``POSTTRAIN_ENGINE`` says otherwise). The
+    model's end-of-sequence tokens stop each turn, and its context (:func:`model_context_tokens`)
+    bounds each episode's; ``episode_kwargs`` go to the episodes (``max_turns``, ``max_new_tokens``,
+    ``temperature``, ``seed``, ``action_format``, ...). The ``deepswe_eval`` asset calls this on a
+    Harbor dataset."""
+    from evals.evaluate import served_model
+    from evals.harness import HttpClient
+
+    if adapter is not None and not adapter_version:
+        raise ValueError(f"checkpoint {checkpoint}: an adapter needs an adapter_version to be served as")
+    engine_settings = {}
+    if adapter is not None:
+        from serving.engines.vllm import lora_rank_slot
+
+        rank = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("r", 16)
+        engine_settings["max_lora_rank"] = lora_rank_slot(int(rank))
+    context = model_context_tokens(base_model)
+    if context is not None:
+        episode_kwargs.setdefault("max_context_tokens", context)
+    with served_model(base_model, engine_log, what=f"checkpoint {checkpoint}", **engine_settings) as (url, tokenizer, eos):
+        if adapter is not None:
+            from serving.client import EngineClient
+
+            EngineClient(url).load_lora_adapter(adapter_version, str(adapter))
+        if log is not None:
+            log(f"evaluating {checkpoint} (adapter {adapter_version or 'none'}) on {len(tasks)} Harbor tasks x "
+                f"{attempts} attempts, served on {url}")
+        return evaluate_harbor(tasks, factory, agent="model", model=HttpClient(url), tokenizer=tokenizer,
+                               model_url=url, checkpoint=checkpoint,
+                               adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
+                               workers=workers, record_dir=record_dir, log=log, stop_token_ids=eos, **episode_kwargs)
 
 
 def record_verification(folder: Path, result: Verification) -> None:

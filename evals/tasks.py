@@ -11,7 +11,8 @@ Sources:
   ``instruction.md`` and ``tests/config.json`` (``f2p_node_ids``, ``p2p_node_ids``, ``grade``), read
   whole: ``environment/Dockerfile`` (the recipe :mod:`sandboxes.harbor` builds), ``tests/`` (the
   verifier's files: ``test.sh``, ``test.patch``, ...) and ``solution/solution.patch`` are recorded in
-  the task's metadata (``environment``, ``tests_dir``, ``test_files``, ``solution_patch``). A task
+  the task's metadata (``environment``, ``tests_dir``, ``test_files``, ``solution_patch``, and
+  ``writable_root``: whether its sandboxes need a writable root, :func:`needs_writable_root`). A task
   folder that lacks a file, or whose file is malformed (not UTF-8, not valid TOML/JSON, a bad key), is
   returned as an :class:`IncompleteTask` with the reason naming the file, never dropped. Given a
   folder of repository sources (``sources=``), a task that cannot be built from them (no recipe, a
@@ -29,6 +30,7 @@ Sources:
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -256,6 +258,10 @@ def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
     extra["test_files"] = sorted(str(p.relative_to(tests_dir)) for p in tests_dir.rglob("*") if p.is_file())
     solution = task_dir / "solution" / "solution.patch"
     extra["solution_patch"] = str(solution) if solution.is_file() else ""
+    if "writable_root" in env and not isinstance(env["writable_root"], bool):
+        raise TaskLoadError(f"{toml_path}: key 'environment.writable_root' must be true or false, "
+                            f"got {env['writable_root']!r}")
+    extra["writable_root"], extra["writable_root_reason"] = needs_writable_root(tests_dir, env.get("writable_root"))
     return Task(
         id=task_id,
         source="harbor",
@@ -276,6 +282,59 @@ def load_harbor_task(task_dir: Path) -> Task | IncompleteTask:
         difficulty=meta["difficulty"] if isinstance(meta.get("difficulty"), int) and not isinstance(meta.get("difficulty"), bool) else 0,
         metadata=extra,
     )
+
+
+# A command that installs into the task's environment (its virtual environment, npm's global prefix):
+# where a verifier runs one, it writes outside /app, as it may in the task's container.
+_INSTALL_COMMAND = re.compile(
+    r"(^|[\s;&|(])(pip3?|python3?\s+-m\s+pip|uv\s+pip|poetry|pdm)\s+(install|sync|add)\b"
+    r"|(^|[\s;&|(])(npm|pnpm|yarn)\s+(install|i|ci|add|link)\s+(-g|--global)\b"
+    r"|(^|[\s;&|(])python3?\s+setup\.py\s+(develop|install)\b")
+
+
+def _verifier_scripts(tests_dir: Path) -> Iterable[tuple[str, str]]:
+    """The shell scripts a task's verifier runs: ``tests/*.sh`` and the ``.sh`` files its
+    ``test.patch`` adds to the repository (their added lines), as ``(name, text)``."""
+    for path in sorted(tests_dir.glob("*.sh")):
+        yield path.name, path.read_text(errors="replace")
+    patch = tests_dir / "test.patch"
+    if not patch.is_file():
+        return
+    name, lines = "", []
+    for line in patch.read_text(errors="replace").splitlines():
+        if line.startswith("diff --git "):
+            if name.endswith(".sh"):
+                yield name, "\n".join(lines)
+            name, lines = line.rsplit(" b/", 1)[-1], []
+        elif line.startswith("+") and not line.startswith("+++"):
+            lines.append(line[1:])
+    if name.endswith(".sh"):
+        yield name, "\n".join(lines)
+
+
+def needs_writable_root(tests_dir: Path, declared: bool | None = None) -> tuple[bool, str]:
+    """Whether a Harbor task's sandboxes need a writable root, and why.
+
+    A task's container is writable everywhere, and a few verifiers rely on it: DeepSWE's
+    bandit-interprocedural-taint-checks re-runs ``pip install -e .`` into ``/opt/venv`` before
+    its tests, which a read-only root stops before any test runs (every test then counts as
+    failed, the reference solution's too). posttrain's sandbox root is read-only outside
+    ``/workspace``, ``/tmp`` and ``$HOME`` by default, which catches a test that writes where it
+    should not, so the writable root is chosen per task: ``[environment] writable_root`` in
+    ``task.toml`` decides when it is set; otherwise a task needs one when a script its verifier
+    runs (``tests/*.sh``, or a ``.sh`` file its ``test.patch`` adds) has an install command
+    outside a comment (``pip install``, ``uv pip install``, ``poetry install``, ``npm install -g``,
+    ``setup.py develop``, ...). The writes land in the sandbox's own layer and vanish with it
+    (:func:`sandboxes.runtimes.start`); the host toolchain stays read-only either way."""
+    if declared is not None:
+        return declared, "task.toml: environment.writable_root = " + ("true" if declared else "false")
+    for name, text in _verifier_scripts(tests_dir):
+        for line in text.splitlines():
+            code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
+            match = _INSTALL_COMMAND.search(code)
+            if match:
+                return True, f"{name} installs into the environment: {line.strip()[:200]}"
+    return False, ""
 
 
 def _harbor_identity(task_dir: Path) -> tuple[str, str]:

@@ -304,12 +304,24 @@ def _default_branch(repo: Path) -> str:
     return head.split("/", 1)[1] if "/" in head else "main"
 
 
-def checkout_at_base(source: Path, base_commit: str, dest: Path) -> None:
+def checkout_at_base(source: Path, base_commit: str, dest: Path) -> str:
     """Clone ``source`` into ``dest`` with its default branch at ``base_commit`` and nothing later:
     other branches, tags that are not ancestors, the remote and reflogs are dropped and the
-    unreachable objects pruned; then checks that no commit outside the base's history is left."""
+    unreachable objects pruned; then checks that no commit outside the base's history is left, not
+    even an unreachable one (``git fsck --lost-found`` would find it). A source that is a partial
+    clone keeps its objects in *promisor* packs, which ``git gc`` never prunes: the copy drops that
+    mark, so its later commits go too.
+
+    A source snapshot that lacks objects of older history (a partial copy of a large repository)
+    while the base commit's own tree is whole is cut at the base commit instead: the clone is made
+    shallow there (``.git/shallow``; its tags dropped), so the agent sees the base commit without
+    its ancestors, and still nothing later. Returns a note saying so, or ''."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     _git("clone", "-q", "--no-checkout", "--no-hardlinks", str(source), str(dest))
+    # a partial clone's packs are kept whole by gc (their objects are "promised"): make them plain packs
+    for marker in (dest / ".git" / "objects" / "pack").glob("*.promisor"):
+        marker.unlink()
+    _git("config", "--unset-all", "extensions.partialClone", cwd=dest, check=False)
     if _git("cat-file", "-t", f"{base_commit}^{{commit}}", cwd=dest, check=False) != "commit":
         raise RecipeError(f"the source {source} does not hold the base commit {base_commit}")
     branch = _default_branch(dest)
@@ -322,10 +334,34 @@ def checkout_at_base(source: Path, base_commit: str, dest: Path) -> None:
         if subprocess.run(["git", "merge-base", "--is-ancestor", tag, "HEAD"], cwd=dest, capture_output=True).returncode:
             _git("tag", "-d", tag, cwd=dest)
     _git("reflog", "expire", "--expire=now", "--all", cwd=dest)
-    _git("gc", "-q", "--prune=now", cwd=dest, timeout=1800)
+    note = ""
+    try:
+        _git("gc", "-q", "--prune=now", cwd=dest, timeout=1800)
+    except RecipeError as exc:
+        if "unable to read" not in str(exc):
+            raise
+        # the history holds objects the source does not have: keep the base commit alone
+        (dest / ".git" / "shallow").write_text(base_commit + "\n")
+        for tag in _git("tag", cwd=dest).splitlines():
+            if _git("rev-parse", f"{tag}^{{commit}}", cwd=dest, check=False) != base_commit:
+                _git("tag", "-d", tag, cwd=dest)
+        try:
+            _git("gc", "-q", "--prune=now", cwd=dest, timeout=1800)
+        except RecipeError as again:
+            raise RecipeError(f"the source {source} lacks objects of the base commit {base_commit} itself, "
+                              f"not only of its history: {again}") from None
+        note = (f"the source {source} lacks objects of the history before {base_commit}: the repository "
+                f"is cut at the base commit (shallow, no ancestors): {str(exc)[-200:]}")
     later = _git("rev-list", "--all", f"^{base_commit}", cwd=dest)
     if later:
         raise RecipeError(f"{dest}: commits after the base {base_commit} are still reachable: {later.split()[:3]}")
+    listed = _git("cat-file", "--batch-all-objects", "--batch-check=%(objecttype) %(objectname)", cwd=dest)
+    commits = {line.split()[1] for line in listed.splitlines() if line.startswith("commit ")}
+    stray = commits - set(_git("rev-list", "--all", cwd=dest).split())
+    if stray:
+        raise RecipeError(f"{dest}: {len(stray)} commits outside the base {base_commit}'s history are still stored "
+                          f"(unreachable), e.g. {sorted(stray)[0]}")
+    return note
 
 
 def checkout_submodules(repo: Path, base_commit: str, sources: Path) -> list[str]:
@@ -405,7 +441,8 @@ def build_env(recipe: Recipe, cutoff: str) -> dict[str, str]:
            # pnpm's package store in the step's /tmp (dropped), never a .pnpm-store in the repository
            "npm_config_store_dir": "/tmp/.pnpm-store", "npm_config_package_import_method": "copy",
            "PATH": f"{VENV}/bin:{TOOLS}/bin:{NODE_PREFIX}/bin:{SHIM_DIR}:/usr/local/bin:/usr/bin:/bin"}
-    env.update(recipe.env)
+    for key, value in recipe.env.items():  # "ENV PATH=/app/node_modules/.bin:$PATH" extends the build's own
+        env[key] = _substitute(value, env)
     return env
 
 
@@ -476,7 +513,7 @@ def harbor_layer_tar() -> bytes:
     return buf.getvalue()
 
 
-BUILDER_VERSION = 2  # a change to how images are built invalidates the images built before it
+BUILDER_VERSION = 3  # a change to how images are built invalidates the images built before it
 
 
 def recipe_key(recipe_text: str, base_commit: str, cutoff: str) -> str:
@@ -532,7 +569,7 @@ def build_harbor_image(name: str, dockerfile: str | Path, base_commit: str, sour
     with tempfile.TemporaryDirectory(prefix=f"posttrain-harbor-{name[:40]}-") as tmp:
         stage = Path(tmp)
         (stage / "opt").mkdir()
-        checkout_at_base(source, base_commit, stage / "app")
+        cut = checkout_at_base(source, base_commit, stage / "app")
         submodules = checkout_submodules(stage / "app", base_commit, Path(sources))
         _git("checkout", "-q", cwd=stage / "app")
         step_s = []
@@ -559,9 +596,9 @@ def build_harbor_image(name: str, dockerfile: str | Path, base_commit: str, sour
             step_s.append(_run_step(stage, step.command, env, network, f"{dockerfile}: line {step.line}", log))
         shutil.rmtree(stage / TOOLS.lstrip("/"), ignore_errors=True)  # build-time only
         apt_log = stage / APT_LOG.lstrip("/")
-        notes = []
+        notes = [cut] if cut else []
         if apt_log.is_file():
-            notes = [f"skipped (system packages come from the host): {line}" for line in apt_log.read_text().splitlines()]
+            notes += [f"skipped (system packages come from the host): {line}" for line in apt_log.read_text().splitlines()]
             apt_log.unlink()
         # the dependency layer and the repository belong to the sandbox user, as a container's files
         # belong to its root: a verifier that reinstalls the package into /opt/venv may (on a writable root)

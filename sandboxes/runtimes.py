@@ -44,6 +44,14 @@ privileged uid map (bwrap as root), which would give up running bwrap as the unp
 user. :meth:`Sandbox.exec` passes ``results_fd`` (a results channel the command's output cannot
 mix into) and ``kill_others`` (nothing the command left behind outlives the answer) to pxd.
 
+A writable root (``writable_root=True``, for Harbor tasks whose verifier installs into the image's
+environment: :func:`evals.tasks.needs_writable_root`): the root is left writable where the
+sandbox user may write (the image's files it owns: a task's ``/opt/venv``), never the host
+toolchain, which stays bound read-only over it. The writes land in the sandbox's own overlay
+layer, on the tmpfs of its disk limit, and go with the sandbox: the cached layers and the next
+sandbox of the image never see them. Without it (the default, and the bundled suite's path) the
+root is read-only except ``/workspace``, ``/tmp`` and ``$HOME``.
+
 unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
 it runs only with ``allow_unisolated=True``; nothing ever falls back to it.
 """
@@ -160,8 +168,10 @@ class BwrapRuntime:
         argv += ["--ro-bind", reachable_toolchain_source(str(PXD_SOURCE)), PXD_IN_SANDBOX,
                  "--proc", "/proc", "--dev", "/dev",
                  "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
-                 "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", SANDBOX_HOME,
-                 "--remount-ro", "/", "--clearenv"]
+                 "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", SANDBOX_HOME]
+        if not sb.writable_root:
+            argv += ["--remount-ro", "/"]
+        argv += ["--clearenv"]
         for key, value in sb.env.items():
             argv += ["--setenv", key, value]
         argv += ["--chdir", WORKDIR, "--", *pxd_argv(os.path.realpath(sys.executable))]
@@ -222,7 +232,7 @@ class GvisorRuntime:
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
                             {"type": "RLIMIT_NPROC", "hard": limits.pids, "soft": limits.pids}],
             },
-            "root": {"path": str(sb.rootfs.merged), "readonly": True},
+            "root": {"path": str(sb.rootfs.merged), "readonly": not sb.writable_root},
             "hostname": "sandbox",
             "mounts": mounts,
             "linux": {
@@ -282,10 +292,11 @@ class Sandbox:
     :meth:`close` (or leaving the ``with`` block) removes it and everything it wrote."""
 
     def __init__(self, image: Image, runtime: str, limits: Limits, store: ImageStore, cache: LayerCache,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, writable_root: bool = False):
         self.id = f"pt-{uuid.uuid4().hex[:12]}"
         self.image = image
         self.limits = limits
+        self.writable_root = writable_root
         self.runtime = RUNTIME_CLASSES[runtime]()
         self.env = sandbox_env(env)
         self.run_dir = run_root(cache) / self.id
@@ -474,11 +485,13 @@ _reaped_caches: set[Path] = set()
 
 def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: Limits | None = None,
           store: ImageStore | None = None, cache: LayerCache | None = None, env: dict[str, str] | None = None,
-          allow_unisolated: bool = False) -> Sandbox:
+          allow_unisolated: bool = False, writable_root: bool = False) -> Sandbox:
     """Start a sandbox from an :class:`Image`, a task id or image name in ``store``, or a repository folder.
 
     A folder is built into an image on the fly (content addressed: the same files reuse the cached
-    layer). ``runtime="unisolated"`` needs ``allow_unisolated=True``; nothing falls back to it."""
+    layer). ``runtime="unisolated"`` needs ``allow_unisolated=True``; nothing falls back to it.
+    ``writable_root``: the image's files the sandbox user owns are writable outside ``/workspace``
+    too, in the sandbox's own layer (the module docstring says what stays read-only)."""
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     if runtime == "unisolated" and not allow_unisolated:
@@ -501,4 +514,4 @@ def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: 
         image = store.load_image(image_name(source))  # a task id or an image name
     else:
         raise TypeError(f"start() takes an Image, an image name or a folder, not {type(source).__name__}")
-    return Sandbox(image, runtime, limits, store, cache, env)
+    return Sandbox(image, runtime, limits, store, cache, env, writable_root=writable_root)
