@@ -138,26 +138,38 @@ def evaluate_checkpoint(
     ``settings`` are :func:`evaluate`'s other keywords (``max_turns``, ``seed``, ...); the model's
     end-of-sequence tokens stop each turn."""
     from evals.harness import HttpClient
-    from serving.client import EngineClient
 
+    with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
+                           adapter_version=adapter_version) as (url, tokenizer, eos_ids):
+        if log is not None:
+            log(f"evaluating {checkpoint} (adapter {adapter_version}) on {len(tasks)} tasks x {attempts} attempts")
+        return evaluate(tasks, HttpClient(url), tokenizer, sandbox_factory, checkpoint=checkpoint,
+                        adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
+                        stop_token_ids=eos_ids, **settings)
+
+
+@contextlib.contextmanager
+def served_checkpoint(base_model: str | Path, engine_log: str | Path | None = None, *, checkpoint: str,
+                      adapter: str | Path | None = None, adapter_version: str | None = None,
+                      **engine_settings: Any) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
+    """:func:`served_model` with the peft folder ``adapter`` (if any) loaded as ``adapter_version``:
+    the replica's LoRA rank slot is sized from the adapter's rank, and the adapter is loaded before
+    the block runs. Yields what :func:`served_model` yields."""
     if adapter is not None and not adapter_version:
         raise ValueError(f"checkpoint {checkpoint}: an adapter needs an adapter_version to be served as")
-    engine_settings = {}
     if adapter is not None:
         import json
 
         from serving.engines.vllm import lora_rank_slot
 
         rank = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("r", 16)
-        engine_settings["max_lora_rank"] = lora_rank_slot(int(rank))
-    with served_model(base_model, engine_log, what=f"checkpoint {checkpoint}", **engine_settings) as (url, tokenizer, eos_ids):
+        engine_settings.setdefault("max_lora_rank", lora_rank_slot(int(rank)))
+    with served_model(base_model, engine_log, what=f"checkpoint {checkpoint}", **engine_settings) as served:
         if adapter is not None:
-            EngineClient(url).load_lora_adapter(adapter_version, str(adapter))
-        if log is not None:
-            log(f"evaluating {checkpoint} (adapter {adapter_version}) on {len(tasks)} tasks x {attempts} attempts")
-        return evaluate(tasks, HttpClient(url), tokenizer, sandbox_factory, checkpoint=checkpoint,
-                        adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
-                        stop_token_ids=eos_ids, **settings)
+            from serving.client import EngineClient
+
+            EngineClient(served[0]).load_lora_adapter(adapter_version, str(adapter))
+        yield served
 
 
 @contextlib.contextmanager

@@ -472,25 +472,14 @@ def evaluate_harbor_checkpoint(tasks: Sequence[Task], base_model: str | Path, fa
     bounds each episode's; ``episode_kwargs`` go to the episodes (``max_turns``, ``max_new_tokens``,
     ``temperature``, ``seed``, ``action_format``, ...). The ``deepswe_eval`` asset calls this on a
     Harbor dataset."""
-    from evals.evaluate import served_model
+    from evals.evaluate import served_checkpoint
     from evals.harness import HttpClient
 
-    if adapter is not None and not adapter_version:
-        raise ValueError(f"checkpoint {checkpoint}: an adapter needs an adapter_version to be served as")
-    engine_settings = {}
-    if adapter is not None:
-        from serving.engines.vllm import lora_rank_slot
-
-        rank = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("r", 16)
-        engine_settings["max_lora_rank"] = lora_rank_slot(int(rank))
     context = model_context_tokens(base_model)
     if context is not None:
         episode_kwargs.setdefault("max_context_tokens", context)
-    with served_model(base_model, engine_log, what=f"checkpoint {checkpoint}", **engine_settings) as (url, tokenizer, eos):
-        if adapter is not None:
-            from serving.client import EngineClient
-
-            EngineClient(url).load_lora_adapter(adapter_version, str(adapter))
+    with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
+                           adapter_version=adapter_version) as (url, tokenizer, eos):
         if log is not None:
             log(f"evaluating {checkpoint} (adapter {adapter_version or 'none'}) on {len(tasks)} Harbor tasks x "
                 f"{attempts} attempts, served on {url}")
