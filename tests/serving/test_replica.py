@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dagster_project.processes import descendants
 from serving.client import EngineClient
 from serving.replica import replica_command
 
@@ -29,20 +30,7 @@ def _alive(pid: int) -> bool:
 
 def _tree(pid: int) -> list[int]:
     """``pid`` and every process below it."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    out, i = [pid], 0
-    while i < len(out):
-        out += parents.get(out[i], [])
-        i += 1
-    return out
+    return [pid, *sorted(descendants(pid))]
 
 
 def test_a_vllm_replica_and_its_engine_exit_when_their_starter_is_sigkilled(tiny_model, tmp_path):
