@@ -73,9 +73,12 @@ def check_splits_disjoint(datasets: Path) -> dg.AssetCheckResult:
     if both:
         problems.append(f"in both train and eval: {', '.join(both[:5])}")
     def same_task_keys(part: Any) -> set[tuple[str, str]]:
-        snapshot = [str(c) if isinstance(c, str) and c else (str(i) if isinstance(i, str) and i else "")
-                    for c, i in zip(part.get("base_commit", [None] * len(part)), part.get("image", [None] * len(part)))]
-        return set(zip(part["instruction"], snapshot))
+        def text(column: str) -> list[str]:
+            values = part[column] if column in part else [None] * len(part)
+            return [v if isinstance(v, str) else "" for v in values]
+
+        snapshots = [commit or image for commit, image in zip(text("base_commit"), text("image"))]
+        return set(zip(part["instruction"], snapshots))
 
     same_task = sorted(same_task_keys(train) & same_task_keys(held_out))
     if same_task:

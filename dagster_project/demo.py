@@ -114,13 +114,17 @@ def _execute(defs: dg.Definitions, job_name: str, instance: dg.DagsterInstance, 
         raise RuntimeError(f"job {job_name} failed")
 
 
-def summarize(storage: PosttrainStorage, keys: list[str], k: int) -> list[dict[str, Any]]:
-    """Held-out pass@1, pass@k and mean target scores of each evaluated checkpoint (its newest eval run)."""
-    from evals.report import per_task
-
+def newest_rows(storage: PosttrainStorage) -> Any:
+    """Every evaluated checkpoint's attempt rows, from its newest eval run."""
     from evals.report import load_attempt_rows, newest_runs
 
-    rows = newest_runs(load_attempt_rows(storage.evals_dir() / "deepswe"))
+    return newest_runs(load_attempt_rows(storage.evals_dir() / "deepswe"))
+
+
+def summarize(rows: Any, keys: list[str], k: int) -> list[dict[str, Any]]:
+    """Held-out pass@1, pass@k and mean target scores of each checkpoint of ``keys`` in ``rows``."""
+    from evals.report import per_task
+
     out = []
     for key in keys:
         if rows.empty or key not in set(rows["checkpoint"]):
@@ -132,12 +136,11 @@ def summarize(storage: PosttrainStorage, keys: list[str], k: int) -> list[dict[s
     return out
 
 
-def headline_lines(storage: PosttrainStorage, keys: list[str]) -> list[str]:
-    """The paired change in held-out pass@1 of each evaluated checkpoint from the base, with its 95%
+def headline_lines(rows: Any, keys: list[str]) -> list[str]:
+    """The paired change in held-out pass@1 of each checkpoint of ``keys`` from the base, with its 95%
     interval, and per level (what ``eval_report`` puts first)."""
-    from evals.report import headlines, load_attempt_rows, newest_runs
+    from evals.report import headlines
 
-    rows = newest_runs(load_attempt_rows(storage.evals_dir() / "deepswe"))
     if rows.empty:
         return []
     lines = []
@@ -198,11 +201,12 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
         _execute(defs, "eval_report_job", instance,
                  run_config={**QUIET_LOGS, "ops": {"eval_report": {"config": {"k": eval_cfg["attempts"]}}}})
         k = eval_cfg["attempts"]
-        rows = summarize(storage, evaluated, k)
+        evaluated_rows = newest_rows(storage)
+        rows = summarize(evaluated_rows, evaluated, k)
         for row in rows:
             _stage(f"{row['checkpoint']}: held-out pass@1 {100 * row['pass@1']:.1f}%  pass@{k} "
                    f"{100 * row[f'pass@{k}']:.1f}%  target score {row['target_score']:.3f}  ({row['tasks']} tasks)", started)
-        for line in headline_lines(storage, evaluated):
+        for line in headline_lines(evaluated_rows, evaluated):
             _stage(line, started)
         waiting = [key for key in keys if key not in evaluated]
         if waiting:

