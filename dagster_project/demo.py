@@ -41,9 +41,10 @@ DEMO_RUN: dict[str, Any] = {
         "async": {"group_size": 8, "collection_size": 40, "max_policy_lag": 1},
     },
 }
-# Four episodes at a time in the curriculum and the evaluations (two would leave the cores idle while
-# an episode waits on the engine, and vLLM serves four requests in one batch for about the cost of one).
-DEMO_WORKERS = 4
+# Sixteen episodes at a time in the curriculum and the evaluations: an episode spends most of its time
+# waiting (on a model call, on a sandbox starting), so fewer leave the cores idle, and vLLM serves a
+# batch of calls for little more than the cost of one (docs/benchmarks.md, "vLLM's CPU per token").
+DEMO_WORKERS = 16
 DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
 DEMO_EVAL: dict[str, Any] = {"attempts": 8, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
 

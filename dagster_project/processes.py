@@ -39,6 +39,20 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def cpu_seconds(pids: Sequence[int]) -> dict[int, tuple[str, float]]:
+    """(name, user + system CPU seconds so far) of each of ``pids`` still alive, from ``/proc``."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        out[pid] = (text[text.index("(") + 1:text.rindex(")")], (int(fields[11]) + int(fields[12])) / hz)
+    return out
+
+
 def session_members(sid: int) -> set[int]:
     """Live processes of session ``sid``."""
     members = set()

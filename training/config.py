@@ -57,6 +57,7 @@ class TrainConfig:
     group_size: int = 8  # samples per task per group
     max_policy_lag: int = 1  # a group sampled by adapter version v is used at steps <= v + 1 + lag
     producer_workers: int = 2  # threads running groups; 0 = synchronous (deterministic, for tests)
+    episode_workers: int = 4  # episodes in flight at once across the producers (each a model call or a sandbox)
     checkpoint_every: int = 11
     lora_rank: int = 16
     lora_alpha: int = 32
@@ -109,6 +110,8 @@ class TrainConfig:
         for key in ("steps", "groups_per_step", "group_size", "checkpoint_every", "lora_rank", "max_new_tokens", "max_turns"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{source}: key {key!r} must be >= 1, got {getattr(self, key)}")
+        if self.episode_workers < 1:
+            raise ValueError(f"{source}: key 'episode_workers' must be >= 1, got {self.episode_workers}")
         if self.replicas < 1:
             raise ValueError(f"{source}: key 'replicas' must be >= 1, got {self.replicas}")
         if self.max_consecutive_infra_failures < 1:

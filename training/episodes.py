@@ -362,7 +362,8 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
 
     def make_runner(url: str) -> HarnessRunner:
-        return HarnessRunner(tasks, url, tokenizer, platform_sandbox_factory(cfg.sandbox_runtime), cfg)
+        return HarnessRunner(tasks, url, tokenizer, platform_sandbox_factory(cfg.sandbox_runtime), cfg,
+                             episode_workers=cfg.episode_workers)
 
     if cfg.replicas > 1:
         return fleet_environment(cfg, run_dir, make_runner, curriculum)

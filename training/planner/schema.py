@@ -122,6 +122,7 @@ class TrainerSection:
     torch_threads: int | None = field(default=None, metadata=_key(POSITIVE))
     publish_streams: int | None = field(default=None, metadata=_key(POSITIVE, doc="parallel HTTP streams"))
     producer_workers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
+    episode_workers: int | None = field(default=None, metadata=_key(POSITIVE, doc="episodes in flight at once"))
     environment: str | None = field(default=None, metadata=_key(doc="harness, or module:function"))
     gpus: int = field(default=0, metadata=_key(NON_NEGATIVE, doc="GPUs of the trainer pod on Kubernetes"))
 
