@@ -20,6 +20,10 @@ class TaskDatasetConfig(dg.Config):
     sources: list[str] = ["bundled"]
     build_workers: int = 2
     harbor_sources: str = ""
+    # The bundled suite's size: demonstration and held-out tasks per level, as many RL tasks as
+    # demonstrations, and half as many again held out after them (evals.bundled.generate; 60 gives
+    # 405 tasks, 135 held out).
+    bundled_per_level: int = 60
 
 
 @dg.asset(group_name="tasks", kinds={"parquet"})
@@ -43,7 +47,9 @@ def task_dataset(
     per_source = {}
     for source in config.sources:
         if source == "bundled":
-            path = ensure_suite(out_dir / "bundled", workers=config.build_workers)
+            if config.bundled_per_level < 1:
+                raise ValueError(f"task_dataset: config key 'bundled_per_level' must be >= 1, got {config.bundled_per_level}")
+            path = ensure_suite(out_dir / "bundled", workers=config.build_workers, per_level=config.bundled_per_level)
             loaded = load_bundled(path)
         else:
             loaded = load_tasks(source, sources=config.harbor_sources or None)

@@ -158,7 +158,7 @@ def headline_lines(rows: Any, keys: list[str]) -> list[str]:
 
 def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
              curriculum_config: dict[str, Any] | None = None, eval_config: dict[str, Any] | None = None,
-             seed: int = 0) -> int:
+             dataset_config: dict[str, Any] | None = None, seed: int = 0) -> int:
     from dagster_project.definitions import defs
 
     started = time.monotonic()
@@ -177,6 +177,8 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             "rl_run": {"config": rl_config},
             "difficulty_curriculum": {"config": {**DEMO_CURRICULUM, **(curriculum_config or {})}},
         }
+        if dataset_config:
+            run_config["ops"]["task_dataset"] = {"config": dataset_config}
         of_steps = int(((rl_config.get("overrides") or {}).get("trainer") or {}).get("steps") or 0)
         progress = StepProgress(instance, of_steps, started)
         progress.start()

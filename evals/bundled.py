@@ -15,7 +15,9 @@ Three difficulty levels:
 Bugs come from fixed *kinds* (a wrong operator, an off-by-one range, a flipped comparison, a wrong
 slice, a wrong constant...) instantiated with varied names and constants, so a tiny model trained on
 the train split can learn the kinds and be measured on held-out instances (``split="eval"``, a fixed
-quarter of the first ``per_level`` tasks of each level).
+quarter of the first ``per_level`` tasks of each level, and ``extra_eval_per_level`` more generated after
+the RL tasks: 45 a level, 135 in all, by default, so that a checkpoint's held-out pass@1 and its change
+from the base are measured to a few points rather than about ten).
 
 The train split has two parts. The train tasks among the first ``per_level`` of a level are
 *demonstrations* (``metadata.demonstration = true``): the embedded base model is trained on their
@@ -53,7 +55,7 @@ from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_ju
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
-GENERATOR_VERSION = 4
+GENERATOR_VERSION = 5
 TASKS_PER_LEVEL = 60  # demonstration and held-out tasks per level
 EVAL_EVERY = 4  # every 4th of those is held out for evaluation
 MAX_DRAWS = 100  # a task whose buggy lines repeat elsewhere in its module (or whose module another task has) is drawn again
@@ -216,18 +218,33 @@ def default_rl_per_level(per_level: int) -> int:
     return per_level - len(range(0, per_level, EVAL_EVERY))
 
 
-def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None) -> list[GeneratedTask]:
+def default_extra_eval_per_level(per_level: int) -> int:
+    """Held-out tasks per level generated after the RL tasks: half of ``per_level`` (30 of 60, which
+    with the 15 held out among the first 60 makes 45 a level)."""
+    return per_level // 2
+
+
+def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None,
+             extra_eval_per_level: int | None = None) -> list[GeneratedTask]:
     """Every task of the suite, deterministically from ``seed`` (no file is written): per level,
     ``per_level`` demonstration and held-out tasks, then ``rl_per_level`` RL tasks (default
-    :func:`default_rl_per_level`), numbered on from ``per_level``."""
+    :func:`default_rl_per_level`), then ``extra_eval_per_level`` more held-out tasks (default
+    :func:`default_extra_eval_per_level`), numbered on. Tasks come from one random stream per level
+    in that order, so the extra held-out tasks leave every earlier task as it was."""
     rl_per_level = default_rl_per_level(per_level) if rl_per_level is None else rl_per_level
+    extra = default_extra_eval_per_level(per_level) if extra_eval_per_level is None else extra_eval_per_level
+    if min(per_level, rl_per_level, extra) < 0:
+        raise ValueError(f"task counts must be >= 0, got per_level={per_level}, rl_per_level={rl_per_level}, "
+                         f"extra_eval_per_level={extra}")
     out: list[GeneratedTask] = []
     taken: set[str] = set()
     for level in (1, 2, 3):
         rng = random.Random(f"posttrain-bundled-{seed}-{level}")
-        for i in range(per_level + rl_per_level):
+        for i in range(per_level + rl_per_level + extra):
             gen = _generate_one(level, i, rng, taken)
-            if i >= per_level:  # an RL task
+            if i >= per_level + rl_per_level:  # an extra held-out task
+                gen = replace(gen, split="eval")
+            elif i >= per_level:  # an RL task
                 gen = replace(gen, split="train")
             elif gen.split == "train":
                 gen = replace(gen, demonstration=True)
@@ -312,10 +329,11 @@ def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
     return failing_summary(run.output)
 
 
-def suite_fingerprint(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None) -> str:
+def suite_fingerprint(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None,
+                      extra_eval_per_level: int | None = None) -> str:
     """A hash of the generator's output, so a built suite can be reused while nothing changed."""
     digest = hashlib.sha256(f"{GENERATOR_VERSION}:{TEST_COMMAND}".encode())
-    for gen in generate(seed, per_level, rl_per_level):
+    for gen in generate(seed, per_level, rl_per_level, extra_eval_per_level):
         digest.update(json.dumps([gen.id, gen.split, gen.demonstration, gen.files, gen.reference_edits,
                                   gen.instruction_head]).encode())
     return digest.hexdigest()[:16]
@@ -327,6 +345,7 @@ def build_suite(
     seed: int = 0,
     per_level: int = TASKS_PER_LEVEL,
     rl_per_level: int | None = None,
+    extra_eval_per_level: int | None = None,
     workers: int = 2,
     sandbox_factory: SandboxFactory | None = None,
 ) -> dict[str, Any]:
@@ -337,7 +356,7 @@ def build_suite(
     """
     out = Path(out).resolve()
     factory = sandbox_factory or default_sandbox_factory()
-    gens = generate(seed, per_level, rl_per_level)
+    gens = generate(seed, per_level, rl_per_level, extra_eval_per_level)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
@@ -358,7 +377,7 @@ def build_suite(
             (task_dir / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         summary = {
             "generator_version": GENERATOR_VERSION,
-            "fingerprint": suite_fingerprint(seed, per_level, rl_per_level),
+            "fingerprint": suite_fingerprint(seed, per_level, rl_per_level, extra_eval_per_level),
             "seed": seed,
             "tasks": [g.id for g in gens],
             "splits": {s: sum(g.split == s for g in gens) for s in ("train", "eval")},
@@ -385,30 +404,32 @@ def default_sandbox_factory() -> SandboxFactory:
 
 
 def ensure_suite(path: str | Path | None = None, *, workers: int = 2, per_level: int = TASKS_PER_LEVEL,
-                 rl_per_level: int | None = None) -> Path:
+                 rl_per_level: int | None = None, extra_eval_per_level: int | None = None) -> Path:
     """The built suite at ``path`` (default :func:`default_suite_dir`), building it if it is missing
-    or was built from a different generator output (another version, ``per_level`` or ``rl_per_level``).
+    or was built from a different generator output (another version or other task counts).
 
-    Building validates every task in sandboxes: about two pytest runs per task, so the default 315
+    Building validates every task in sandboxes: about two pytest runs per task, so the default 405
     tasks take a couple of minutes on two idle cores; later calls reuse the build.
     """
     path = Path(path) if path else default_suite_dir()
     index = path / "suite.json"
     if index.is_file():
         try:
-            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint(per_level=per_level,
-                                                                                     rl_per_level=rl_per_level):
+            if json.loads(index.read_text()).get("fingerprint") == suite_fingerprint(
+                    per_level=per_level, rl_per_level=rl_per_level, extra_eval_per_level=extra_eval_per_level):
                 return path
         except json.JSONDecodeError:
             pass
-    build_suite(path, workers=workers, per_level=per_level, rl_per_level=rl_per_level)
+    build_suite(path, workers=workers, per_level=per_level, rl_per_level=rl_per_level,
+                extra_eval_per_level=extra_eval_per_level)
     return path
 
 
 def load_suite(path: str | Path | None = None, *, per_level: int = TASKS_PER_LEVEL,
-               rl_per_level: int | None = None) -> list[Task]:
+               rl_per_level: int | None = None, extra_eval_per_level: int | None = None) -> list[Task]:
     """The bundled tasks (built on first use)."""
-    return list(load_bundled(ensure_suite(path, per_level=per_level, rl_per_level=rl_per_level)).tasks)
+    return list(load_bundled(ensure_suite(path, per_level=per_level, rl_per_level=rl_per_level,
+                                          extra_eval_per_level=extra_eval_per_level)).tasks)
 
 
 def read_suite(path: str | Path | None = None) -> list[Task]:

@@ -107,12 +107,13 @@ def evaluate(
 
 def load_eval_tasks(source: str, split: str, *, bundled_dir: str | Path) -> list[Task]:
     """The tasks of ``split`` (empty: all) in ``source``: ``bundled`` is the suite at ``bundled_dir``
-    (built if missing), anything else a task source :func:`evals.tasks.load_tasks` reads."""
-    from evals.bundled import ensure_suite
-    from evals.tasks import load_bundled, load_tasks
+    as ``task_dataset`` built it (built at the default sizes if missing), anything else a task source
+    :func:`evals.tasks.load_tasks` reads."""
+    from evals.bundled import read_suite
+    from evals.tasks import load_tasks
 
-    task_set = load_bundled(ensure_suite(bundled_dir)) if source == "bundled" else load_tasks(source)
-    tasks = [t for t in task_set.tasks if not split or t.split == split]
+    all_tasks = read_suite(bundled_dir) if source == "bundled" else load_tasks(source).tasks
+    tasks = [t for t in all_tasks if not split or t.split == split]
     if not tasks:
         raise ValueError(f"deepswe_eval: task source {source!r} has no task in split {split!r}")
     return tasks

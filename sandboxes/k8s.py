@@ -7,6 +7,16 @@ ingress and egress of the run's sandbox pods, which it selects by :func:`sandbox
 pod of :func:`pod_spec` carries those labels). ``runtimeClassName`` selects gVisor (``gvisor``) or
 Kata (``kata``).
 
+The containers run locked down: non-root (uid 1000), no privilege escalation, every capability
+dropped, the runtime's default seccomp profile, and a read-only root filesystem, so only the
+workspace, ``/tmp`` and ``$HOME`` volumes are writable. A task that needs a writable root
+(``writable_root=True``: a Harbor verifier that installs into the image's ``/opt/venv``, as
+:func:`evals.tasks.needs_writable_root` decides) gets the sandbox container's root writable and
+nothing else changed: as in the local runtimes (:mod:`sandboxes.runtimes`), the sandbox user can
+write only what it owns in the image (``/usr`` and the rest of root's files stay unwritable to
+it), and the writes land in the container's own writable layer, which counts against the pod's
+``ephemeral-storage`` limit and goes with the pod. The init container keeps its read-only root.
+
 Requests are a fraction of the limits (CPU 25 %, memory 40 % by default): sandboxes mostly idle
 while the model thinks, and the placement in :mod:`sandboxes.placement` packs them accordingly.
 The pod's node affinity comes from that placement (preferred nodes that hold the image).
@@ -84,8 +94,11 @@ def sandbox_selector(run: str) -> dict[str, str]:
 
 def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits = Limits(),
              settings: PodSettings = PodSettings(), preferred_nodes: list[str] | None = None,
-             required_nodes: list[str] | None = None) -> dict:
-    """The Pod of one episode's sandbox. ``image`` is the task image's registry reference."""
+             required_nodes: list[str] | None = None, writable_root: bool = False) -> dict:
+    """The Pod of one episode's sandbox. ``image`` is the task image's registry reference.
+
+    ``writable_root``: the sandbox container gets ``readOnlyRootFilesystem: false`` (its
+    securityContext is otherwise the same; the module docstring says what stays read-only)."""
     if not image:
         raise ManifestError("pod_spec: image must name the task image (registry/repository:tag)")
     labels = {**sandbox_selector(run),
@@ -138,7 +151,7 @@ def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits
             "env": [{"name": "HOME", "value": "/home/sandbox"}, {"name": "TMPDIR", "value": "/tmp"},
                     {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
             "resources": resources,
-            "securityContext": locked_down,
+            "securityContext": {**locked_down, "readOnlyRootFilesystem": not writable_root},
             "volumeMounts": [{"name": "workspace", "mountPath": WORKDIR}, {"name": "tmp", "mountPath": "/tmp"},
                              {"name": "home", "mountPath": "/home/sandbox"}],
         }],

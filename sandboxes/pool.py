@@ -21,6 +21,9 @@ both offer ``exec``, ``read_file``, ``write_file``, ``close`` and the context ma
 :class:`sandboxes.runtimes.Sandbox`, and raise the same :class:`~sandboxes.client.PxdError` /
 :class:`~sandboxes.client.PxdConnectionError`, so ``evals.sandbox.PlatformSandbox`` wraps either.
 The pool's port admits only the run's trainer pods (its NetworkPolicy); sandbox pods reach nothing.
+A request may ask for a writable root (``"writable_root": true``, a task whose verifier installs
+into the image's environment): its pod's sandbox container gets ``readOnlyRootFilesystem: false``
+and is otherwise as locked down (:func:`sandboxes.k8s.pod_spec`); absent means false.
 
 **How the pool reaches pxd: attach, not exec.** A sandbox pod's only container runs
 ``pxd --stdio`` with ``stdin: true, stdinOnce: true``. The pool attaches to that process's
@@ -45,7 +48,8 @@ garbage collector). It runs when the pool starts and every ``lease_s / 3``.
 
 **Warm pools.** ``--warm IMAGE=N`` (or ``POST /v1/warm``) keeps N started, connected pods of an
 image; a request for that image takes one (a cache hit: its labels and deadline become the
-episode's) and a replacement starts behind it. Each pod still serves one episode only; a warm pod
+episode's) and a replacement starts behind it. Warm pods have a read-only root: a writable-root
+request always starts a pod of its own. Each pod still serves one episode only; a warm pod
 that waited longer than half its wall time is replaced. When the pool is full, an episode's request
 evicts the least recently used idle warm pod (counted as an eviction). New pods prefer the nodes
 where this pool already ran their image (:class:`sandboxes.placement.ImageAwarePolicy` over the
@@ -199,7 +203,8 @@ class PodRuntime:
 class PodSandbox:
     """A running sandbox pod, as the pool holds it: pxd over attach. Same surface as a local Sandbox."""
 
-    def __init__(self, pool: "SandboxPool", name: str, image: str, limits: Limits, warm: bool):
+    def __init__(self, pool: "SandboxPool", name: str, image: str, limits: Limits, warm: bool,
+                 writable_root: bool = False):
         self.pool = pool
         self.runtime = PodRuntime(pool.config.settings.runtime_class)
         self.id = name
@@ -207,6 +212,7 @@ class PodSandbox:
         self.image = image
         self.limits = limits
         self.warm = warm
+        self.writable_root = writable_root
         self.node: str | None = None
         self.cache_hit = False
         self.start_s = 0.0
@@ -466,7 +472,8 @@ class SandboxPool:
         if victim is not None:
             self.release(victim)
 
-    def _start_pod(self, image: str, limits: Limits, *, task_id: str, episode: str, warm: bool) -> PodSandbox:
+    def _start_pod(self, image: str, limits: Limits, *, task_id: str, episode: str, warm: bool,
+                   writable_root: bool = False) -> PodSandbox:
         """Create the pod, wait until its container runs (deadline), attach, and wait for pxd."""
         from kubernetes.client.exceptions import ApiException
 
@@ -474,7 +481,7 @@ class SandboxPool:
         cfg = self.config
         preferred = self._preferred_nodes(image, limits)
         manifest = k8s.pod_spec(run=cfg.run, task_id=task_id, episode=episode, image=image, limits=limits,
-                                settings=cfg.settings, preferred_nodes=preferred or None)
+                                settings=cfg.settings, preferred_nodes=preferred or None, writable_root=writable_root)
         # a retried episode must not collide with its previous pod, which may still be terminating
         manifest["metadata"]["name"] = k8s.pod_name(cfg.run, f"{episode}-{uuid.uuid4().hex[:8]}")
         if warm:  # the deadline counts from the pod's start: room for waiting, cut back when claimed
@@ -482,7 +489,7 @@ class SandboxPool:
         manifest["metadata"]["labels"][OWNER_LABEL] = cfg.instance
         manifest["metadata"].update(self._owner_references())
         name = manifest["metadata"]["name"]
-        box = PodSandbox(self, name, image, limits, warm)
+        box = PodSandbox(self, name, image, limits, warm, writable_root)
         with self._lock:
             self._starting_pods.add(name)
         try:
@@ -559,15 +566,20 @@ class SandboxPool:
 
     # -- handing out and taking back ------------------------------------------------------------
 
-    def acquire(self, image: str, *, task_id: str, episode: str, limits: Limits | None = None) -> PodSandbox:
-        """A connected sandbox of ``image`` for one episode: a warm pod if one waits, else a new pod."""
+    def acquire(self, image: str, *, task_id: str, episode: str, limits: Limits | None = None,
+                writable_root: bool = False) -> PodSandbox:
+        """A connected sandbox of ``image`` for one episode: a warm pod if one waits, else a new pod.
+        ``writable_root``: the pod's root is writable (:func:`sandboxes.k8s.pod_spec`); warm pods
+        have a read-only root, so such a request always starts a new pod."""
         _check_image(image)
         limits = limits or self.config.default_limits
         self._check_limits(limits)
         key = limits_key(image, limits)
         box = None
         with self._lock:
-            if self._warm.get(key):
+            if writable_root:  # no warm pod fits: theirs is read-only
+                pass
+            elif self._warm.get(key):
                 box = self._warm[key].pop(0)
                 self.metrics.warm_hits += 1
             elif key in self._warm_targets:
@@ -584,7 +596,8 @@ class SandboxPool:
             return box
         self._reserve(for_warm=False)
         try:
-            box = self._start_pod(image, limits, task_id=task_id, episode=episode, warm=False)
+            box = self._start_pod(image, limits, task_id=task_id, episode=episode, warm=False,
+                                  writable_root=writable_root)
         finally:
             with self._lock:
                 self._starting -= 1
@@ -893,10 +906,22 @@ def _limits_from(body: dict, default: Limits) -> Limits:
         raise SandboxError(f"limits: {exc}") from None
 
 
+def _writable_root_from(body: dict) -> bool:
+    """The request's ``writable_root``: absent (an older client) or null is false; else a boolean."""
+    value = body.get("writable_root")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise SandboxError(f"writable_root must be true or false, got {value!r}")
+    return value
+
+
 def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PORT) -> ThreadingHTTPServer:
     """The pool's HTTP API (JSON bodies):
 
-    - ``POST /v1/sandboxes`` ``{image, task_id, episode, limits?}`` -> ``{id, pod, node, warm_hit, start_s}``
+    - ``POST /v1/sandboxes`` ``{image, task_id, episode, limits?, writable_root?}`` ->
+      ``{id, pod, node, runtime, warm_hit, start_s, writable_root}`` (``writable_root``: a boolean,
+      default false; anything else is refused with 400)
     - ``POST /v1/sandboxes/ID/<pxd route>`` (``exec``, ``file/read``, ``file/write``, ``git/...``,
       ``session/...``, ``health``): the body goes to the pod's pxd, its answer comes back; pxd's
       refusals keep their status; a pod that is gone answers 502 ``{"error", "gone": true}``
@@ -954,12 +979,14 @@ def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PO
             parts = self.path.strip("/").split("/")
             try:
                 if parts == ["v1", "sandboxes"]:
+                    writable_root = _writable_root_from(body)
                     box = pool.acquire(body.get("image"), task_id=str(body.get("task_id") or "task"),
                                        episode=str(body.get("episode") or uuid.uuid4().hex[:8]),
-                                       limits=_limits_from(body, pool.config.default_limits))
+                                       limits=_limits_from(body, pool.config.default_limits),
+                                       writable_root=writable_root)
                     return self._send(200, {"id": box.id, "pod": box.pod_name, "node": box.node,
                                             "runtime": box.runtime.name, "warm_hit": box.cache_hit,
-                                            "start_s": box.start_s})
+                                            "start_s": box.start_s, "writable_root": box.writable_root})
                 if parts == ["v1", "warm"]:
                     count = body.get("count")
                     if isinstance(count, bool) or not isinstance(count, int):
@@ -1018,6 +1045,7 @@ class PoolSandbox:
         self.runtime = PodRuntime(info.get("runtime") or "gvisor")
         self.cache_hit = bool(info.get("warm_hit"))
         self.start_s = float(info.get("start_s") or 0.0)
+        self.writable_root = bool(info.get("writable_root"))
         self.closed = False
 
     def request(self, route: str, body: dict, wait_s: float) -> dict:
@@ -1093,15 +1121,24 @@ class PoolClient:
             raise PxdConnectionError(f"sandbox pool {self.url}: {method} {path}: {exc}") from None
 
     def start(self, image: str, *, task_id: str, episode: str, limits: Limits | None = None,
-              start_timeout_s: float = 600.0) -> PoolSandbox:
-        body = {"image": image, "task_id": task_id, "episode": episode}
+              start_timeout_s: float = 600.0, writable_root: bool = False) -> PoolSandbox:
+        """A sandbox pod of ``image`` for one episode. ``writable_root``: its root is writable (a
+        task whose verifier installs into the image's environment; :func:`sandboxes.k8s.pod_spec`)."""
+        body: dict[str, Any] = {"image": image, "task_id": task_id, "episode": episode}
         if limits is not None:
             body["limits"] = asdict(limits)
+        if writable_root:  # sent only when asked: a default request is the same as before the field
+            body["writable_root"] = True
         status, answer = self.call("POST", "/v1/sandboxes", body, start_timeout_s)
         if status != 200:
             raise SandboxError(f"sandbox pool {self.url}: no sandbox for {task_id} ({image}): "
                                f"HTTP {status}: {answer.get('error', '')}")
-        return PoolSandbox(self, answer)
+        box = PoolSandbox(self, answer)
+        if writable_root and not box.writable_root:  # a pool older than the field ignores it
+            box.close()
+            raise SandboxError(f"sandbox pool {self.url}: no sandbox for {task_id} ({image}): the pool gave a "
+                               "read-only root where a writable root was asked for (a pool older than writable_root)")
+        return box
 
     def keep_warm(self, image: str, count: int, limits: Limits | None = None, *, fill: bool = True) -> None:
         body: dict[str, Any] = {"image": image, "count": count}

@@ -237,11 +237,11 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from evals.bundled import load_suite
+    from evals.bundled import read_suite
     from evals.tasks import demonstration_tasks
 
     parser = argparse.ArgumentParser(prog="python -m training.base_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default=None, help="bundled suite folder (built if missing)")
+    parser.add_argument("--tasks", default=None, help="bundled suite folder (built at the default sizes if missing)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--sft-steps", type=int, default=BaseModelSpec.sft_steps)
     parser.add_argument("--batch-size", type=int, default=BaseModelSpec.batch_size)
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
-    tasks = demonstration_tasks(load_suite(args.tasks))
+    tasks = demonstration_tasks(read_suite(args.tasks))
     spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, augment_copies=args.augment_copies,
                          rename_modules=args.rename_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)

@@ -13,7 +13,7 @@ checkpoint.
 asset, usable without Dagster) and writes ``curriculum.json``, the file a run file's
 ``[curriculum] curriculum_file`` names::
 
-    measured = measure_base_model(model_dir, rl_tasks(load_suite(suite)), out_dir, attempts=4)
+    measured = measure_base_model(model_dir, rl_tasks(read_suite(suite)), out_dir, attempts=4)
     measured.curriculum.tiers()
 """
 

@@ -1,5 +1,5 @@
 """``posttrain demo`` end to end, in a reduced configuration: the real asset graph in a real Dagster
-instance, the bundled suite built and validated in sandboxes, the base model built and SFT'd briefly,
+instance, a small bundled suite built and validated in sandboxes, the base model built and SFT'd briefly,
 its curriculum from one attempt per training task, a 2-step asynchronous GRPO run launched through the
 launcher (trainer process, a vLLM engine replica, sandboxed episodes), the base and final checkpoints
 evaluated on the held-out split, and the report. The full demo is the same with the defaults of
@@ -26,8 +26,9 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
 
     rl = {"overrides": {"trainer": {"steps": 2, "checkpoint_every": 1},
                         "async": {"group_size": 4, "collection_size": 8, "max_policy_lag": 1}}}
+    # a suite of 8 tasks a level before the RL and extra held-out ones: 54 tasks, 18 held out
     assert run_demo("e2e", rl, curriculum_config={"attempts_per_task": 1, "sft_steps": 40},
-                    eval_config={"attempts": 2}) == 0
+                    eval_config={"attempts": 2}, dataset_config={"bundled_per_level": 8}) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "e2e"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000", "step_000001", "step_000002"]
@@ -38,7 +39,7 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
     assert (run / "adapters" / "step_000002" / "adapter_model.safetensors").is_file()
     for key in ("e2e-step_000000", "e2e-step_000002"):
         rows = pd.concat([pd.read_parquet(p) for p in (tmp_path / "evals" / "deepswe" / key).glob("*.parquet")])
-        assert len(rows) == 90
+        assert len(rows) == 36 and rows["task_id"].nunique() == 18  # every held-out task, twice
         assert f"{key}: held-out pass@1" in out
     assert (tmp_path / "curriculum" / "curriculum.json").is_file()
     # Every model call was vLLM's: the curriculum's and the trainer's replicas ran it.

@@ -30,7 +30,7 @@ def small_suite(tmp_path_factory) -> Path:
     from evals.bundled import build_suite
 
     out = tmp_path_factory.mktemp("suite") / "bundled"
-    build_suite(out, per_level=2, workers=2)
+    build_suite(out, per_level=2, extra_eval_per_level=0, workers=2)  # per level: held out, demonstration, RL
     return out
 
 

@@ -12,21 +12,29 @@ from evals.tasks import load_tasks, summarize
 
 def test_generation_is_deterministic_and_split():
     """Per level: 60 tasks (every 4th held out, the others demonstrations for the base model), then
-    45 RL tasks; no two tasks share a module's text, so no RL task repeats a held-out one."""
+    45 RL tasks, then 30 more held-out tasks; no two tasks share a module's text, so no RL task
+    repeats a held-out one."""
     a, b = bundled.generate(), bundled.generate()
     assert [g.files for g in a] == [g.files for g in b]
-    assert len(a) == 315 and len({g.id for g in a}) == 315
-    assert len({g.files[f"{g.module}.py"] for g in a}) == 315
+    assert len(a) == 405 and len({g.id for g in a}) == 405
+    assert len({g.files[f"{g.module}.py"] for g in a}) == 405
     assert {g.difficulty for g in a} == {1, 2, 3}
     held_out = [g for g in a if g.split == "eval"]
-    assert len(held_out) == 45 and all(g.split == "train" for g in a if g not in held_out)
+    assert len(held_out) == 135 and all(g.split == "train" for g in a if g not in held_out)
+    assert {lv: sum(g.difficulty == lv for g in held_out) for lv in (1, 2, 3)} == {1: 45, 2: 45, 3: 45}
     demonstrations = [g for g in a if g.demonstration]
     assert len(demonstrations) == 135 and not any(g.demonstration for g in held_out)
     rl = [g for g in a if g.split == "train" and not g.demonstration]
-    assert len(rl) == 135 and all(int(g.id.split("-")[2]) >= 60 for g in rl)
+    assert len(rl) == 135 and all(60 <= int(g.id.split("-")[2]) < 105 for g in rl)
+    assert all(int(g.id.split("-")[2]) >= 105 for g in held_out if int(g.id.split("-")[2]) >= 60)
     assert all(len(g.reference_edits) == (2 if g.difficulty == 3 else 1) for g in a)
-    # the RL tasks come after the others: a suite without them has the same first 60 tasks a level
-    assert [g.files for g in bundled.generate(rl_per_level=0)] == [g.files for g in a if g not in rl]
+    # each part comes after the ones before it: fewer extra held-out tasks, or none, or no RL tasks
+    # either, leave the tasks before them as they were
+    assert [g.files for g in bundled.generate(extra_eval_per_level=0)] == [g.files for g in a if int(g.id.split("-")[2]) < 105]
+    assert [g.files for g in bundled.generate(rl_per_level=0, extra_eval_per_level=0)] == \
+        [g.files for g in a if int(g.id.split("-")[2]) < 60]
+    with pytest.raises(ValueError, match="extra_eval_per_level=-1"):
+        bundled.generate(extra_eval_per_level=-1)
 
 
 def test_built_suite_is_real(small_suite, small_tasks):
