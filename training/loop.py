@@ -22,6 +22,8 @@ by the OS when the process dies) from before the resume to the end; a second tra
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -143,10 +145,11 @@ class Producer:
         store.add_group(group_id, task_id, adapter.version, self.cfg.group_size)
         seed = group_seed(self.cfg.seed, group_id)
         try:
-            for rollout in self.runner.run_group(task_id, adapter, group_id, self.cfg.group_size, seed):
-                store.put(rollout)
-                with self._failures_lock:
-                    self._consecutive_failures.clear()
+            with self.state.sampling_with(adapter):
+                for rollout in self.runner.run_group(task_id, adapter, group_id, self.cfg.group_size, seed):
+                    store.put(rollout)
+                    with self._failures_lock:
+                        self._consecutive_failures.clear()
         except EpisodeInfraError as exc:
             self._group_lost(task_id, group_id, exc)
             return False
@@ -248,8 +251,10 @@ class RunState:
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.backend = self._new_backend()
         self.store = RolloutStore(store_path(self.run_dir))
-        self.publisher = AdapterPublisher(adapters_volume(self.run_dir), receivers, streams=cfg.publish_streams)
         self._lock = threading.Lock()
+        self._versions_in_flight: collections.Counter[str] = collections.Counter()
+        self.publisher = AdapterPublisher(adapters_volume(self.run_dir), receivers, streams=cfg.publish_streams,
+                                          in_use=self.versions_in_flight)
         self.curriculum = curriculum
         self.step = 0
         self.resumed_from: int | None = None
@@ -338,6 +343,27 @@ class RunState:
     def current_adapter(self) -> AdapterRef:
         with self._lock:
             return self._adapter
+
+    @contextlib.contextmanager
+    def sampling_with(self, adapter: AdapterRef):
+        """Marks ``adapter`` in use by a group while the block runs: the publisher does not unload it."""
+        if adapter.name is None:  # the base model is never unloaded
+            yield
+            return
+        with self._lock:
+            self._versions_in_flight[adapter.name] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._versions_in_flight[adapter.name] -= 1
+                if not self._versions_in_flight[adapter.name]:
+                    del self._versions_in_flight[adapter.name]
+
+    def versions_in_flight(self) -> set[str]:
+        """The adapter versions groups in flight sample with (their episodes finish on them)."""
+        with self._lock:
+            return set(self._versions_in_flight)
 
     def next_tasks(self, n: int) -> list[str]:
         with self._lock:

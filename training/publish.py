@@ -6,8 +6,11 @@ into balanced safetensors shards, ``PUT /lora_shards/...`` then ``POST /commit_l
 replica assembles, checks and loads the version), and copies it to ``<run>/adapters/<version>/``
 (temporary name, then rename) for replicas that join later (they load the newest complete one,
 :func:`serving.adapters.newest_adapter`). Versions are named by step (``step_000012``); each replica
-keeps the newest ``keep_versions`` and unloads older ones that no running request uses (rollouts in
-flight finish on the version they started with).
+keeps the newest ``keep_versions`` and unloads older ones, except those that ``in_use`` names (the
+versions of the trainer's groups in flight: an episode between two turns has no request running, and
+vLLM unloads an adapter whatever is running) and those the replica refuses to unload while its running
+requests use them: rollouts in flight finish on the version they started with, and a version kept so is
+unloaded after a later publication.
 
 The replicas are a list of URLs, or a function that returns the live ones at each publication (a
 fleet whose members die and are replaced: ``LocalFleet.live_urls``). With a function, a replica that
@@ -42,13 +45,15 @@ class PublishResult:
 
 class AdapterPublisher:
     def __init__(self, adapters_dir: str | Path | None, replicas: Sequence[str] | Callable[[], Sequence[str]] = (), *,
-                 streams: int = 4, keep_versions: int = 3, gone_wait_s: float = 2.0) -> None:
+                 streams: int = 4, keep_versions: int = 3, gone_wait_s: float = 2.0,
+                 in_use: Callable[[], set[str]] | None = None) -> None:
         self.adapters_dir = Path(adapters_dir) if adapters_dir is not None else None
         self._live_replicas = replicas if callable(replicas) else None
         self.replicas = [] if callable(replicas) else [u.rstrip("/") for u in replicas]
         self.gone_wait_s = gone_wait_s
         self.streams = streams
         self.keep_versions = keep_versions
+        self._in_use = in_use or set
         self._pool = HttpPool()
         self._live: dict[str, list[str]] = {u: [] for u in self.replicas}
 
@@ -94,9 +99,12 @@ class AdapterPublisher:
         push_adapter(url, version, adapter_dir, num_shards=self.streams, pool=self._pool)
         live = self._live.setdefault(url, [])
         live.append(version)
-        while len(live) > self.keep_versions:
+        in_use = self._in_use()
+        for old in live[:-self.keep_versions] if len(live) > self.keep_versions else []:
+            if old in in_use:
+                continue  # a group in flight samples it: kept, and tried again after the next version
             try:
-                self._pool.json("POST", f"{url}/unload_lora_adapter", {"lora_name": live[0]})
+                self._pool.json("POST", f"{url}/unload_lora_adapter", {"lora_name": old})
             except EngineError:
-                break  # still used by running requests: retried after the next version
-            live.pop(0)
+                continue  # still used by running requests: tried again after the next version
+            live.remove(old)

@@ -23,7 +23,7 @@ from tests.reliability.conftest import rollout, small_disk  # noqa: F401 (a fixt
 from training.checkpoint import CheckpointLoadError, complete_steps
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.loop import AdapterRef, EpisodeInfraError, RunDirInUse, RunState, TakeTimeout
+from training.loop import AdapterRef, EpisodeInfraError, Producer, RunDirInUse, RunState, TakeTimeout
 from training.rollout import Rollout
 from training.store import RolloutStore, StoreWriteError
 
@@ -169,6 +169,32 @@ def test_run_state_takes_the_lock_and_take_times_out_saying_what_it_waited_for(t
     finally:
         state.lock.release()
     RunState(cfg, tmp_path / "run", curriculum).lock.release()  # released: the next trainer may open it
+
+
+def test_a_group_in_flight_keeps_its_adapter_version_from_being_unloaded(tmp_path: Path, tiny_model_dir: Path):
+    """While a group's episodes run, its version is in the set the publisher will not unload (vLLM
+    unloads an adapter even while an episode waits between turns); afterwards it is not."""
+    cfg = TrainConfig.from_mapping(json.loads(_config(tmp_path, tiny_model_dir).read_text()))
+    state = RunState(cfg, tmp_path / "run", Curriculum.from_pass_rates({"count-a": 0.5}, seed=0))
+    seen: list[set[str]] = []
+
+    class Runner:
+        def run_group(self, task_id, adapter, group_id, size, seed):
+            for i in range(size):
+                seen.append(state.publisher._in_use())
+                yield rollout(group_id, i, version=adapter.version)
+            if group_id == "g-lost":
+                raise EpisodeInfraError(task_id, group_id, 1, 1, "sandbox gone")
+
+    try:
+        producer = Producer(state, Runner())
+        assert producer.produce("count-a", "g-ok", AdapterRef(3, "step_000003", None))
+        assert not producer.produce("count-a", "g-lost", AdapterRef(4, "step_000004", None))
+        assert producer.produce("count-a", "g-base", AdapterRef(0, None, None))
+        assert seen == [{"step_000003"}] * 2 + [{"step_000004"}] * 2 + [set()] * 2
+        assert state.versions_in_flight() == set()
+    finally:
+        state.lock.release()
 
 
 # -- resume falls back past damaged checkpoints

@@ -39,3 +39,28 @@ def test_publish_reaches_every_replica_and_the_volume(tmp_path: Path, tiny_model
     finally:
         for s in servers:
             s.shutdown()
+
+
+def test_a_version_in_use_stays_loaded_until_a_publication_after_its_groups_end(tmp_path: Path, tiny_model_dir: Path):
+    """``in_use`` (the trainer's groups in flight) keeps a version loaded past ``keep_versions``;
+    the first publication after it is free unloads it."""
+    from serving.client import EngineClient
+    from serving.engine import LocalEngine
+    from serving.http import serve
+
+    backend = TorchPeftBackend(tiny_model_dir, lora_rank=4)
+    server = serve(LocalEngine(tiny_model_dir, torch_threads=1))
+    busy = {"step_000001"}
+    try:
+        publisher = AdapterPublisher(None, [server.url], streams=2, keep_versions=1, in_use=lambda: set(busy))
+        backend.save_adapter(tmp_path / "out")
+        for step in (1, 2, 3):
+            publisher.publish(step, tmp_path / "out")
+        assert sorted(EngineClient(server.url).server_info()["loaded_adapters"]) == ["step_000001", "step_000003"]
+        out = EngineClient(server.url).generate([1, 2, 3], {"max_new_tokens": 2}, lora_path="step_000001")
+        assert len(out["output_ids"]) == 2  # the group's next turn is still served on its version
+        busy.clear()
+        publisher.publish(4, tmp_path / "out")
+        assert EngineClient(server.url).server_info()["loaded_adapters"] == ["step_000004"]
+    finally:
+        server.shutdown()
