@@ -7,7 +7,8 @@
 - ``posttrain tasks export-harbor bundled OUT [--tasks ID,...]``: write the bundled suite (or a built
   suite folder) as Harbor tasks under ``OUT/tasks/`` with their repositories as ``OUT/repos/*.bundle``.
 - ``posttrain tasks envcheck DATASET --sources DIR``: oracle and nop on every buildable Harbor task;
-  writes the environment-flawed list to ``$POSTTRAIN_HOME/datasets/environment-flawed/``.
+  writes the environment-flawed list to ``$POSTTRAIN_HOME/datasets/environment-flawed/`` (the entries
+  of the tasks checked are replaced, the others kept: checks task by task add up).
 - ``posttrain tasks flawed-lists LISTS_JSON``: install published flawed lists into
   ``$POSTTRAIN_HOME/datasets/flawed/``.
 - ``posttrain grade --config tests/config.json --report R1 [--report R2 ...] [--json]``: score test
@@ -154,7 +155,12 @@ def cmd_tasks_envcheck(args: argparse.Namespace) -> int:
         return 2
     flaws, rows = environment_check(tasks, harbor_sandbox_factory(store, runtime=args.runtime), workers=args.workers,
                                     log=lambda m: print(m, file=sys.stderr))
-    path = write_environment_flawed(flaws, default_home(), args.name or Path(args.dataset).resolve().name)
+    try:
+        path = write_environment_flawed(flaws, default_home(), args.name or Path(args.dataset).resolve().name,
+                                        checked=[t.id for t in tasks])
+    except ValueError as exc:
+        print(f"posttrain tasks envcheck: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({"tasks": len(rows), "flawed": sorted({f.id for f in flaws}), "list": str(path), "rows": rows}))
     return 0
 

@@ -559,14 +559,32 @@ def environment_check(tasks: Sequence[Task], factory: SandboxFactory, *, workers
     return [f for flaws, _ in results for f in flaws], [row for _, row in results]
 
 
-def write_environment_flawed(flaws: Sequence[EnvironmentFlaw], home: str | Path, dataset: str) -> Path:
+def write_environment_flawed(flaws: Sequence[EnvironmentFlaw], home: str | Path, dataset: str,
+                             checked: Sequence[str] | None = None) -> Path:
     """The environment-flawed list of ``dataset``, apart from the published lists:
     ``HOME/datasets/environment-flawed/<dataset>.jsonl``, one entry per flaw (``id``, ``reason``,
-    ``source``, ``agent``, ``reward``, ``tests``), readable by :func:`evals.flawed.load_flawed_list`."""
+    ``source``, ``agent``, ``reward``, ``tests``), readable by :func:`evals.flawed.load_flawed_list`.
+
+    ``checked``: the ids of the tasks this check ran (default: the flaws' own). Their earlier entries
+    are replaced; entries of tasks not checked this time stay, so checks of a dataset task by task
+    add up to the list of the whole dataset. The file is replaced whole (temporary name, rename)."""
     path = Path(home) / "datasets" / "environment-flawed" / f"{dataset}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
+    replaced = set(checked if checked is not None else ()) | {f.id for f in flaws}
+    kept: list[str] = []
+    if path.is_file():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry_id = json.loads(line)["id"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}: line {n} is not an environment-flawed entry (a JSON object with "
+                                 "an 'id'); fix or remove the file, nothing was written") from None
+            if entry_id not in replaced:
+                kept.append(line)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(f.to_json()) + "\n" for f in flaws))
+    tmp.write_text("".join(line + "\n" for line in kept) + "".join(json.dumps(f.to_json()) + "\n" for f in flaws))
     tmp.replace(path)
     return path
 

@@ -128,6 +128,15 @@ def test_environment_check_lists_flawed_tasks_with_the_tests_apart_from_publishe
     assert path.parent.name == "environment-flawed"
     assert load_flawed_list(path).ids == {broken.id}
     assert load_flawed_lists(tmp_path / "home" / "datasets" / "flawed") == []
+    # a check of another task keeps this entry; a check that finds the task clean now removes it
+    assert write_environment_flawed([], tmp_path / "home", "bundled-harbor", checked=[good.id]) == path
+    assert load_flawed_list(path).ids == {broken.id}
+    write_environment_flawed([], tmp_path / "home", "bundled-harbor", checked=[broken.id])
+    assert load_flawed_list(path).ids == set()
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"bundled-harbor\.jsonl: line 1 is not an environment-flawed entry"):
+        write_environment_flawed(flaws, tmp_path / "home", "bundled-harbor")
+    assert path.read_text() == "not json\n"  # nothing was written
 
 
 def test_loader_reports_each_task_that_cannot_be_built_with_the_reason(exported, tmp_path):
