@@ -58,9 +58,9 @@ def one_round(model: str, spin_s: float, seconds: float, log_dir: Path) -> dict[
     finally:
         stop_replica(proc)
     share: dict[str, float] = {"requests_per_s": (served_after - served_before) / seconds}
-    for pid, (name, ticks) in before.items():
+    for pid, (name, cpu_s) in before.items():
         if pid in after:
-            share[name] = share.get(name, 0.0) + (after[pid][1] - ticks) / seconds
+            share[name] = share.get(name, 0.0) + (after[pid][1] - cpu_s) / seconds
     total = sum(v for k, v in share.items() if k != "requests_per_s")
     share["all processes"] = total
     share["cpu_s_per_request"] = total / share["requests_per_s"] if share["requests_per_s"] else float("nan")
