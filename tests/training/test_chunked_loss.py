@@ -190,8 +190,11 @@ def test_chunked_backend_step_matches_the_unchunked_step(qwen3_dir):
     for name, g in grads.items():
         assert ref_grads[name].norm() > 0, name
         assert _rel(g, ref_grads[name]) < 1e-5, name
+    # AdamW's first step divides each gradient by its own magnitude: an element whose gradient is
+    # near eps moves by a rounding-sized difference in full, so the weights are held to the
+    # gradients' tolerance (CI measured 4e-6 on a lora_B, where 1e-6 was asked)
     for name, w in adapter.items():
-        assert _rel(w, ref_adapter[name]) < 1e-6, name
+        assert _rel(w, ref_adapter[name]) < 1e-5, name
 
 
 def test_bf16_backend_keeps_the_adapter_in_bf16_and_matches_the_float32_step(qwen3_dir):
