@@ -205,8 +205,7 @@ def measure_base_model(
     rates = graded.groupby("task_id")["reward"].mean().to_dict()
     missing = sorted({t.id for t in tasks} - set(rates))
     if missing:
-        lost = frame[frame["task_id"] == missing[0]]["detail"]
-        why = str(lost.iloc[-1]) if len(lost) else "no attempt ran"
+        why = frame.loc[frame["task_id"] == missing[0], "detail"].iloc[-1]  # every task has attempts >= 1 rows
         raise RuntimeError(f"curriculum: no attempt of task {missing[0]!r} could be graded "
                            f"({len(missing)} of {len(tasks)} tasks alike); the last one's infrastructure error: {why}")
     curriculum = Curriculum.from_pass_rates(rates, **settings)

@@ -165,16 +165,6 @@ def use_grouped_lora_ops() -> bool:
     return True
 
 
-if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawned; never on a plain import
-    _SECONDS = busy_poll_s()
-    if _SECONDS is not None:
-        set_busy_poll(_SECONDS)
-    _LORA_OPS = os.environ.get(LORA_OPS_ENV, "grouped").strip() or "grouped"
-    if _LORA_OPS not in ("grouped", "vllm"):
-        raise SystemExit(f"{LORA_OPS_ENV} must be 'grouped' or 'vllm', got {_LORA_OPS!r}")
-    if _LORA_OPS == "grouped":
-        use_grouped_lora_ops()
-
 CHUNKED_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
 
 
@@ -191,8 +181,17 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawned; never on a plain import
+    _SECONDS = busy_poll_s()
+    if _SECONDS is not None:
+        set_busy_poll(_SECONDS)
+    _LORA_OPS = os.environ.get(LORA_OPS_ENV, "grouped").strip() or "grouped"
+    if _LORA_OPS not in ("grouped", "vllm"):
+        raise SystemExit(f"{LORA_OPS_ENV} must be 'grouped' or 'vllm', got {_LORA_OPS!r}")
+    if _LORA_OPS == "grouped":
+        use_grouped_lora_ops()
+
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *with_cpu_scheduling(sys.argv[1:], _on_cpu())]
-    sys.argv[0] = SERVER_MODULE
+    sys.argv = [SERVER_MODULE, *with_cpu_scheduling(sys.argv[1:], _on_cpu())]
     # sys.modules["__main__"] stays this module, so the processes the server spawns re-import it
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=False)
