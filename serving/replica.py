@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,6 +113,7 @@ class EngineProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         argv, env = engine_command(args, self.port)
         self.cwd = tempfile.mkdtemp(prefix=f"posttrain-{args.engine}-")
+        env["VLLM_RPC_BASE_PATH"] = self.cwd  # vLLM's IPC sockets, removed with the folder on stop
         self.proc = subprocess.Popen(argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=sys.stderr,
                                      stderr=sys.stderr, start_new_session=True, preexec_fn=_die_with_parent)
         self.engine = engine_client(args.engine, self.url)
@@ -142,6 +144,7 @@ class EngineProcess:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
+        shutil.rmtree(self.cwd, ignore_errors=True)
 
 
 def _interrupt(signum, frame) -> None:

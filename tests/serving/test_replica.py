@@ -52,6 +52,8 @@ def test_a_vllm_replica_and_its_engine_exit_when_their_starter_is_sigkilled(tiny
         assert EngineClient(url).server_info()["engine"] == "vllm"
         tree = _tree(int(pid))
         assert len(tree) >= 3, tree  # the replica, vLLM's API server and its engine core at least
+        workdir = Path(os.readlink(f"/proc/{tree[1]}/cwd"))  # the engine's own folder, its IPC sockets in it
+        assert workdir.name.startswith("posttrain-vllm-") and any(p.is_socket() for p in workdir.iterdir())
         starter.send_signal(signal.SIGKILL)
         starter.wait(timeout=10)
         deadline = time.monotonic() + WAIT_S
@@ -59,6 +61,7 @@ def test_a_vllm_replica_and_its_engine_exit_when_their_starter_is_sigkilled(tiny
             time.sleep(0.2)
         left = [p for p in tree if _alive(p)]
         assert not left, f"processes {left} of the replica outlived its SIGKILLed starter"
+        assert not workdir.exists(), f"the replica left {workdir} behind"
     finally:
         starter.kill()
         starter.wait()
@@ -88,6 +91,8 @@ def test_a_fleet_of_local_engine_replicas_serves_through_the_front(tiny_model, t
         [proc] = fleet.members.values()
         tree = _tree(proc.pid)
         assert len(tree) == 2, tree  # the replica and its engine server
+        workdir = Path(os.readlink(f"/proc/{tree[1]}/cwd"))
+        assert workdir.name.startswith("posttrain-local-")
     finally:
         server.shutdown()
         fleet.shutdown()
@@ -96,6 +101,7 @@ def test_a_fleet_of_local_engine_replicas_serves_through_the_front(tiny_model, t
     while time.monotonic() < deadline and any(_alive(p) for p in tree):
         time.sleep(0.2)
     assert not any(_alive(p) for p in tree)
+    assert not workdir.exists(), f"the replica left {workdir} behind"
 
 
 def test_a_replica_whose_engine_cannot_start_says_so(tmp_path):
