@@ -148,6 +148,9 @@ class EngineProcess:
 
 
 def _interrupt(signum, frame) -> None:
+    # Stopping from here on: a second SIGTERM (a fleet's shutdown may send two) must not cut the
+    # engine's stop and the folder's removal short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

@@ -121,3 +121,24 @@ def test_replica_command_names_a_setting_it_cannot_pass():
         replica_command("/m", gpu_memory=3)
     with pytest.raises(ValueError, match="engine must be one of"):
         replica_command("/m", engine="tgi")
+
+
+def test_sigterms_in_a_row_stop_a_replica_cleanly(tiny_model):
+    """A replica asked to stop again while stopping (a fleet's shutdown terminates, then stops each
+    replica) still stops its engine server, removes its folder and exits 0."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(replica_command(str(tiny_model), engine="local", torch_threads=1), cwd=repo,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert " on http" in proc.stdout.readline()
+        [engine] = descendants(proc.pid)
+        workdir = Path(os.readlink(f"/proc/{engine}/cwd"))
+        while proc.poll() is None:  # SIGTERM every 10 ms until the replica has gone
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.01)
+        assert proc.returncode == 0
+        assert not workdir.exists(), f"the replica left {workdir} behind"
+        assert not _alive(engine)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -7,11 +7,14 @@ from serving.http import serve
 from serving.prefix_cache import PrefixCache
 from serving.sim import ServiceModel, SimEngine
 
-FAST = ServiceModel(prefill_s_per_token=1e-7, decode_step_s=1e-4, decode_s_per_req=0.0, decode_chunk_tokens=8)
+# A decode step of 20 ms: a 96-token request decodes for about 0.25 s, so six sent together are all
+# running at once even when a loaded machine spreads their arrival (at 0.1 ms a step the first could
+# finish before the fourth arrived, and nothing would be retracted).
+SERVICE = ServiceModel(prefill_s_per_token=1e-7, decode_step_s=0.02, decode_s_per_req=0.0, decode_chunk_tokens=8)
 
 
 def test_multi_turn_hits_and_budget_retractions():
-    server = serve(SimEngine(max_total_tokens=1024, service=FAST), port=0)
+    server = serve(SimEngine(max_total_tokens=1024, service=SERVICE), port=0)
     try:
         client = EngineClient(server.url)
         context = list(range(100, 300))
