@@ -1,6 +1,7 @@
 """Shared test settings: every test gets its own posttrain home, never the user's."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +17,16 @@ def posttrain_home(tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_HOME", str(home))
     monkeypatch.setenv("DAGSTER_HOME", str(home / "dagster"))
     return home
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first, the end-to-end demo first of all: with the files shared out
+    among workers (scripts/test.sh), the long ones start early and the workers end together."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        if item.path not in slow_files:
+            return 2
+        return 0 if Path(item.path).parent.name == "e2e" else 1
+
+    items.sort(key=rank)  # stable: within a rank, collection order
