@@ -381,8 +381,10 @@ def run_episode(
                 except OSError as exc:  # the router or replica is gone (restarting): not the model's failure
                     raise InfraError(f"model server unreachable: {exc}") from exc
                 except EngineError as exc:
-                    if exc.status < 500:
-                        raise
+                    # The harness built the request, so a refusal is the serving side's too: most often
+                    # a replica that does not hold the episode's adapter version (one that joined
+                    # after it was published). The episode is retried, then its group dropped; a run
+                    # whose calls keep failing stops on its infrastructure-failure limit.
                     raise InfraError(f"model server failed: {exc}") from exc
                 output_ids = list(response["output_ids"])
                 meta = dict(response.get("meta_info", {}))

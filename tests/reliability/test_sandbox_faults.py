@@ -127,6 +127,25 @@ def test_model_server_unreachable_is_an_infra_error(task, tokenizer):
     assert traj.stop_reason == "infra_error" and traj.reward is None and "unreachable" in traj.error
 
 
+def test_a_call_the_engine_refuses_is_an_infra_error(task, tokenizer, tmp_path):
+    """A replica that does not hold the episode's adapter version (it joined after the version was
+    published) refuses the call with a 4xx: the episode is an infra error, not an exception that
+    would stop the producer, and not a failure of the model."""
+    from serving.client import EngineClient
+    from serving.engine import LocalEngine
+    from serving.http import serve
+    from serving.tiny import build_tiny_model
+
+    server = serve(LocalEngine(build_tiny_model(tmp_path / "model"), max_total_tokens=4096, torch_threads=1), port=0)
+    try:
+        traj = run_episode(task, EngineClient(server.url, timeout_s=30), tokenizer, platform_sandbox_factory("bwrap"),
+                           max_turns=1, max_new_tokens=4, adapter_version="step_000009")
+    finally:
+        server.shutdown()
+    assert traj.stop_reason == "infra_error" and traj.reward is None
+    assert "400" in traj.error and "'step_000009' is not loaded" in traj.error, traj.error
+
+
 def test_harness_runner_grades_an_identical_patch_once(task, tokenizer):
     """A group whose samples commit the same patch: every rollout carries the real grade, and the
     grading sandbox opens once for the group (with ``reuse_grading`` off, once per sample)."""
