@@ -181,7 +181,7 @@ def cmd_tasks_flawed_lists(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from evals.evaluate import write_rows
     from evals.flawed import flawed_views, load_flawed_lists, views_markdown
-    from evals.harbor import evaluate_harbor, harbor_sandbox_factory, model_context_tokens
+    from evals.harbor import evaluate_harbor, harbor_sandbox_factory
     from evals.tasks import TaskLoadError
     from sandboxes.home import default_home
 
@@ -206,17 +206,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with served as model:
         kwargs = {}
         if model is not None:
-            from evals.harness import HttpClient
+            from evals.harness import HttpClient, episode_context
 
             url, tokenizer, eos_ids = model
             log(f"posttrain eval: {args.model} served on {url}")
             kwargs = dict(model=HttpClient(url), tokenizer=tokenizer, model_url=url, max_turns=args.max_turns,
                           max_new_tokens=args.max_new_tokens)
             if args.scaffold == "builtin":  # the built-in loop's own settings
-                kwargs.update(stop_token_ids=eos_ids, action_format=args.action_format)
-                context = model_context_tokens(args.model)
-                if context is not None:  # a prompt longer than the model's context ends the episode
-                    kwargs["max_context_tokens"] = context
+                kwargs.update(stop_token_ids=eos_ids, action_format=args.action_format, **episode_context(args.model))
         rows = evaluate_harbor(tasks, factory, agent=args.agent, attempts=args.attempts, workers=args.workers,
                                scaffold=args.scaffold, record_dir=args.record, checkpoint=args.checkpoint or args.agent,
                                log=log, **kwargs)

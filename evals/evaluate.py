@@ -137,8 +137,8 @@ def evaluate_checkpoint(
     replica process (:func:`serving.fleet.start_engine`: vLLM unless ``POSTTRAIN_ENGINE`` says
     otherwise; its output in ``engine_log``, else a temporary file) for the length of the call.
     ``settings`` are :func:`evaluate`'s other keywords (``max_turns``, ``seed``, ...); the model's
-    end-of-sequence tokens stop each turn."""
-    from evals.harness import HttpClient
+    end-of-sequence tokens stop each turn, and its context bounds each episode's."""
+    from evals.harness import HttpClient, episode_context
 
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
                            adapter_version=adapter_version) as (url, tokenizer, eos_ids):
@@ -146,7 +146,7 @@ def evaluate_checkpoint(
             log(f"evaluating {checkpoint} (adapter {adapter_version}) on {len(tasks)} tasks x {attempts} attempts")
         return evaluate(tasks, HttpClient(url), tokenizer, sandbox_factory, checkpoint=checkpoint,
                         adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
-                        stop_token_ids=eos_ids, **settings)
+                        stop_token_ids=eos_ids, **{**episode_context(base_model), **settings})
 
 
 @contextlib.contextmanager

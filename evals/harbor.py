@@ -447,18 +447,6 @@ def evaluate_harbor(tasks: Sequence[Task], factory: SandboxFactory, *, agent: st
         return list(pool.map(one, jobs))
 
 
-def model_context_tokens(base_model: str | Path) -> int | None:
-    """The context length of a Hugging Face model folder (``max_position_embeddings``), or None.
-    Real tasks' prompts can be longer than a small model's context: an episode that does not fit
-    stops (``stop_reason="context"``, nothing committed) instead of the engine refusing the call."""
-    try:
-        config = json.loads((Path(base_model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 def evaluate_harbor_checkpoint(tasks: Sequence[Task], base_model: str | Path, factory: SandboxFactory, *,
                                checkpoint: str, adapter: str | Path | None = None,
                                adapter_version: str | None = None, attempts: int = 8, workers: int = 1,
@@ -468,16 +456,14 @@ def evaluate_harbor_checkpoint(tasks: Sequence[Task], base_model: str | Path, fa
     Face folder) with the peft folder ``adapter`` loaded as ``adapter_version`` (none: the base model
     alone), served by an engine replica process for the length of the call
     (:func:`evals.evaluate.served_model`: vLLM unless ``POSTTRAIN_ENGINE`` says otherwise). The
-    model's end-of-sequence tokens stop each turn, and its context (:func:`model_context_tokens`)
+    model's end-of-sequence tokens stop each turn, and its context (:func:`evals.harness.episode_context`)
     bounds each episode's; ``episode_kwargs`` go to the episodes (``max_turns``, ``max_new_tokens``,
     ``temperature``, ``seed``, ``action_format``, ...). The ``deepswe_eval`` asset calls this on a
     Harbor dataset."""
     from evals.evaluate import served_checkpoint
-    from evals.harness import HttpClient
+    from evals.harness import HttpClient, episode_context
 
-    context = model_context_tokens(base_model)
-    if context is not None:
-        episode_kwargs.setdefault("max_context_tokens", context)
+    episode_kwargs = {**episode_context(base_model), **episode_kwargs}
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
                            adapter_version=adapter_version) as (url, tokenizer, eos):
         if log is not None:

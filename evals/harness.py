@@ -55,6 +55,7 @@ import posixpath
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
@@ -315,6 +316,25 @@ def _tree_digest(written: dict[str, bytes]) -> str:
         h.update(f"{path}\0{len(written[path])}\0".encode())
         h.update(written[path])
     return h.hexdigest()
+
+
+def model_context_tokens(base_model: str | Path) -> int | None:
+    """The context length of a Hugging Face model folder (``max_position_embeddings``), or None."""
+    try:
+        config = json.loads((Path(base_model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def episode_context(base_model: str | Path) -> dict[str, int]:
+    """:func:`run_episode`'s ``max_context_tokens`` for episodes of ``base_model``: its own context,
+    so that an episode that outgrows it stops (``stop_reason="context"``, its committed work graded)
+    instead of the engine refusing the call, which would make it an infrastructure error the agent
+    could provoke to leave a failing attempt unscored. Empty when the folder does not say."""
+    context = model_context_tokens(base_model)
+    return {"max_context_tokens": context} if context is not None else {}
 
 
 def run_episode(

@@ -182,7 +182,7 @@ def measure_base_model(
     from transformers import AutoTokenizer
 
     from evals.evaluate import evaluate
-    from evals.harness import HttpClient
+    from evals.harness import HttpClient, episode_context
     from evals.sandbox import platform_sandbox_factory
     from serving.fleet import start_engine, stop_replica
 
@@ -197,6 +197,7 @@ def measure_base_model(
             tasks, HttpClient(url), tokenizer, platform_sandbox_factory(sandbox_runtime), checkpoint="curriculum-base",
             attempts=attempts, max_turns=max_turns, max_new_tokens=max_new_tokens,
             temperature=temperature, workers=workers, stop_token_ids=(tokenizer.eos_token_id,),
+            **episode_context(model),
         )
     finally:
         stop_replica(proc)

@@ -125,7 +125,7 @@ class HarnessRunner(PooledGroupRunner):
 
     def __init__(self, tasks: dict[str, Any], engine_url: str, tokenizer: Any, sandbox_factory: Any,
                  cfg: TrainConfig, episode_workers: int = 4) -> None:
-        from evals.harness import HttpClient
+        from evals.harness import HttpClient, episode_context
 
         self.tasks = tasks
         self.engine_url = engine_url
@@ -133,6 +133,7 @@ class HarnessRunner(PooledGroupRunner):
         self.tokenizer = tokenizer
         self.sandbox_factory = sandbox_factory
         self.cfg = cfg
+        self.context = episode_context(cfg.base_model)  # an episode that outgrows the model stops
         super().__init__(episode_workers)
         # An identical committed patch of the same task is graded once (the tests are deterministic).
         self.grade_cache: dict | None = {} if cfg.reuse_grading else None
@@ -150,7 +151,7 @@ class HarnessRunner(PooledGroupRunner):
                 task, self.client, self.tokenizer, self.sandbox_factory, adapter_version=adapter.name,
                 session_id=f"{group_id}/{index}", action_format="compact", max_turns=self.cfg.max_turns,
                 max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                seed=seed + 7919 * index + 104729 * retry, grade_cache=self.grade_cache,
+                seed=seed + 7919 * index + 104729 * retry, grade_cache=self.grade_cache, **self.context,
             )
             if not traj.infra_error:
                 return rollout_from_trajectory(traj, group_id, adapter, episode_reward(traj, self.cfg.reward))

@@ -117,10 +117,12 @@ def test_an_episode_is_bounded_by_the_served_models_context(tmp_path):
     """Real tasks' prompts can be longer than a small model's context (DeepSWE's sqlfmt task: 2277
     tokens; the embedded base model: 2048): the episode is bounded by the model folder's
     ``max_position_embeddings`` and stops, rather than the engine refusing the call."""
-    from evals.harbor import model_context_tokens
+    from evals.harness import episode_context, model_context_tokens
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     assert model_context_tokens(tmp_path) == 2048
+    assert episode_context(tmp_path) == {"max_context_tokens": 2048}
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": "long"}))
     assert model_context_tokens(tmp_path) is None
     assert model_context_tokens(tmp_path / "missing") is None
+    assert episode_context(tmp_path / "missing") == {}  # run_episode's own bound then

@@ -146,6 +146,24 @@ def test_a_call_the_engine_refuses_is_an_infra_error(task, tokenizer, tmp_path):
     assert "400" in traj.error and "'step_000009' is not loaded" in traj.error, traj.error
 
 
+def test_the_trainers_episodes_are_bounded_by_the_models_own_context(tmp_path, tokenizer):
+    """An episode that outgrows the model stops and is graded (``stop_reason="context"``) rather
+    than reaching the engine's refusal, an infrastructure error the policy could provoke to leave a
+    failing attempt unscored: the trainer's runner takes the bound from the model folder."""
+    import json
+
+    from training.config import TrainConfig
+    from training.episodes import HarnessRunner
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    runner = HarnessRunner({}, "http://127.0.0.1:9", tokenizer, None, TrainConfig(base_model=str(tmp_path)),
+                           episode_workers=1)
+    try:
+        assert runner.context == {"max_context_tokens": 512}
+    finally:
+        runner.close()
+
+
 def test_harness_runner_grades_an_identical_patch_once(task, tokenizer):
     """A group whose samples commit the same patch: every rollout carries the real grade, and the
     grading sandbox opens once for the group (with ``reuse_grading`` off, once per sample)."""
