@@ -1,7 +1,6 @@
 """Shared test settings: every test gets its own posttrain home, never the user's."""
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +26,6 @@ def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         if item.path not in slow_files:
             return 2
-        return 0 if Path(item.path).parent.name == "e2e" else 1
+        return 0 if item.path.parent.name == "e2e" else 1
 
     items.sort(key=rank)  # stable: within a rank, collection order
