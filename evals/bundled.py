@@ -1,6 +1,7 @@
 """The bundled task suite: small Python repositories generated reproducibly, validated for real.
 
-Every task is a one-module repository (``<module>.py`` at the root, pytest tests under ``tests/``)
+Every task is a one-module repository (``<module>.py`` at the root, pytest-style tests under ``tests/``
+run by posttrain's quick test runner, :mod:`evals.quicktest`, whose copy is part of the repository)
 committed at a base commit with fixed author and dates, so the same generator version always gives
 the same commits. The module holds two to four short functions; one or two of them carry a bug that
 a one-line edit fixes. Each function has its own test: the buggy functions' tests are the *target
@@ -37,6 +38,7 @@ build of the same generator version.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -55,12 +57,17 @@ from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_ju
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
-GENERATOR_VERSION = 5
+GENERATOR_VERSION = 6
 TASKS_PER_LEVEL = 60  # demonstration and held-out tasks per level
 EVAL_EVERY = 4  # every 4th of those is held out for evaluation
 MAX_DRAWS = 100  # a task whose buggy lines repeat elsewhere in its module (or whose module another task has) is drawn again
 REPORT = ".pytest-report.xml"
-TEST_COMMAND = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
+# The tests run under posttrain's quick test runner (evals/quicktest.py, copied into each task's
+# protected tests/ folder): pytest's output, report and grader's results stream for these tests, at a
+# tenth of pytest's start-up, which the embedded default pays thousands of times a run.
+RUNNER_SOURCE = Path(__file__).with_name("quicktest.py")
+RUNNER_PATH = "tests/posttrain_quicktest.py"
+TEST_COMMAND = f"python3 -S {RUNNER_PATH} -q --tb=short --junitxml={REPORT} tests"
 GIT_DATE = "2024-01-01T00:00:00+00:00"
 
 
@@ -207,7 +214,7 @@ def _draw(level: int, index: int, rng: random.Random) -> GeneratedTask:
     return GeneratedTask(
         id=task_id, difficulty=level, split=split, module=module, functions=tuple(names),
         buggy_functions=bug_names,
-        files={f"{module}.py": source, f"tests/test_{module}.py": test_source,
+        files={f"{module}.py": source, f"tests/test_{module}.py": test_source, RUNNER_PATH: _runner_source(),
                ".gitignore": f"__pycache__/\n{REPORT}\n"},
         reference_edits=tuple(edits), instruction_head=head,
     )
@@ -295,6 +302,11 @@ def _task_json(gen: GeneratedTask, base_commit: str) -> dict[str, Any]:
             "demonstration": gen.demonstration,
         },
     }
+
+
+@functools.lru_cache(maxsize=None)
+def _runner_source() -> str:
+    return RUNNER_SOURCE.read_text()
 
 
 def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:

@@ -452,12 +452,15 @@ def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: 
     return ResultsStream(statuses, sessions, sessions > 0 and current is None, "", tuple(exits))
 
 
+QUICKTEST_FILE = "posttrain_quicktest.py"  # evals.quicktest.RUNNER_FILE
 _SHELL_SYNTAX = re.compile(r"[;&|`<>\n]|\$\(")
 
 
 def pytest_sessions(command: str) -> int | None:
     """How many pytest sessions ``command`` runs, where its text says: 1 for one simple command that
-    names pytest once (``[VAR=value ...] python3 -m pytest ...``, ``pytest ...``); None when that
+    names pytest once (``[VAR=value ...] python3 -m pytest ...``, ``pytest ...``, or the bundled
+    suite's ``python3 -S tests/posttrain_quicktest.py ...``, which writes the same results stream:
+    :mod:`evals.quicktest`); None when that
     cannot be read from it (a script, shell operators, no pytest in sight)."""
     if _SHELL_SYNTAX.search(command):
         return None
@@ -465,7 +468,7 @@ def pytest_sessions(command: str) -> int | None:
         words = shlex.split(command)
     except ValueError:
         return None
-    named = sum(1 for w in words if w == "pytest" or w.endswith("/pytest") or w == "py.test")
+    named = sum(1 for w in words if w in ("pytest", "py.test", QUICKTEST_FILE) or w.endswith(("/pytest", f"/{QUICKTEST_FILE}")))
     return 1 if named == 1 else None
 
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from evals.grading import (
     APPLY_FAILED, GRADED, INFRA_ERROR, ReportError, Status, committed_patch, grade_patch, grade_reports,
     merge_statuses, parse_ctrf, parse_junit, score,
 )
+from evals.bundled import REPORT
 from evals.sandbox import InfraError
 
 JUNIT_BASE = """<?xml version="1.0" encoding="utf-8"?>
@@ -229,7 +231,8 @@ def test_a_conftest_that_forces_passes_is_not_graded(small_tasks):
     from evals.bundled import default_sandbox_factory
 
     factory = default_sandbox_factory()
-    task = small_tasks[0]
+    # under pytest, which loads conftest files (the bundled suite's own runner loads none)
+    task = replace(small_tasks[0], test_command=f"python3 -m pytest -q -p no:cacheprovider --junitxml={REPORT} tests")
     cheat = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
              "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
     with factory(task) as box:
