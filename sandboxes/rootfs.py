@@ -98,7 +98,27 @@ def run_root(cache: LayerCache, create: bool = True) -> Path:
     if not create:
         return root
     for d in (base, root):
-        d.mkdir(exist_ok=True, parents=True)
+        try:
+            d.mkdir(parents=True)
+        except FileExistsError:
+            pass
         if os.geteuid() == 0:
-            os.chmod(d, 0o711)
+            try:
+                os.chmod(d, 0o711)
+            except FileNotFoundError:
+                pass  # removed meanwhile by the close of its last sandbox: make_run_dir makes it again
     return root
+
+
+def make_run_dir(cache: LayerCache, name: str) -> Path:
+    """Create the run folder ``name`` of a new sandbox under :func:`run_root`. The close of a cache's
+    last sandbox removes the root when it is empty, so it can vanish between its creation and the
+    new folder's: then it is made again."""
+    for _ in range(100):
+        folder = run_root(cache) / name
+        try:
+            folder.mkdir()
+            return folder
+        except FileNotFoundError:
+            continue
+    raise OSError(f"could not create the sandbox run folder {folder}: its parent keeps being removed")

@@ -80,7 +80,7 @@ from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
 from sandboxes.errors import SandboxError
 from sandboxes.images import SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, build_image, image_name
 from sandboxes.reaping import reap_stale_sandboxes
-from sandboxes.rootfs import Rootfs, run_root
+from sandboxes.rootfs import Rootfs, make_run_dir, run_root
 from sandboxes.toolchain import SANDBOX_HOME, host_toolchain, reachable_toolchain_source, sandbox_env
 
 RUNTIMES = ("bwrap", "gvisor", "unisolated")
@@ -299,7 +299,7 @@ class Sandbox:
         self.writable_root = writable_root
         self.runtime = RUNTIME_CLASSES[runtime]()
         self.env = sandbox_env(env)
-        self.run_dir = run_root(cache) / self.id
+        self.run_dir = run_root(cache, create=False) / self.id
         self.proc: subprocess.Popen | None = None
         self.cgroup: Cgroup | None = None
         self.rootfs: Rootfs | None = None
@@ -309,7 +309,7 @@ class Sandbox:
         self._removed = threading.Event()
         started = time.perf_counter()
         # held for the sandbox's life: a run folder whose lock is free belongs to a dead owner
-        self.run_dir.mkdir(parents=True)
+        self.run_dir = make_run_dir(cache, self.id)
         self._run_lock = os.open(self.run_dir / "lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._run_lock, fcntl.LOCK_EX)
         self.lease: Lease | None = None

@@ -120,3 +120,36 @@ def test_debris_of_a_killed_harness_is_reaped(repo, store, cache):
         assert reap_stale_sandboxes(cache) == []  # the live sandbox is left alone
         assert alive.exec("echo ok").output == "ok\n"
     assert not list(Path("/sys/fs/cgroup").glob(f"*/posttrain/{dead_id}"))
+
+
+def test_run_folders_survive_their_root_being_removed_by_a_closing_sandbox(tmp_path, monkeypatch):
+    """A sandbox's close removes the cache's run root when it was the last one; a sandbox starting
+    at that moment in another thread must still get its run folder (seen as ``FileExistsError`` from
+    the root's ``mkdir`` while suites were validated in parallel)."""
+    import threading
+
+    from sandboxes.rootfs import make_run_dir
+
+    monkeypatch.setenv("POSTTRAIN_SANDBOX_RUN_DIR", str(tmp_path / "run"))
+    cache = sandboxes.LayerCache(tmp_path / "cache")
+    errors: list[BaseException] = []
+
+    def churn(worker: int) -> None:
+        try:
+            for i in range(300):
+                folder = make_run_dir(cache, f"pt-{worker}-{i}")
+                assert folder.is_dir()
+                folder.rmdir()
+                try:
+                    folder.parent.rmdir()  # what Sandbox.close does
+                except OSError:
+                    pass
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
