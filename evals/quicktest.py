@@ -64,6 +64,7 @@ class Stream:
 
     @staticmethod
     def _open() -> int | None:
+        # as evals/pytest_results.py opens it: each file travels alone into a sandbox, so they share no module
         raw = os.environ.pop(FD_ENV, None)
         if raw is None:
             return None
