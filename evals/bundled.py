@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 from sandboxes.home import default_suite_dir
 from evals.actions import apply_edits, content_edits, failing_summary
 from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
+from evals.quicktest import RUNNER_FILE
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
 
@@ -66,7 +67,7 @@ REPORT = ".pytest-report.xml"
 # protected tests/ folder): pytest's output, report and grader's results stream for these tests, at a
 # tenth of pytest's start-up, which the embedded default pays thousands of times a run.
 RUNNER_SOURCE = Path(__file__).with_name("quicktest.py")
-RUNNER_PATH = "tests/posttrain_quicktest.py"
+RUNNER_PATH = f"tests/{RUNNER_FILE}"
 TEST_COMMAND = f"python3 -S {RUNNER_PATH} -q --tb=short --junitxml={REPORT} tests"
 GIT_DATE = "2024-01-01T00:00:00+00:00"
 

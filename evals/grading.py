@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from evals.quicktest import RUNNER_FILE
 from evals.sandbox import AgentFault, InfraError
 from evals.signals import REPORT_REWRITTEN, RESULTS_TAMPERED, patch_signals
 
@@ -452,7 +453,6 @@ def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: 
     return ResultsStream(statuses, sessions, sessions > 0 and current is None, "", tuple(exits))
 
 
-QUICKTEST_FILE = "posttrain_quicktest.py"  # evals.quicktest.RUNNER_FILE
 _SHELL_SYNTAX = re.compile(r"[;&|`<>\n]|\$\(")
 
 
@@ -468,7 +468,7 @@ def pytest_sessions(command: str) -> int | None:
         words = shlex.split(command)
     except ValueError:
         return None
-    named = sum(1 for w in words if w in ("pytest", "py.test", QUICKTEST_FILE) or w.endswith(("/pytest", f"/{QUICKTEST_FILE}")))
+    named = sum(1 for w in words if w in ("pytest", "py.test", RUNNER_FILE) or w.endswith(("/pytest", f"/{RUNNER_FILE}")))
     return 1 if named == 1 else None
 
 

@@ -218,7 +218,7 @@ def _ellipsize(text: str, maxsize: int) -> str:
     return text
 
 
-def saferepr(value, maxsize: int = 240, use_ascii: bool = False) -> str:
+def saferepr(value, maxsize: int = _MAX_REPR, use_ascii: bool = False) -> str:
     return _SafeRepr(maxsize, use_ascii).repr(value)
 
 
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         paths, junit = parse_args(list(sys.argv[1:] if argv is None else argv))
         files = find_test_files(paths)
     except UsageError as exc:
-        print(f"ERROR: usage: posttrain_quicktest.py [options] [paths]\n{exc}", file=sys.stderr)
+        print(f"ERROR: usage: {RUNNER_FILE} [options] [paths]\n{exc}", file=sys.stderr)
         return _finish(stream, EXIT_USAGE)
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path[0] = os.getcwd()  # what `python -m pytest` puts first
