@@ -223,10 +223,15 @@ def test_a_lingering_daemon_that_rewrites_the_report_scores_zero(task, factory):
     assert "spawns_processes" in result.signals
 
 
-def test_a_lingering_daemon_that_appends_a_forged_stream_is_tampering(task, factory):
+def _stream_forger(task, *, wait_for_report: bool) -> str:
+    """A lingering daemon that writes an all-passed session to every pipe it inherited: at once, or
+    once the runner's report exists (after the real session's last record)."""
     forged = "".join(json.dumps(r) + "\n" for r in _session(
         "forged", tuple((f"tests/{t.split('.')[1]}.py::{t.split('.')[-1]}", "passed")
                         for t in [*task.target_tests, *task.existing_tests])))
+    wait = f"""end = _time.time() + 5
+            while _time.time() < end and not _os.path.exists({REPORT!r}):
+                _time.sleep(0.005)""" if wait_for_report else "pass"
     body = f"""import stat as _stat
             fds = [int(n) for n in _os.listdir("/proc/self/fd")]
             pipes = []
@@ -236,17 +241,30 @@ def test_a_lingering_daemon_that_appends_a_forged_stream_is_tampering(task, fact
                         pipes.append(fd)
                 except OSError:
                     pass
-            end = _time.time() + 5
-            while _time.time() < end and not _os.path.exists({REPORT!r}):
-                _time.sleep(0.005)
+            {wait}
             for fd in pipes:
                 try:
                     _os.write(fd, {forged!r}.encode())
                 except OSError:
                     pass"""
-    result = grade_patch(task, _committed(task, factory, _DAEMON.format(body=body)), factory)
+    return _DAEMON.format(body=body)
+
+
+def test_a_lingering_daemon_that_writes_a_forged_session_is_tampering(task, factory):
+    # the daemon starts while the module under test is imported: its session lands inside the real one
+    result = grade_patch(task, _committed(task, factory, _stream_forger(task, wait_for_report=False)), factory)
     assert result.status == GRADED and result.scores.reward == 0.0
     assert "results_tampered" in result.signals and result.detail.startswith("results_tampered")
+
+
+def test_a_lingering_daemon_that_appends_a_forged_session_after_the_report_gains_nothing(task, factory):
+    """The daemon races the grader, which kills every process the tests left once the runner exits:
+    the forged session either lands after the real ``finish`` (tampering) or is never written, and
+    then the real session is graded. The forged passes count in neither case."""
+    result = grade_patch(task, _committed(task, factory, _stream_forger(task, wait_for_report=True)), factory)
+    assert result.status == GRADED and result.scores.reward == 0.0 and result.scores.f2p_passed == 0
+    if "results_tampered" not in result.signals:
+        assert result.statuses[task.target_tests[0]] == "failed", result.detail
 
 
 _KILL_ALL = ("\nimport os as _os\nfor _pid in (-1, 1):\n    try:\n        _os.kill(_pid, 9)\n"
