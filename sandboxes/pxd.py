@@ -57,22 +57,22 @@ capabilities and starts every command as the sandbox user (``--command-uid``), w
 it. As PID 1 pxd reaps orphans: it waits only for zombie children it did not start (found in
 /proc), never stealing the exit status of its own commands.
 
-This file uses only the standard library: it runs under whatever ``python3`` the sandbox has.
+This file uses only the standard library: it runs under whatever ``python3`` the sandbox has. Two
+sandboxes start per episode, so its start-up is kept short: it loads ``re`` (through ``base64``)
+only to decode a base64 file write, ``socket`` only for ``--socket``, and never OpenSSL (through
+``hashlib``).
 """
 
 from __future__ import annotations
 
-import base64
+import binascii
 import ctypes
 import errno
 import fcntl
-import hashlib
-import hmac
 import json
 import os
 import selectors
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -140,10 +140,36 @@ def read_message(rfile):
     return line.decode("latin-1").rstrip("\r\n"), headers, body
 
 
+def _sha256_builtin():
+    """The interpreter's own SHA-256 (``_sha256`` up to Python 3.11, ``_sha2`` after): loading
+    OpenSSL for ``hashlib`` costs more than the daemon's every other import but ``subprocess``."""
+    try:
+        from _sha2 import sha256
+    except ImportError:
+        from _sha256 import sha256
+    return sha256
+
+
+_SHA256 = _sha256_builtin()
+_HMAC_BLOCK = 64  # SHA-256's block size in bytes
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+def hmac_sha256(key: bytes, message: bytes) -> str:
+    """HMAC-SHA256 (RFC 2104) of ``message`` under ``key``, in hex; equal to
+    ``hmac.new(key, message, hashlib.sha256).hexdigest()`` (tests/sandboxes check it)."""
+    if len(key) > _HMAC_BLOCK:
+        key = _SHA256(key).digest()
+    key = key.ljust(_HMAC_BLOCK, b"\0")
+    inner = _SHA256(key.translate(_IPAD) + message).digest()
+    return _SHA256(key.translate(_OPAD) + inner).hexdigest()
+
+
 def answer_mac(key: bytes, seq: int, status_line: bytes, body: bytes) -> str:
     """The MAC of one answer: HMAC-SHA256 over the decimal sequence number, a newline, the status line
     (without its CRLF), a newline and the body. The client checks it against its own count."""
-    return hmac.new(key, b"%d\n%s\n" % (seq, status_line) + body, hashlib.sha256).hexdigest()
+    return hmac_sha256(key, b"%d\n%s\n" % (seq, status_line) + body)
 
 
 def write_response(wfile, status: int, obj, key: bytes | None = None, seq: int = 0) -> None:
@@ -456,7 +482,7 @@ class Daemon:
             out["content"] = data.decode("utf-8")
             out["encoding"] = "utf-8"
         except UnicodeDecodeError:
-            out["content"] = base64.b64encode(data).decode()
+            out["content"] = binascii.b2a_base64(data, newline=False).decode()
             out["encoding"] = "base64"
         return out
 
@@ -470,6 +496,8 @@ class Daemon:
             data = content.encode()
         elif encoding == "base64":
             try:
+                import base64  # only here: it imports re
+
                 data = base64.b64decode(content, validate=True)
             except ValueError as exc:
                 raise RequestError(f"content is not valid base64: {exc}")
@@ -705,7 +733,7 @@ def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge, *, results_
         "duration_s": round(time.monotonic() - started, 6),
     }
     if results_r is not None:
-        answer["results_b64"] = base64.b64encode(bytes(results.head)).decode()
+        answer["results_b64"] = binascii.b2a_base64(bytes(results.head), newline=False).decode()
         answer["results_truncated"] = results.total > len(results.head)
     if others_killed is not None:
         answer["others_killed"] = others_killed
@@ -1014,7 +1042,9 @@ def serve_stream(daemon: Daemon, rfile, wfile, key: bytes | None = None) -> None
         seq += 1
 
 
-def listen_unix(path: str) -> socket.socket:
+def listen_unix(path: str):
+    import socket
+
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(path):
         os.unlink(path)
@@ -1023,7 +1053,7 @@ def listen_unix(path: str) -> socket.socket:
     return server
 
 
-def serve_socket(daemon: Daemon, server: socket.socket) -> None:
+def serve_socket(daemon: Daemon, server) -> None:
     """One thread per connection; each connection starts with its client's ``PXD-KEY`` line."""
 
     def one(conn):

@@ -200,3 +200,17 @@ def test_a_folder_made_by_a_concurrent_request_is_opened_not_an_error(tmp_path, 
     else:
         with pytest.raises(pxd.RequestError, match="is a symlink"):
             daemon._open_dir(["load"], "path", create=True)
+
+
+@pytest.mark.parametrize("key_len", [0, 1, 32, 63, 64, 65, 200])
+def test_pxd_hmac_equals_the_standard_librarys(key_len):
+    """pxd signs with the interpreter's built-in SHA-256, the client checks with ``hmac``: they agree
+    for keys shorter than, equal to and longer than the block, on empty and long messages."""
+    import hashlib
+    import hmac
+
+    from sandboxes import pxd
+
+    key = os.urandom(key_len)
+    for message in (b"", b"0\nHTTP/1.1 200 OK\n{}", os.urandom(70_000)):
+        assert pxd.hmac_sha256(key, message) == hmac.new(key, message, hashlib.sha256).hexdigest()

@@ -172,3 +172,33 @@ def test_the_variants_do_not_depend_on_the_interpreters_hash_seed() -> None:
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)]
     assert runs[0] == runs[1] == runs[2] and len(json.loads(runs[0])) == 5
+
+
+def test_the_sft_loss_without_an_attention_mask_is_the_padded_masks() -> None:
+    """SFT batches are right-padded and passed without an attention mask: the loss and every gradient
+    equal those computed with the padding masked out of attention."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from training.base_model import masked_lm_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
+        num_key_value_heads=1, max_position_embeddings=64))
+    rng = random.Random(0)
+    lengths = [9, 23, 17, 4]
+    width = max(lengths)
+    ids = torch.tensor([[rng.randrange(1, 64) for _ in range(n)] + [0] * (width - n) for n in lengths])
+    mask = torch.tensor([[float(rng.random() < 0.5) for _ in range(n)] + [0.0] * (width - n) for n in lengths])
+    attn = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+
+    loss = masked_lm_loss(model, ids, mask)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+    want = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    assert torch.allclose(loss, want, atol=1e-6)
+    for got, expected in zip(grads, want_grads):
+        assert torch.allclose(got, expected, atol=1e-6)
