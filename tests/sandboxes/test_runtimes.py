@@ -3,6 +3,7 @@ writable workspace over a read-only root, git through pxd, limits, and cleanup."
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -153,3 +154,31 @@ def test_run_folders_survive_their_root_being_removed_by_a_closing_sandbox(tmp_p
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("runtime", runtime_params())
+def test_pxd_starts_compiled_and_the_sandbox_cannot_change_it(runtime, repo, store, cache):
+    """Sandboxes start the daemon from its compiled file, bound read-only; the file matches the
+    source it was compiled from, and the sandbox user can neither rewrite nor replace it."""
+    from sandboxes.runtimes import PXD_COMPILED_IN_SANDBOX, compiled_pxd
+
+    with sandboxes.start(repo, runtime=runtime, store=store, cache=cache) as sb:
+        cmdline = sb.exec("tr '\\0' ' ' < /proc/1/cmdline").output
+        assert PXD_COMPILED_IN_SANDBOX in cmdline, cmdline
+        assert sb.exec(f"echo x >> {PXD_COMPILED_IN_SANDBOX} || rm -f {PXD_COMPILED_IN_SANDBOX} || "
+                       f"mv {PXD_COMPILED_IN_SANDBOX} /tmp/p").exit_code != 0
+        digest = hashlib.sha256(compiled_pxd().read_bytes()).hexdigest()
+        assert sb.exec(f"sha256sum {PXD_COMPILED_IN_SANDBOX}").output.split()[0] == digest
+
+
+def test_a_compiled_pxd_that_others_could_write_is_replaced(tmp_path, monkeypatch):
+    from sandboxes import runtimes
+
+    monkeypatch.setenv("POSTTRAIN_SANDBOX_RUN_DIR", str(tmp_path / "run"))
+    first = runtimes.compiled_pxd()
+    assert first.stat().st_mode & 0o777 == 0o644 and (tmp_path / "run" / "pxd").stat().st_mode & 0o777 == 0o711
+    assert runtimes.compiled_pxd() == first
+    first.write_bytes(b"planted")
+    first.chmod(0o666)
+    assert runtimes.compiled_pxd() == first
+    assert first.read_bytes() != b"planted" and first.stat().st_mode & 0o777 == 0o644
