@@ -153,7 +153,7 @@ PXD_SOURCE = Path(__file__).with_name("pxd.py")
 def base_layer_tar() -> bytes:
     """The skeleton root every image starts from (see the module docstring), with the daemon at
     ``/opt/pxd/pxd.py`` so a cluster pod built from the layers can start it (locally the runtimes
-    bind the current ``sandboxes/pxd.py`` over it)."""
+    bind the current ``sandboxes/pxd.py``, compiled, at ``/opt/pxd/pxd.pyc``)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         entries = [(d, "dir") for d in BASE_DIRS] + [(n, "link") for n in BASE_LINKS] + [(f, "file") for f in BASE_FILES]
