@@ -42,13 +42,14 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from evals.bundled import read_suite
+    from evals.tasks import demonstration_tasks
 
     home = Path(args.home)
     suites = sorted((home / "datasets").glob("*/suite.json"))
     if not suites:
         raise SystemExit(f"{home}/datasets: no built suite (suite.json) found; run posttrain demo --home {home} first")
     spec = BaseModelSpec()
-    tasks = read_suite(suites[0].parent)
+    tasks = demonstration_tasks(read_suite(suites[0].parent))
     demos = demonstrations(tasks, by_line=spec.answer_form == "replace")
     augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
                        spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)

@@ -65,6 +65,9 @@ class TrainConfig:
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     scale_advantages_by_std: bool = False
+    # how the policy-gradient loss weighs episodes (training.grpo.LOSS_WEIGHTINGS): "token", every
+    # generated token alike; "sequence", every episode alike, however many turns it took
+    loss_weighting: str = "token"
     temperature: float = 1.0
     reward: str = "reward"  # one of REWARDS: the grading score an episode is rewarded with
     reuse_grading: bool = True  # grade an identical patch of a task once (its tests must be deterministic)
@@ -136,6 +139,11 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'backend' must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"{source}: key 'reward' must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        from training.grpo import LOSS_WEIGHTINGS
+
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"{source}: key 'loss_weighting' must be one of {', '.join(LOSS_WEIGHTINGS)}, "
+                             f"got {self.loss_weighting!r}")
         if self.scaffold not in SCAFFOLDS:
             raise ValueError(f"{source}: key 'scaffold' must be one of {', '.join(SCAFFOLDS)}, got {self.scaffold!r}")
         if self.sandbox_runtime not in SANDBOX_RUNTIMES:

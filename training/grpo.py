@@ -49,10 +49,23 @@ def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: 
     return GroupAdvantages(advantages=adv.to(torch.float32), kept=kept, dropped_groups=int((~kept).sum()))
 
 
-def batch_from_groups(groups: Sequence[Any], *, scale_by_std: bool = False) -> tuple[TrainBatch | None, int]:
+LOSS_WEIGHTINGS = ("token", "sequence")
+
+
+def batch_from_groups(groups: Sequence[Any], *, scale_by_std: bool = False,
+                      weighting: str = "token") -> tuple[TrainBatch | None, int]:
     """One step's batch from whole groups (``training.store.Group``: ``rollouts``, each with
     ``reward``, ``input_ids``, ``loss_mask`` and ``serving_logprobs``), in group order, leaving out
-    the groups without reward variance; and how many were left out. ``None`` when none is left."""
+    the groups without reward variance; and how many were left out. ``None`` when none is left.
+
+    ``weighting`` (one of :data:`LOSS_WEIGHTINGS`): ``token`` leaves the loss an average over every
+    generated token of the batch, so an episode weighs as many tokens as it generated; ``sequence``
+    scales each episode's advantage by ``T / (N * n_i)`` (``T`` generated tokens in the batch, ``N``
+    episodes, ``n_i`` this episode's), which turns that same token average into the mean over
+    episodes of each episode's token average: a five-turn episode that failed then weighs what a
+    one-turn episode that passed does."""
+    if weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"loss weighting {weighting!r}: expected one of {', '.join(LOSS_WEIGHTINGS)}")
     rewards = torch.tensor([[r.reward for r in g.rollouts] for g in groups])
     adv = group_advantages(rewards, scale_by_std=scale_by_std)
     ids, masks, lps, advs = [], [], [], []
@@ -64,6 +77,10 @@ def batch_from_groups(groups: Sequence[Any], *, scale_by_std: bool = False) -> t
             masks.append(r.loss_mask)
             lps.append(r.serving_logprobs)
             advs.append(a)
+    if weighting == "sequence" and ids:
+        counts = [max(sum(m), 1) for m in masks]
+        total = sum(counts)
+        advs = [a * total / (len(counts) * n) for a, n in zip(advs, counts)]
     batch = TrainBatch(ids, masks, lps, advs) if ids else None
     return batch, adv.dropped_groups
 

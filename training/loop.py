@@ -405,7 +405,8 @@ class RunState:
 
     def build_batch(self, groups: list[Group]) -> tuple[TrainBatch | None, int]:
         """The batch of the groups with reward variance, and how many groups were dropped."""
-        return batch_from_groups(groups, scale_by_std=self.cfg.scale_advantages_by_std)
+        return batch_from_groups(groups, scale_by_std=self.cfg.scale_advantages_by_std,
+                                 weighting=self.cfg.loss_weighting)
 
     def train(self, step: int, taken: TakenBatch) -> dict[str, Any]:
         started = time.perf_counter()

@@ -9,7 +9,9 @@ import torch
 
 from training.backends import TrainBatch, micro_batches
 from training.backends.torch_peft import TorchPeftBackend
-from training.grpo import group_advantages, grpo_loss
+from types import SimpleNamespace
+
+from training.grpo import batch_from_groups, group_advantages, grpo_loss
 
 LOGPROBS = [[0.0, -1.0, -2.0], [0.0, -0.5, -0.25]]
 SERVING = [[0.0, -1.0, -1.5], [0.0, -0.5, -1.0]]
@@ -26,6 +28,40 @@ def test_group_advantages_drop_and_count_zero_variance_groups():
     scaled = group_advantages(rewards, scale_by_std=True).advantages
     assert scaled[0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
     assert scaled[2].tolist() == pytest.approx([-1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), math.sqrt(3)], abs=1e-5)
+
+
+def _group(rewards: list[float], generated: list[int]) -> SimpleNamespace:
+    """A group whose rollout i has a 2-token prompt and ``generated[i]`` generated tokens."""
+    rollouts = [SimpleNamespace(reward=r, input_ids=[1] * (2 + n), loss_mask=[0, 0] + [1] * n,
+                                serving_logprobs=[0.0] * (2 + n)) for r, n in zip(rewards, generated)]
+    return SimpleNamespace(rollouts=rollouts)
+
+
+def test_sequence_weighting_makes_every_episode_weigh_alike():
+    """A one-turn pass (2 tokens) and a five-turn failure (8 tokens): by token the failure's tokens
+    carry 8/10 of the gradient; by sequence each episode's tokens share 1/2 of it."""
+    groups = [_group([1.0, 0.0], [2, 8]), _group([1.0, 1.0], [3, 3])]
+    for weighting, per_token in (("token", [-0.5 / 10, 0.5 / 10]), ("sequence", [-0.5 / (2 * 2), 0.5 / (2 * 8)])):
+        batch, dropped = batch_from_groups(groups, weighting=weighting)
+        assert dropped == 1 and len(batch.input_ids) == 2
+        width = max(len(r) for r in batch.input_ids)
+        pad = lambda rows: torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.float32)  # noqa: E731
+        lp = torch.zeros(2, width, requires_grad=True)
+        loss, _ = grpo_loss(lp, pad(batch.serving_logprobs), pad(batch.loss_mask), torch.tensor(batch.advantages))
+        loss.backward()
+        for row, mask, expected in zip(lp.grad.tolist(), batch.loss_mask, per_token):
+            assert [g for g, m in zip(row, mask) if m] == pytest.approx([expected] * sum(mask))
+    with pytest.raises(ValueError, match="loss weighting 'episode'"):
+        batch_from_groups(groups, weighting="episode")
+
+
+def test_the_loss_weighting_key_is_validated_naming_the_key():
+    from training.config import TrainConfig
+
+    assert TrainConfig(base_model="m").loss_weighting == "token"
+    assert TrainConfig.from_mapping({"base_model": "m", "loss_weighting": "sequence"}).loss_weighting == "sequence"
+    with pytest.raises(ValueError, match="key 'loss_weighting' must be one of token, sequence, got 'episode'"):
+        TrainConfig.from_mapping({"base_model": "m", "loss_weighting": "episode"})
 
 
 def test_loss_and_gradient_with_truncated_importance_weights():
