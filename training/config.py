@@ -28,6 +28,8 @@ SANDBOX_RUNTIMES = ("bwrap", "gvisor", "k8s")
 # The agent loop of an episode (evals.scaffolds; the same names as evals.harness.SCAFFOLD_NAMES):
 # builtin is posttrain's own (token ids through /generate), mini-swe-agent talks the OpenAI chat API.
 SCAFFOLDS = ("builtin", "mini-swe-agent")
+# how the policy-gradient loss weighs episodes (training.grpo.batch_from_groups)
+LOSS_WEIGHTINGS = ("token", "sequence")
 
 
 def groups_per_step(collection_size: int, group_size: int) -> int:
@@ -65,7 +67,7 @@ class TrainConfig:
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     scale_advantages_by_std: bool = False
-    # how the policy-gradient loss weighs episodes (training.grpo.LOSS_WEIGHTINGS): "token", every
+    # how the policy-gradient loss weighs episodes (LOSS_WEIGHTINGS): "token", every
     # generated token alike; "sequence", every episode alike, however many turns it took
     loss_weighting: str = "token"
     temperature: float = 1.0
@@ -139,8 +141,6 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'backend' must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"{source}: key 'reward' must be one of {', '.join(REWARDS)}, got {self.reward!r}")
-        from training.grpo import LOSS_WEIGHTINGS
-
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"{source}: key 'loss_weighting' must be one of {', '.join(LOSS_WEIGHTINGS)}, "
                              f"got {self.loss_weighting!r}")

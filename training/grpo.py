@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from training.backends import TrainBatch
+from training.config import LOSS_WEIGHTINGS
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,6 @@ def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: 
         adv = adv / (std + eps)
     adv = torch.where(kept.unsqueeze(1), adv, torch.zeros_like(adv))
     return GroupAdvantages(advantages=adv.to(torch.float32), kept=kept, dropped_groups=int((~kept).sum()))
-
-
-LOSS_WEIGHTINGS = ("token", "sequence")
 
 
 def batch_from_groups(groups: Sequence[Any], *, scale_by_std: bool = False,
