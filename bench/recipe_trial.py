@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import subprocess
 import sys
@@ -31,15 +30,6 @@ def parse_value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-def newest_rows(folder: Path):
-    import pandas as pd
-
-    files = sorted(glob.glob(str(folder / "*.parquet")), key=lambda p: Path(p).stat().st_mtime)
-    if not files:
-        raise SystemExit(f"{folder}: no evaluation rows (*.parquet); run posttrain demo --home on this home first")
-    return pd.read_parquet(files[-1])
 
 
 def endings(rows) -> str:
@@ -63,7 +53,7 @@ def main() -> int:
     import pandas as pd
 
     from evals.evaluate import evaluate_checkpoint, load_eval_tasks
-    from evals.report import base_checkpoint, headlines
+    from evals.report import base_checkpoint, headlines, load_attempt_rows, newest_runs
     from evals.sandbox import platform_sandbox_factory
     from dagster_project.demo import DEMO_EVAL
     from training.config import TrainConfig
@@ -80,15 +70,29 @@ def main() -> int:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(keys))}")
         cfg[key] = parse_value(value)
     cfg["run_name"] = args.name
+    try:  # a bad value is refused now, not after the trainer starts
+        TrainConfig.from_mapping(cfg, source="--set")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    # The demo's own evaluations, read before the 10 minutes of RL rather than after them.
+    evaluated = newest_runs(load_attempt_rows(home / "evals" / "deepswe"))
+    base_key = f"{args.demo_run}-step_000000"
+    ours = sorted(k for k in set(evaluated.get("checkpoint", [])) if k.startswith(f"{args.demo_run}-step_"))
+    if base_key not in ours or len(ours) < 2:
+        raise SystemExit(f"{home}/evals/deepswe: expected the evaluations of {base_key} and a later checkpoint of "
+                         f"run {args.demo_run!r}, found {ours or 'none'}; run posttrain demo --home {home} first")
+    base = evaluated[evaluated["checkpoint"] == base_key]
+    demo_final = ours[-1]
+    demo = evaluated[evaluated["checkpoint"] == demo_final]
     run_dir = home / "runs" / args.name
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: pick another --name")
     run_dir.mkdir(parents=True)
     (run_dir / "trainer-config.json").write_text(json.dumps(cfg, indent=1))
     started = time.monotonic()
-    log = open(run_dir / "trainer.log", "w")
-    code = subprocess.call([sys.executable, "-m", "training", "--config", str(run_dir / "trainer-config.json"),
-                            "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT)
+    with open(run_dir / "trainer.log", "w") as log:
+        code = subprocess.call([sys.executable, "-m", "training", "--config", str(run_dir / "trainer-config.json"),
+                                "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT)
     if code:
         raise SystemExit(f"the trainer exited {code}; see {run_dir / 'trainer.log'}")
     rl_s = time.monotonic() - started
@@ -104,11 +108,6 @@ def main() -> int:
     trial.to_parquet(run_dir / "eval-rows.parquet")
     eval_s = time.monotonic() - started - rl_s
 
-    evals = home / "evals" / "deepswe"
-    base_key = f"{args.demo_run}-step_000000"
-    base = newest_rows(evals / base_key)
-    demo_final = sorted(p.name for p in evals.iterdir() if p.name.startswith(f"{args.demo_run}-") and p.name != base_key)[-1]
-    demo = newest_rows(evals / demo_final)
     print(f"trial {args.name}: {' '.join(args.set) or 'no change'}; RL {rl_s:.0f} s, evaluation {eval_s:.0f} s")
     print(f"base {base_key}: pass@1 {100 * (base['reward'] >= 1).mean():.1f}%  ({endings(base)})")
     lines = {}
@@ -119,7 +118,7 @@ def main() -> int:
         c = h.change
         levels = "  ".join(f"L{lv['level']} {100 * lv['base']:.1f}->{100 * lv['new']:.1f}" for lv in h.levels)
         lines[name] = c.value
-        print(f"{name}: pass@1 {100 * (frame['reward'] >= 1).mean():.1f}%, change {100 * c.value:+.1f} "
+        print(f"{name}: pass@1 {100 * h.pass_at_1:.1f}%, change {100 * c.value:+.1f} "
               f"[{100 * c.low:+.1f}, {100 * c.high:+.1f}]  {levels}  ({endings(frame)})")
     print(f"trial against the demo's own run: {100 * lines[key]:+.1f} against {100 * lines[demo_final]:+.1f} points")
     return 0

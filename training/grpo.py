@@ -76,9 +76,9 @@ def batch_from_groups(groups: Sequence[Any], *, scale_by_std: bool = False,
             lps.append(r.serving_logprobs)
             advs.append(a)
     if weighting == "sequence" and ids:
-        counts = [max(sum(m), 1) for m in masks]
-        total = sum(counts)
-        advs = [a * total / (len(counts) * n) for a, n in zip(advs, counts)]
+        counts = [sum(m) for m in masks]  # generated tokens of each episode
+        total, episodes = sum(counts), sum(1 for n in counts if n)  # an episode without any adds no term
+        advs = [a * total / (episodes * n) if n else 0.0 for a, n in zip(advs, counts)]
     batch = TrainBatch(ids, masks, lps, advs) if ids else None
     return batch, adv.dropped_groups
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from training.backends import TrainBatch, micro_batches
 from training.backends.torch_peft import TorchPeftBackend
-from types import SimpleNamespace
-
 from training.grpo import batch_from_groups, group_advantages, grpo_loss
 
 LOGPROBS = [[0.0, -1.0, -2.0], [0.0, -0.5, -0.25]]
@@ -51,6 +50,9 @@ def test_sequence_weighting_makes_every_episode_weigh_alike():
         loss.backward()
         for row, mask, expected in zip(lp.grad.tolist(), batch.loss_mask, per_token):
             assert [g for g, m in zip(row, mask) if m] == pytest.approx([expected] * sum(mask))
+    # An episode that generated nothing adds no term: the other is the whole mean.
+    batch, _ = batch_from_groups([_group([1.0, 0.0], [0, 4])], weighting="sequence")
+    assert batch.advantages == pytest.approx([0.0, -0.5])
     with pytest.raises(ValueError, match="loss weighting 'episode'"):
         batch_from_groups(groups, weighting="episode")
 
