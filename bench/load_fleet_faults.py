@@ -200,7 +200,7 @@ def main() -> int:
     print(f"lost {r['lost']}, duplicated {r['duplicated']}, sessions with mixed adapter versions {r['mixed_versions']}")
     for rep in r["replacements"]:
         print(f"  replacement {rep['url']}: joined {rep['joined_after_s']:.1f} s after the kill with {rep['adapters']} "
-              f"(newest published then: {rep['newest']})")
+              f"(newest published before it joined: {rep['newest']})")
     return 0
 
 

@@ -43,7 +43,7 @@ STEP_LINE = re.compile(r"^step\s+(\d+) ")
 FLEET_LINE = re.compile(r"^engine replicas behind the router (\S+): (.*)$")
 MEMBER = re.compile(r"(http://\S+) \(pid (\d+)\)")
 REPLACED = re.compile(r"^replica (\S+) exited \((-?\d+)\); replacement (\S+) \(pid (\d+)\) joined serving \[(.*)\] "
-                      r"\(newest published: (\S+)\)$")
+                      r"\(newest published before it joined: (\S+)\)$")
 
 
 def trainer_config(model_dir: Path, *, replicas: int, steps: int, groups_per_step: int, group_size: int,
@@ -216,7 +216,7 @@ def report(r: dict, fault_step: int, control: dict | None = None) -> str:
     for rep in r["replaced"]:
         out.append(f"  replacement {rep['url']} for {rep['dead']} (exit {rep['returncode']}): joined "
                    f"{rep['joined_after_s']:.1f} s after the kill, during step {rep['joined_in_step']}, serving "
-                   f"{rep['serving']} (newest published: {rep['newest']})")
+                   f"{rep['serving']} (newest published before it joined: {rep['newest']})")
     spanning = [i for i in r["infos"] if len(set(i["replicas"])) > 1]
     served = {u for i in r["infos"] for u in i["replicas"]}
     out.append(r["router"])

@@ -288,18 +288,20 @@ class ReplicaFleet:
 
     def _watch(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            # What a replacement must serve: every version published before it started to join (one
+            # published during its join reaches it too, but the log compares against this one).
+            newest = newest_adapter(self.volume)
             try:
                 replaced = self.fleet.replace_exited()
             except Exception as exc:  # a replacement that fails to start is tried again on the next look
                 self.log(f"replica replacement failed, retrying: {exc!r}")
                 continue
-            newest = newest_adapter(self.volume)
             for r in replaced:
                 replica = self.router.replicas.get(r.url)
                 serving = sorted(replica.adapters) if replica is not None else []
                 pid = self.fleet.members[r.url].pid if r.url in self.fleet.members else None
                 self.log(f"replica {r.dead_url} exited ({r.returncode}); replacement {r.url} (pid {pid}) joined "
-                         f"serving {serving} (newest published: {newest[0] if newest else None})")
+                         f"serving {serving} (newest published before it joined: {newest[0] if newest else None})")
 
     def close(self) -> None:
         self._stop.set()

@@ -88,6 +88,13 @@ class Router:
         self._poll(replica)
         with self.lock:
             self.replicas[url] = replica
+        # A publication that began while this replica loaded took its targets before the replica was
+        # registered, so it did not reach it: load whatever is newest now. Once registered, every later
+        # publication reaches it, so this ends; until it does, "latest" routes to replicas that have it.
+        while (newest := self._newest_published()) is not None and newest[0] not in replica.adapters:
+            self._load(url, *newest)
+            with self.lock:
+                replica.adapters.add(newest[0])
         return replica
 
     def add_replica_when_up(self, url: str, pool: str = "on_demand", size_gpus: int = 1) -> None:

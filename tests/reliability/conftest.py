@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from serving.adapters import version_sort_key
 from training.rollout import Rollout
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
+
+
+def serves_newest(serving, newest: str) -> bool:
+    """A replacement serves ``newest`` (the newest version published before it joined) or a later one:
+    a version published while it joined may already have replaced it."""
+    return any(version_sort_key(v) >= version_sort_key(newest) for v in serving)
 
 
 def rollout(group_id: str, index: int, tokens: int = 64, version: int = 0, reward: float = 1.0) -> Rollout:

@@ -194,3 +194,40 @@ def test_adapters_are_tracked_by_the_router_not_the_engines_server_info():
     finally:
         router.close()
         fake.shutdown()
+
+
+def test_a_version_published_while_a_replica_joins_reaches_it():
+    """A publication that lands while a joining replica loads the newest version takes its targets
+    before the replica is registered; the join then loads that version too, instead of serving one
+    version behind until the next publication (seen as a replacement replica a version behind in the
+    trainer's fault test). The engine is a stand-in speaking the load and metrics shapes."""
+    from serving.http import HttpError, JsonServer, Text
+
+    router = Router("kv_headroom", poll_interval_s=60)
+    loads = []
+
+    def load(req):
+        name = req.json()["lora_name"]
+        loads.append(name)
+        if name == "step_000001":  # the join's load: the trainer publishes the next version meanwhile
+            publisher = threading.Thread(target=router.publish_adapter, args=("step_000002", "/v/step_000002"))
+            publisher.start()
+            publisher.join()
+        return {"success": True}
+
+    def info(req):
+        raise HttpError(404, "Not Found")
+
+    metrics = Text("vllm:num_requests_running{engine=\"0\"} 0.0\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.0\n"
+                   "vllm:cache_config_info{kv_cache_size_tokens=\"4096\",engine=\"0\"} 1.0\n")
+    fake = JsonServer({("POST", "/load_lora_adapter"): load, ("GET", "/server_info"): info,
+                       ("GET", "/metrics"): lambda r: metrics}).start()
+    try:
+        router.published["step_000001"] = "/v/step_000001"
+        replica = router.add_replica(fake.url)
+        assert loads == ["step_000001", "step_000002"]
+        assert replica.adapters == {"step_000001", "step_000002"}
+        assert router.newest_ready_version() == "step_000002"
+    finally:
+        router.close()
+        fake.shutdown()
