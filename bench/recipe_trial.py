@@ -9,7 +9,9 @@ A trial reuses the home's suite, base model and curriculum (``runs/demo/trainer-
 (about 10 minutes on 2 cores) rather than a whole demo, and its change is paired with the base's
 rows of that demo. It prints the trial's pass@1 and the demo's own final checkpoint's side by side,
 each as a change from the base with its 95% interval, and how the attempts ended (committed and
-passed, committed and failed, out of turns). Run nothing else meanwhile: episodes share 2 cores.
+passed, committed and failed, out of turns), and how each run's training went (reward of its first
+and last quarter of steps, groups without variance or discarded, policy age, importance weight).
+Run nothing else meanwhile: episodes share 2 cores.
 """
 
 from __future__ import annotations
@@ -39,6 +41,23 @@ def endings(rows) -> str:
     return (f"committed and passed {100 * (committed & solved).sum() / n:.0f}%, committed and failed "
             f"{100 * (committed & ~solved).sum() / n:.0f}%, out of turns {100 * (rows['stop_reason'] == 'max_turns').sum() / n:.0f}%, "
             f"turns {rows['turns'].mean():.2f}")
+
+
+def training_summary(run_dir: Path) -> str:
+    """How the run's training went, from its step metrics: the reward of its first and last quarter
+    of steps, the groups without reward variance and those discarded as stale, the sampling policy's
+    mean age and the mean truncated importance weight."""
+    import pandas as pd
+
+    from training.checkpoint import metrics_dir
+
+    steps = pd.read_parquet(metrics_dir(run_dir) / "steps.parquet").sort_values("step")
+    q = max(len(steps) // 4, 1)
+    return (f"reward {steps['reward_mean'].head(q).mean():.3f} (first {q} steps) -> {steps['reward_mean'].tail(q).mean():.3f} "
+            f"(last {q}), groups without variance {int(steps['zero_variance_groups'].sum())} of "
+            f"{int(steps['groups'].sum())}, discarded stale {int(steps['discarded_groups'].sum())}, policy age "
+            f"{steps['policy_age_mean'].mean():.2f}, importance weight {steps['mean_is_weight'].mean():.3f} "
+            f"(capped {100 * steps['clipped_is_fraction'].mean():.1f}%)")
 
 
 def main() -> int:
@@ -121,6 +140,8 @@ def main() -> int:
         print(f"{name}: pass@1 {100 * h.pass_at_1:.1f}%, change {100 * c.value:+.1f} "
               f"[{100 * c.low:+.1f}, {100 * c.high:+.1f}]  {levels}  ({endings(frame)})")
     print(f"trial against the demo's own run: {100 * lines[key]:+.1f} against {100 * lines[demo_final]:+.1f} points")
+    for name, folder in ((args.demo_run, home / "runs" / args.demo_run), (args.name, run_dir)):
+        print(f"training of {name}: {training_summary(folder)}")
     return 0
 
 
