@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -67,6 +68,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a trainer key to change (JSON value), e.g. loss_weighting=sequence; repeatable")
     parser.add_argument("--demo-run", default="demo", help="the demo's run name in the home (default %(default)s)")
+    parser.add_argument("--rl-engine", choices=("vllm", "local"), default=None,
+                        help="the engine the trial's RL run samples with (POSTTRAIN_ENGINE for the trainer only; "
+                             "the evaluation stays on this process's engine, as the base's did); default: unchanged")
     args = parser.parse_args()
 
     import pandas as pd
@@ -111,7 +115,8 @@ def main() -> int:
     started = time.monotonic()
     with open(run_dir / "trainer.log", "w") as log:
         code = subprocess.call([sys.executable, "-m", "training", "--config", str(run_dir / "trainer-config.json"),
-                                "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT)
+                                "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "POSTTRAIN_ENGINE": args.rl_engine} if args.rl_engine else None)
     if code:
         raise SystemExit(f"the trainer exited {code}; see {run_dir / 'trainer.log'}")
     rl_s = time.monotonic() - started
@@ -127,7 +132,8 @@ def main() -> int:
     trial.to_parquet(run_dir / "eval-rows.parquet")
     eval_s = time.monotonic() - started - rl_s
 
-    print(f"trial {args.name}: {' '.join(args.set) or 'no change'}; RL {rl_s:.0f} s, evaluation {eval_s:.0f} s")
+    change = " ".join(args.set + ([f"RL on the {args.rl_engine} engine"] if args.rl_engine else [])) or "no change"
+    print(f"trial {args.name}: {change}; RL {rl_s:.0f} s, evaluation {eval_s:.0f} s")
     print(f"base {base_key}: pass@1 {100 * (base['reward'] >= 1).mean():.1f}%  ({endings(base)})")
     lines = {}
     for name, frame in ((demo_final, demo), (key, trial)):

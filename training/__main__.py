@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         sync = cfg.producer_workers == 0
         try:
             for step in range(state.step + 1, cfg.steps + 1):
-                taken = state.take(step, produce=(lambda: producer.produce_step(step)) if sync else None,
+                taken = state.take(step, produce=(lambda r, n: producer.produce_step(step, r, n)) if sync else None,
                                    should_stop=lambda: _raise_first(producer.errors),
                                    producers_alive=producer.alive)  # generate + store
                 row = state.train(step, taken)  # one GRPO step on whole groups

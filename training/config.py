@@ -56,6 +56,10 @@ class TrainConfig:
     dtype: str = ""  # the backend's weight dtype (float32, bfloat16, float16); empty: the backend's default
     steps: int = 44
     groups_per_step: int = 6  # whole groups the trainer takes per step (from a run file: groups_per_step())
+    # Dynamic sampling: a step goes on taking groups until groups_per_step of them have reward variance
+    # (a group whose episodes all scored alike has no gradient), or it has taken this many; 0: off, a
+    # step takes groups_per_step groups whatever their rewards (training.loop.RunState.take)
+    max_groups_per_step: int = 0
     group_size: int = 8  # samples per task per group
     max_policy_lag: int = 1  # a group sampled by adapter version v is used at steps <= v + 1 + lag
     producer_workers: int = 2  # threads running groups; 0 = synchronous (deterministic, for tests)
@@ -115,6 +119,9 @@ class TrainConfig:
         for key in ("steps", "groups_per_step", "group_size", "checkpoint_every", "lora_rank", "max_new_tokens", "max_turns"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{source}: key {key!r} must be >= 1, got {getattr(self, key)}")
+        if self.max_groups_per_step and self.max_groups_per_step < self.groups_per_step:
+            raise ValueError(f"{source}: key 'max_groups_per_step' must be 0 (off) or at least groups_per_step "
+                             f"({self.groups_per_step}), got {self.max_groups_per_step}")
         if self.episode_workers < 1:
             raise ValueError(f"{source}: key 'episode_workers' must be >= 1, got {self.episode_workers}")
         if self.replicas < 1:

@@ -35,6 +35,11 @@ class GroupAdvantages:
     dropped_groups: int
 
 
+def has_reward_variance(rewards: Sequence[float], eps: float = 1e-6) -> bool:
+    """Whether a group's rewards differ (the test :func:`group_advantages` keeps a group by)."""
+    return float(torch.tensor(list(rewards), dtype=torch.float64).std(unbiased=False)) > eps
+
+
 def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: float = 1e-6) -> GroupAdvantages:
     """Advantages of ``rewards`` shaped ``[groups, samples]``, relative to each group's mean."""
     if rewards.dim() != 2:

@@ -45,7 +45,7 @@ from training.checkpoint import (ADAPTER_DIR, CheckpointLoadError, adapter_dir, 
                                  set_rng_state, store_path, write_checkpoint)
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.grpo import batch_from_groups
+from training.grpo import batch_from_groups, has_reward_variance
 from training.metrics import MetricsWriter, bin_rows
 from training.publish import AdapterPublisher, version_name
 from training.rollout import Rollout
@@ -176,10 +176,12 @@ class Producer:
                 f"{self.cfg.max_consecutive_infra_failures}): the sandboxes or the engine are failing, not one "
                 f"episode; see {self.lost_log}. Last: {last}")
 
-    def produce_step(self, step: int) -> None:
+    def produce_step(self, step: int, round: int = 0, count: int | None = None) -> None:
         """Synchronous mode: this step's groups, named by step, skipping any already stored. A group
-        dropped for a lost episode is replaced by a group of the curriculum's next task (``-rN``)."""
-        tasks = self.state.next_tasks(self.cfg.groups_per_step)
+        dropped for a lost episode is replaced by a group of the curriculum's next task (``-rN``).
+        Rounds after the first (dynamic sampling: ``count`` more groups, since some had no reward
+        variance) are named ``-xR``."""
+        tasks = self.state.next_tasks(self.cfg.groups_per_step if count is None else count)
         adapter = self.state.current_adapter()
         done = self.state.store.complete_group_ids()
         dropped = self.state.store.dropped_group_ids()
@@ -187,7 +189,8 @@ class Producer:
             for attempt in range(self.cfg.max_consecutive_infra_failures + 1):
                 if attempt:  # drawn on a resume too, so the curriculum's draws are the same
                     task = self.state.next_tasks(1)[0]
-                group_id = f"s{step:06d}-g{i:02d}" + (f"-r{attempt}" if attempt else "")
+                group_id = (f"s{step:06d}" + (f"-x{round}" if round else "") + f"-g{i:02d}"
+                            + (f"-r{attempt}" if attempt else ""))
                 if group_id in done or (group_id not in dropped and self.produce(task, group_id, adapter)):
                     break
             else:
@@ -377,22 +380,37 @@ class RunState:
 
         The trainer at ``step`` updates adapter version ``step - 1``; a group sampled at version ``v``
         has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
-        Waiting longer than ``timeout_s`` (default: the config's ``take_timeout_s``) raises
-        :class:`TakeTimeout`, saying what was waited for (``producers_alive`` counts the producers).
+        With ``max_groups_per_step`` set (dynamic sampling), groups without reward variance do not count
+        towards ``groups_per_step``: the step takes more, up to ``max_groups_per_step`` in all (the
+        curriculum still learns from every one; the loss drops them). more groups are made
+        in synchronous mode (``produce(round, count)``, round 0 first). Waiting longer than ``timeout_s`` (default: the config's
+        ``take_timeout_s``) raises :class:`TakeTimeout`, saying what was waited for (``producers_alive``
+        counts the producers).
         """
+        rounds = 0
         if produce is not None:
-            produce()
+            produce(rounds, self.cfg.groups_per_step)
         timeout_s = self.cfg.take_timeout_s if timeout_s is None else timeout_s
         min_version = max(0, step - 1 - self.cfg.max_policy_lag)
+        most = self.cfg.max_groups_per_step or self.cfg.groups_per_step
         groups: list[Group] = []
         discarded: list[Group] = []
         started = time.perf_counter()
         while True:
-            take = self.store.take_groups(self.cfg.groups_per_step - len(groups), step=step, min_version=min_version)
+            useful = sum(has_reward_variance([r.reward for r in g.rollouts]) for g in groups) \
+                if self.cfg.max_groups_per_step else len(groups)
+            wanted = min(self.cfg.groups_per_step - useful, most - len(groups))
+            if wanted <= 0:
+                return TakenBatch(groups, discarded, time.perf_counter() - started)
+            take = self.store.take_groups(wanted, step=step, min_version=min_version)
             groups += take.groups
             discarded += take.discarded_groups
-            if len(groups) >= self.cfg.groups_per_step:
-                return TakenBatch(groups, discarded, time.perf_counter() - started)
+            if take.groups:
+                continue
+            if produce is not None and not self.store.ready_groups():  # synchronous: this round is spent
+                rounds += 1
+                produce(rounds, wanted)
+                continue
             should_stop()
             if time.perf_counter() - started > timeout_s:
                 alive = "unknown" if producers_alive is None else producers_alive()
