@@ -160,11 +160,23 @@ def test_replica_processes_join_with_the_newest_adapter_and_die_like_crashes(tin
         fleet.shutdown()
 
 
+def _vllm_shaped_engine(load, running: float = 0.0, kv_usage: float = 0.0):
+    """A stand-in engine server with vLLM's metric names, no ``/server_info`` (404, as older SGLang),
+    and ``load`` answering ``/load_lora_adapter``; started (``.url``, ``.shutdown()``)."""
+    from serving.http import HttpError, JsonServer, Text
+
+    def info(req):
+        raise HttpError(404, "Not Found")
+
+    metrics = Text(f"vllm:num_requests_running{{engine=\"0\"}} {running}\nvllm:kv_cache_usage_perc{{engine=\"0\"}} {kv_usage}\n"
+                   "vllm:cache_config_info{kv_cache_size_tokens=\"4096\",engine=\"0\"} 1.0\n")
+    return JsonServer({("POST", "/load_lora_adapter"): load, ("GET", "/server_info"): info,
+                       ("GET", "/metrics"): lambda r: metrics}).start()
+
+
 def test_adapters_are_tracked_by_the_router_not_the_engines_server_info():
     """An engine server without ``/server_info`` (older SGLang: 404) and whose load answers 400
     "already loaded" for a version it has: a stand-in speaking those shapes, since SGLang needs CUDA."""
-    from serving.http import HttpError, JsonServer, Text
-
     loads = []
 
     def load(req):
@@ -174,13 +186,7 @@ def test_adapters_are_tracked_by_the_router_not_the_engines_server_info():
             raise BadRequest(f"The lora adapter '{name}' has already been loaded.")
         return {"success": True}
 
-    def info(req):
-        raise HttpError(404, "Not Found")
-
-    metrics = Text("vllm:num_requests_running{engine=\"0\"} 3.0\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n"
-                   "vllm:cache_config_info{kv_cache_size_tokens=\"4096\",engine=\"0\"} 1.0\n")
-    fake = JsonServer({("POST", "/load_lora_adapter"): load, ("GET", "/server_info"): info,
-                       ("GET", "/metrics"): lambda r: metrics}).start()
+    fake = _vllm_shaped_engine(load, running=3.0, kv_usage=0.5)
     router = Router("kv_headroom", poll_interval_s=60)
     try:
         replica = router.add_replica(fake.url)
@@ -201,8 +207,6 @@ def test_a_version_published_while_a_replica_joins_reaches_it():
     before the replica is registered; the join then loads that version too, instead of serving one
     version behind until the next publication (seen as a replacement replica a version behind in the
     trainer's fault test). The engine is a stand-in speaking the load and metrics shapes."""
-    from serving.http import HttpError, JsonServer, Text
-
     router = Router("kv_headroom", poll_interval_s=60)
     loads = []
 
@@ -215,13 +219,7 @@ def test_a_version_published_while_a_replica_joins_reaches_it():
             publisher.join()
         return {"success": True}
 
-    def info(req):
-        raise HttpError(404, "Not Found")
-
-    metrics = Text("vllm:num_requests_running{engine=\"0\"} 0.0\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.0\n"
-                   "vllm:cache_config_info{kv_cache_size_tokens=\"4096\",engine=\"0\"} 1.0\n")
-    fake = JsonServer({("POST", "/load_lora_adapter"): load, ("GET", "/server_info"): info,
-                       ("GET", "/metrics"): lambda r: metrics}).start()
+    fake = _vllm_shaped_engine(load)
     try:
         router.published["step_000001"] = "/v/step_000001"
         replica = router.add_replica(fake.url)
