@@ -387,6 +387,23 @@ def test_the_trainer_table_is_the_trainers_config_with_its_choices(monkeypatch) 
         schema._check_trainer_keys()
 
 
+def test_the_recipe_keys_reach_the_trainer_and_are_checked_against_the_step() -> None:
+    """``loss_weighting`` and ``max_groups_per_step`` (dynamic sampling) from [trainer]; the latter
+    below the step's groups (collection_size / group_size) is refused naming both."""
+    plan = resolve(run(DENSE, inference={"max_context_length": 4096}, async_={"group_size": 4, "collection_size": 12},
+                       trainer={"loss_weighting": "sequence", "max_groups_per_step": 6}))
+    cfg = plan.trainer_config()
+    assert (cfg["loss_weighting"], cfg["max_groups_per_step"], cfg["groups_per_step"]) == ("sequence", 6, 3)
+    with pytest.raises(PlanError) as bad:
+        resolve(run(DENSE, inference={"max_context_length": 4096}, trainer={"loss_weighting": "episode"}))
+    assert "[trainer] loss_weighting: expected one of 'token', 'sequence', got 'episode'" in str(bad.value)
+    with pytest.raises(PlanError) as bad:
+        resolve(run(DENSE, inference={"max_context_length": 4096}, async_={"group_size": 4, "collection_size": 12},
+                    trainer={"max_groups_per_step": 2}))
+    assert ("[trainer] max_groups_per_step: expected 0 (off) or at least the step's 3 groups ([async] "
+            "collection_size / group_size), got 2") in str(bad.value)
+
+
 def test_groups_per_step_is_derived_from_collection_size_in_one_place() -> None:
     from training.config import groups_per_step
 

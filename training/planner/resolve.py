@@ -222,9 +222,14 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
         _check_preset_applies(rf, preset, geometry, warnings)
 
     try:
-        groups_per_step(asy.collection_size, asy.group_size)
+        step_groups = groups_per_step(asy.collection_size, asy.group_size)
     except ValueError as exc:
         problems.append(f"{src}: [async] {exc}")
+    else:
+        most = rf.trainer.max_groups_per_step
+        if most and most < step_groups:
+            problems.append(f"{src}: [trainer] max_groups_per_step: expected 0 (off) or at least the step's "
+                            f"{step_groups} groups ([async] collection_size / group_size), got {most}")
 
     # --- context length ----------------------------------------------------------------------------
     if inf.max_context_length is not None:

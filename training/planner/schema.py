@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from serving.sglang import SGLANG_IMAGE
-from training.config import BACKENDS, REWARDS, TrainConfig
+from training.config import BACKENDS, LOSS_WEIGHTINGS, REWARDS, TrainConfig
 
 # Constraint tags carried in field metadata.
 POSITIVE = "positive"
@@ -115,6 +115,10 @@ class TrainerSection:
     temperature: float | None = field(default=None, metadata=_key(POSITIVE))
     reward: str | None = field(default=None, metadata=_key(choices=REWARDS,
                                                             doc="the grading score an episode is rewarded with"))
+    loss_weighting: str | None = field(default=None, metadata=_key(choices=LOSS_WEIGHTINGS,
+                                                                    doc="token: every generated token alike; sequence: every episode"))
+    max_groups_per_step: int | None = field(default=None, metadata=_key(
+        NON_NEGATIVE, doc="dynamic sampling: groups a step may take to fill it with groups that have reward variance"))
     max_new_tokens: int | None = field(default=None, metadata=_key(POSITIVE, doc="per model turn"))
     max_turns: int | None = field(default=None, metadata=_key(POSITIVE, doc="per episode"))
     checkpoint_every: int | None = field(default=None, metadata=_key(POSITIVE, doc="steps between checkpoints"))
