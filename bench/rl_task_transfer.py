@@ -39,6 +39,7 @@ def main() -> int:
 
     import pandas as pd
 
+    from dagster_project.demo import DEMO_CURRICULUM
     from evals.bundled import read_suite
     from evals.evaluate import evaluate_checkpoint
     from evals.sandbox import platform_sandbox_factory
@@ -65,7 +66,7 @@ def main() -> int:
         tasks, cfg["base_model"], platform_sandbox_factory(cfg["sandbox_runtime"]),
         checkpoint=f"{args.run}-rl-tasks-{final.name}", adapter=final / "adapter", adapter_version=final.name,
         attempts=int(measured["attempts_per_task"]), max_turns=cfg["max_turns"], max_new_tokens=cfg["max_new_tokens"],
-        workers=32))
+        workers=DEMO_CURRICULUM["workers"]))
 
     with sqlite3.connect(store_path(run_dir)) as conn:
         drawn = dict(conn.execute("SELECT task_id, COUNT(*) FROM groups GROUP BY task_id").fetchall())

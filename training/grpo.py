@@ -35,9 +35,9 @@ class GroupAdvantages:
     dropped_groups: int
 
 
-def has_reward_variance(rewards: Sequence[float], eps: float = 1e-6) -> bool:
-    """Whether a group's rewards differ (the test :func:`group_advantages` keeps a group by)."""
-    return float(torch.tensor(list(rewards), dtype=torch.float64).std(unbiased=False)) > eps
+def has_reward_variance(rewards: Sequence[float]) -> bool:
+    """Whether one group's rewards differ: whether :func:`group_advantages` keeps it."""
+    return bool(group_advantages(torch.tensor([list(rewards)])).kept[0])
 
 
 def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: float = 1e-6) -> GroupAdvantages:

@@ -382,11 +382,13 @@ class RunState:
         has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
         With ``max_groups_per_step`` set (dynamic sampling), groups without reward variance do not count
         towards ``groups_per_step``: the step takes more, up to ``max_groups_per_step`` in all (the
-        curriculum still learns from every one; the loss drops them). more groups are made
-        in synchronous mode (``produce(round, count)``, round 0 first). Waiting longer than ``timeout_s`` (default: the config's
-        ``take_timeout_s``) raises :class:`TakeTimeout`, saying what was waited for (``producers_alive``
-        counts the producers).
+        curriculum still learns from every one; the loss drops them). In synchronous mode
+        ``produce(round, count)`` makes the groups: round 0 the step's ``groups_per_step``, and with
+        dynamic sampling each later round as many as the step still lacks. Waiting longer than
+        ``timeout_s`` (default: the config's ``take_timeout_s``) raises :class:`TakeTimeout`, saying
+        what was waited for (``producers_alive`` counts the producers).
         """
+        dynamic = self.cfg.max_groups_per_step > 0
         rounds = 0
         if produce is not None:
             produce(rounds, self.cfg.groups_per_step)
@@ -395,19 +397,20 @@ class RunState:
         most = self.cfg.max_groups_per_step or self.cfg.groups_per_step
         groups: list[Group] = []
         discarded: list[Group] = []
+        useful = 0  # the groups taken that count towards groups_per_step
         started = time.perf_counter()
         while True:
-            useful = sum(has_reward_variance([r.reward for r in g.rollouts]) for g in groups) \
-                if self.cfg.max_groups_per_step else len(groups)
             wanted = min(self.cfg.groups_per_step - useful, most - len(groups))
             if wanted <= 0:
                 return TakenBatch(groups, discarded, time.perf_counter() - started)
             take = self.store.take_groups(wanted, step=step, min_version=min_version)
             groups += take.groups
             discarded += take.discarded_groups
+            useful += sum(has_reward_variance([r.reward for r in g.rollouts]) for g in take.groups) \
+                if dynamic else len(take.groups)
             if take.groups:
                 continue
-            if produce is not None and not self.store.ready_groups():  # synchronous: this round is spent
+            if dynamic and produce is not None and not self.store.ready_groups():  # this round is spent
                 rounds += 1
                 produce(rounds, wanted)
                 continue

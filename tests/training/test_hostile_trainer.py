@@ -42,12 +42,12 @@ def pausing_env(cfg: TrainConfig, run_dir: Path):
     pause_at, resume = int(os.environ["HOSTILE_PAUSE_AT"]), Path(os.environ["HOSTILE_RESUME_FILE"])
     real = loop.Producer.produce_step
 
-    def produce_step(self, step, *more):
-        if step == pause_at and not (more and more[0]):  # the step's first round
+    def produce_step(self, step, round=0, count=None):
+        if step == pause_at and round == 0:
             print(f"PAUSED {step}", flush=True)
             while not resume.exists():
                 time.sleep(0.05)
-        return real(self, step, *more)
+        return real(self, step, round, count)
 
     loop.Producer.produce_step = produce_step
     return make(cfg, run_dir)
