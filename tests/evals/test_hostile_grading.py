@@ -180,17 +180,27 @@ def test_atexit_rewrite_of_the_report_scores_zero(task, factory):
     assert "adds_atexit" in result.signals and result.statuses[task.target_tests[0]] == "failed"
 
 
+# {after}: what the importing process does once the daemon is detached; "_until_done()" waits
+# until the daemon's body has run (it closes its end of _done then), so the attack lands during the import
 _DAEMON = """
 import os as _os, time as _time
+_ready, _done = _os.pipe()
+
+def _until_done():
+    while _os.read(_ready, 65536):
+        pass
 
 def _linger():
     if _os.fork() == 0:
         _os.setsid()
         if _os.fork() == 0:
             {body}
+            _os.close(_done)
             _os._exit(0)
         _os._exit(0)
+    _os.close(_done)
     _os.wait()
+    {after}
 
 _linger()
 """
@@ -212,7 +222,7 @@ _REWRITE = """end = _time.time() + 10
 
 def test_a_lingering_daemon_that_rewrites_the_report_scores_zero(task, factory):
     body = _REWRITE.format(report=REPORT, forged=_forged_report(task))
-    attack = _DAEMON.format(body=body)
+    attack = _DAEMON.format(body=body, after="pass")
     with factory(task) as box:  # without kill_others the daemon outlives the tests and forges the report
         module = task.metadata["module_file"]
         box.write_file(module, box.read_file(module) + attack.encode())
@@ -247,7 +257,7 @@ def _stream_forger(task, *, wait_for_report: bool) -> str:
                     _os.write(fd, {forged!r}.encode())
                 except OSError:
                     pass"""
-    return _DAEMON.format(body=body)
+    return _DAEMON.format(body=body, after="pass" if wait_for_report else "_until_done()")
 
 
 def test_a_lingering_daemon_that_writes_a_forged_session_is_tampering(task, factory):
@@ -279,7 +289,7 @@ def test_gvisor_atexit_daemon_and_kill_all_score_zero(task):
     gvisor = platform_sandbox_factory("gvisor")
     atexit_attack = (f"\nimport atexit as _a\n_a.register(lambda: open({REPORT!r}, 'w').write("
                      f"{_forged_report(task)!r}))\n")
-    daemon_attack = _DAEMON.format(body=_REWRITE.format(report=REPORT, forged=_forged_report(task)))
+    daemon_attack = _DAEMON.format(body=_REWRITE.format(report=REPORT, forged=_forged_report(task)), after="pass")
     for attack in (atexit_attack, daemon_attack, _KILL_ALL):
         result = grade_patch(task, _committed(task, gvisor, attack), gvisor, infra_retries=1)
         assert result.status in (GRADED, AGENT_FAULT), result.detail
