@@ -223,7 +223,10 @@ def run(args: argparse.Namespace) -> int:
     front = None
     try:
         child.wait_healthy(args.start_timeout_s)
-        front = serve_front(child.engine, host=args.host, port=args.port, staging_dir=args.staging_dir)
+        # Uploaded adapters are assembled in the replica's own folder unless told otherwise: removed
+        # with it on stop, as the engine's sockets are.
+        front = serve_front(child.engine, host=args.host, port=args.port,
+                            staging_dir=args.staging_dir or Path(child.cwd) / "adapters")
         if args.adapters_dir:
             from serving.adapters import newest_adapter
 

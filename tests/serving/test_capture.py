@@ -123,3 +123,18 @@ def test_a_replicas_shard_staging_folder_goes_with_it(tmp_path):
     own = Path(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
     assert own.name.startswith("posttrain-adapters-") and not own.exists()
     assert given.is_dir()
+
+
+def test_an_assembler_never_published_to_makes_no_folder(tmp_path, monkeypatch):
+    """A replica killed before any publication (a crash, a SIGKILL in a fault test) has nothing to
+    clean: its assembler makes its own staging folder only when the first adapter is assembled."""
+    import tempfile
+
+    from serving.adapters import ShardAssembler
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assembler = ShardAssembler()
+    assert list(tmp_path.iterdir()) == []
+    staged = assembler.staging_dir
+    assert staged.parent == tmp_path and staged.name.startswith("posttrain-adapters-") and staged.is_dir()
+    assert assembler.staging_dir == staged  # made once
