@@ -24,6 +24,9 @@ class TaskDatasetConfig(dg.Config):
     # demonstrations, and half as many again held out after them (evals.bundled.generate; 60 gives
     # 405 tasks, 135 held out).
     bundled_per_level: int = 60
+    # RL tasks per level (the curriculum and the RL loop draw from them alone); 0: as many as there
+    # are demonstrations, 45 a level at 60.
+    bundled_rl_per_level: int = 0
 
 
 @dg.asset(group_name="tasks", kinds={"parquet"})
@@ -49,7 +52,11 @@ def task_dataset(
         if source == "bundled":
             if config.bundled_per_level < 1:
                 raise ValueError(f"task_dataset: config key 'bundled_per_level' must be >= 1, got {config.bundled_per_level}")
-            path = ensure_suite(out_dir / "bundled", workers=config.build_workers, per_level=config.bundled_per_level)
+            if config.bundled_rl_per_level < 0:
+                raise ValueError("task_dataset: config key 'bundled_rl_per_level' must be >= 0 (0: as many as the "
+                                 f"demonstrations), got {config.bundled_rl_per_level}")
+            path = ensure_suite(out_dir / "bundled", workers=config.build_workers, per_level=config.bundled_per_level,
+                                rl_per_level=config.bundled_rl_per_level or None)
             loaded = load_bundled(path)
         else:
             loaded = load_tasks(source, sources=config.harbor_sources or None)

@@ -14,7 +14,8 @@ steps, with the training reward of the first and last 10 steps.
     python bench/rl_transfer.py --suite posttrain-data/datasets/bundled --plan plan.json --device cuda
 
 ``plan.json``: ``{"bases": [{BaseModelSpec fields}...], "runs": [{"base": 0, "lr": 0.002, ...}]}``;
-run keys: ``lr``, ``rank``, ``kl``, ``std`` (advantages scaled by the group's std), ``groups``,
+run keys: ``lr``, ``rank``, ``kl``, ``std`` (advantages scaled by the group's std), ``positive`` (negative
+advantages dropped: only the better-than-average episodes of a group are pushed up), ``groups``,
 ``group_size``, ``steps``, ``vary`` (each sampled prompt is a fresh renamed variant of the task),
 ``uniform`` (draw from every training task, not only those the base solves sometimes), ``fresh``
 (draw from that many freshly generated tasks instead of the training split).
@@ -269,7 +270,7 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
         rows = sampler.sample(demos, size)
         rewards_log.append(sum(r[2] for r in rows) / len(rows))
         dropped += grpo_step(backend, [(p + g, [0] * len(p) + [1] * len(g), ok) for p, g, ok in rows], groups, size,
-                             args.device, scale_by_std=run.get("std", False))
+                             args.device, scale_by_std=run.get("std", False), positive_only=run.get("positive", False))
     after = accuracy(sampler, held, args.samples)
     first, last = rewards_log[:10], rewards_log[-10:]
     return {"run": index, **run, "pool": len(pool), "zero_variance_groups": dropped,
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"base {b['base']} {json.dumps(b['spec'])}: sampled {b['held_sampled'][0]:.3f} "
               f"(any of {args.samples}: {b['held_sampled'][1]:.3f}), greedy {b['held_greedy']:.3f}")
     for r in runs:
-        settings = {k: v for k, v in r.items() if k in ("base", "lr", "rank", "kl", "std", "groups", "group_size", "steps", "vary", "uniform", "fresh")}
+        settings = {k: v for k, v in r.items() if k in ("base", "lr", "rank", "kl", "std", "groups", "group_size", "steps", "vary", "uniform", "fresh", "positive")}
         print(f"run {r['run']} {json.dumps(settings)}: held-out {r['held_before'][0]:.3f} -> {r['held_after'][0]:.3f} "
               f"({100 * (r['held_after'][0] - r['held_before'][0]):+.1f} points); train reward "
               f"{r['train_reward_first10']:.3f} -> {r['train_reward_last10']:.3f}; pool {r['pool']}, "

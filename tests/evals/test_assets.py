@@ -32,6 +32,28 @@ def test_task_dataset_loads_sources_and_reports_incomplete(small_suite, posttrai
     assert len(incomplete) == (2 if DEEPSWE.is_dir() else 0)
 
 
+def test_task_dataset_builds_the_bundled_suite_with_the_rl_tasks_asked_for(posttrain_home):
+    """``bundled_rl_per_level`` sets how many RL tasks a level has (0: as many as demonstrations);
+    a negative count is refused naming the key, before anything is built."""
+    storage = PosttrainStorage(root=str(posttrain_home))
+
+    def materialize(config):
+        with dg.instance_for_test() as instance:
+            return dg.materialize([task_dataset], instance=instance, resources={"storage": storage}, raise_on_error=False,
+                                  run_config={"ops": {"task_dataset": {"config": {"sources": ["bundled"], **config}}}})
+
+    refused = materialize({"bundled_per_level": 2, "bundled_rl_per_level": -1})
+    assert not refused.success
+    assert "bundled_rl_per_level" in str(refused.get_step_failure_events()[0].event_specific_data.error)
+    assert not (storage.datasets_dir() / "bundled").exists()
+    result = materialize({"bundled_per_level": 2, "bundled_rl_per_level": 3})
+    assert result.success
+    meta = result.asset_materializations_for_node("task_dataset")[0].metadata
+    # per level: 2 (one held out, one demonstration), 3 for RL, 1 more held out
+    assert meta["tasks"].value == 18
+    assert meta["train_roles"].value == {"demonstrations": 3, "rl": 9}
+
+
 def _rows(checkpoint, outcomes):
     rows = []
     for task_id, rewards in outcomes.items():
