@@ -126,10 +126,9 @@ class ShardAssembler:
     """The receiving side of ``push_adapter``, kept by each replica's HTTP layer."""
 
     def __init__(self, staging_dir: str | Path | None = None):
-        self._given = Path(staging_dir) if staging_dir else None
-        if self._given is not None:
-            self._given.mkdir(parents=True, exist_ok=True)
-        self._own: Path | None = None
+        self._dir = Path(staging_dir) if staging_dir else None
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True)
         self._parts: dict[str, dict[int, bytes]] = {}
         self._expected: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -139,13 +138,11 @@ class ShardAssembler:
         """The folder given, or else one of the assembler's own, made at the first use (a replica
         that is never published to, or is killed before, leaves nothing behind) and removed with
         the assembler or when the process exits."""
-        if self._given is not None:
-            return self._given
         with self._lock:
-            if self._own is None:
-                self._own = Path(tempfile.mkdtemp(prefix="posttrain-adapters-"))
-                weakref.finalize(self, shutil.rmtree, str(self._own), ignore_errors=True)
-            return self._own
+            if self._dir is None:
+                self._dir = Path(tempfile.mkdtemp(prefix="posttrain-adapters-"))
+                weakref.finalize(self, shutil.rmtree, str(self._dir), ignore_errors=True)
+            return self._dir
 
     def put(self, lora_name: str, index: int, num_shards: int, body: bytes) -> None:
         if num_shards < 1 or not 0 <= index < num_shards:
