@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from training.base_model import BaseModelSpec, _examples, masked_lm_loss  # noqa: E402
+from training.base_model import BaseModelSpec, masked_lm_loss, sft_examples  # noqa: E402
 from training.demonstrations import augment, demonstrations, styled  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def main() -> int:
     augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),
                        spec.verify_share, spec.retry_share, spec.seed, spec.retry_failures)
     tokenizer = AutoTokenizer.from_pretrained(home / "models" / "base")
-    examples = _examples(tokenizer, augmented)
+    examples = sft_examples(tokenizer, augmented)
     rng = random.Random(0)
     batches = []
     for _ in range(args.steps):

@@ -101,7 +101,7 @@ def _fingerprint(demos: Sequence[tuple[str, Any]], spec: BaseModelSpec) -> str:
     return h.hexdigest()[:16]
 
 
-def _examples(tokenizer, demos: Sequence[tuple[str, Any]]) -> list[tuple[list[int], list[int]]]:
+def sft_examples(tokenizer, demos: Sequence[tuple[str, Any]]) -> list[tuple[list[int], list[int]]]:
     """Token ids and loss mask of each demonstration, tokenized the way the harness builds a context:
     the prompt, then each model turn (ending with the end-of-text token) and each observation, each
     piece on its own, as text (:func:`serving.chat_template.encode_text`: a special token's string is
@@ -173,7 +173,7 @@ def demonstration_loss(model_dir: Path, demos: list[tuple[str, str]]) -> float:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     total, count = 0.0, 0
-    for ids, mask in _examples(tokenizer, demos):
+    for ids, mask in sft_examples(tokenizer, demos):
         x = torch.tensor([ids])
         nll = torch.nn.functional.cross_entropy(model(input_ids=x).logits[0, :-1], x[0, 1:], reduction="none")
         m = torch.tensor(mask[1:], dtype=torch.float32)
@@ -227,7 +227,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     tokenizer.save_pretrained(tmp)
     tokenizer = AutoTokenizer.from_pretrained(tmp)
     model = AutoModelForCausalLM.from_config(config).to(device)
-    examples = _examples(tokenizer, augmented)
+    examples = sft_examples(tokenizer, augmented)
     curve = sft(model, examples, spec)
     model = model.cpu()
     model.save_pretrained(tmp, safe_serialization=True)

@@ -94,7 +94,7 @@ def test_a_retry_transcript_fails_first_with_the_prompts_asserts_and_is_not_trai
 
 def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() -> None:
 
-    from training.base_model import _examples
+    from training.base_model import sft_examples
     from training.demonstrations import transcript
 
     class Chars:  # one id per character; 0 is the end-of-text token
@@ -104,7 +104,7 @@ def test_examples_train_on_the_models_turns_only_each_ending_with_end_of_text() 
             return [ord(c) for c in text]
 
     segments = transcript(PROMPT, ANSWER_TEXT, "retry", random.Random(1))
-    [(ids, mask)] = _examples(Chars(), [(PROMPT, segments)])
+    [(ids, mask)] = sft_examples(Chars(), [(PROMPT, segments)])
     assert len(ids) == len(mask) == len(PROMPT) + sum(len(t) for t, _ in segments) + 3  # 3 model turns
     trained = "".join("\x00" if i == 0 else chr(i) for i, m in zip(ids, mask) if m)
     assert len(segments) == 5  # one failure, then the fix
