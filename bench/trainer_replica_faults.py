@@ -4,7 +4,7 @@
     .venv/bin/python bench/trainer_replica_faults.py --no-control --steps 10
 
 The trainer runs as it does in production here: its own process, ``replicas = 5`` engine processes
-(``python -m serving.engine`` on a tiny random Qwen2) behind the router in the trainer
+(``python -m serving.local_engine`` on a tiny random Qwen2) behind the router in the trainer
 (``training.episodes.ReplicaFleet``), real LoRA versions published after every step. The episodes are
 multi-turn sessions (``tests/reliability/fleet_env.py``) instead of sandboxed agents, so that the
 replicas are the only thing under test. Producers are synchronous (``producer_workers = 0``): a step
@@ -38,6 +38,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from serving.client import HttpPool  # noqa: E402
+from serving.tiny import build_tiny_model  # noqa: E402
+from training.store import RolloutStore  # noqa: E402
 
 STEP_LINE = re.compile(r"^step\s+(\d+) ")
 FLEET_LINE = re.compile(r"^engine replicas behind the router (\S+): (.*)$")
@@ -75,8 +79,6 @@ def _busiest(http, router_url: str, pids: dict[str, int]) -> list[dict]:
 def run(workdir: Path, model_dir: Path, *, fault: bool = True, replicas: int = 5, kill: int = 2, steps: int = 14,
         fault_step: int = 4, groups_per_step: int = 3, group_size: int = 8, turns: int = 3) -> dict:
     """One trainer run (with the fault in ``fault_step`` when ``fault``); returns what it printed and measured."""
-    from serving.client import HttpPool
-
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "trainer.json"
     config.write_text(json.dumps(trainer_config(model_dir, replicas=replicas, steps=steps, groups_per_step=groups_per_step,
@@ -158,7 +160,7 @@ def run(workdir: Path, model_dir: Path, *, fault: bool = True, replicas: int = 5
             pids = [int(p) for _, t in lines for p in re.findall(r"\(pid (\d+)\)", t)]
             for pid in pids:
                 try:
-                    if b"serving.engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if b"serving.local_engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
                         os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
@@ -190,8 +192,6 @@ def run(workdir: Path, model_dir: Path, *, fault: bool = True, replicas: int = 5
         result["infos"] = [json.loads(i) for (i,) in conn.execute("SELECT info FROM rollouts")]
     finally:
         conn.close()
-    from training.store import RolloutStore
-
     result["counts"] = RolloutStore(store).counts()
     return result
 
@@ -235,10 +235,9 @@ def main() -> int:
     parser.add_argument("--fault-step", type=int, default=4)
     parser.add_argument("--no-control", action="store_true", help="skip the run without the fault")
     args = parser.parse_args()
-    from tests.training.conftest import save_tiny_qwen
-
     workdir = Path(tempfile.mkdtemp(prefix="trainer-replica-faults-"))
-    model = save_tiny_qwen(workdir / "model")
+    model = build_tiny_model(workdir / "model", hidden_size=32, num_heads=4, num_kv_heads=2,
+                             intermediate_size=64, max_position_embeddings=256)
     kw = dict(replicas=args.replicas, kill=args.kill, steps=args.steps, fault_step=args.fault_step)
     control = None if args.no_control else run(workdir / "control", model, fault=False, **kw)
     r = run(workdir / "fault", model, fault=True, **kw)

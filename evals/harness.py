@@ -545,7 +545,7 @@ def check_scaffold(name: Any, where: str = "scaffold") -> str:
 
 
 class InProcessClient:
-    """A :class:`ModelClient` over an engine object in this process (``serving.engine.LocalEngine``)."""
+    """A :class:`ModelClient` over an engine object in this process (``serving.local_engine.LocalEngine``)."""
 
     def __init__(self, engine: Any):
         self.engine = engine

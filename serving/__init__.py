@@ -1,7 +1,7 @@
 """posttrain serving: engines, capture in the replica, adapter versions, the router, the fleet.
 
 Everything speaks SGLang's native HTTP API, so in production the replica *is* SGLang and locally it
-is ``serving.engine.LocalEngine`` (transformers + peft on CPU). Nothing here imports Dagster or
+is ``serving.local_engine.LocalEngine`` (transformers + peft on CPU). Nothing here imports Dagster or
 another posttrain package.
 
 A tiny model for tests and CPU runs (no downloads)::
@@ -10,9 +10,9 @@ A tiny model for tests and CPU runs (no downloads)::
     model_dir = build_tiny_model(tmp / "model")                  # Qwen2, hidden 64, 2 layers, BPE tokenizer
     adapter_dir = build_tiny_lora_adapter(model_dir, tmp / "step_000001")
 
-A local engine, in-process or as a process (``python -m serving.engine --model DIR --port N``)::
+A local engine, in-process or as a process (``python -m serving.local_engine --model DIR --port N``)::
 
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
     engine = LocalEngine(model_dir, max_total_tokens=65536, max_running_requests=64)
     server = serve(engine, port=0)

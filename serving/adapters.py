@@ -12,7 +12,7 @@ After each step the trainer publishes the new LoRA version two ways
 ``POST /commit_lora_adapter {"lora_name", "num_shards", "adapter_config"}``: the replica checks every
 shard arrived, writes the adapter under its staging folder and loads it under that name, exactly as
 ``POST /load_lora_adapter`` would. A replica that joins later loads the newest complete version on
-the volume (:func:`newest_adapter`; ``python -m serving.engine --adapters-dir``, and
+the volume (:func:`newest_adapter`; ``python -m serving.local_engine --adapters-dir``, and
 :meth:`serving.router.core.Router.add_replica` before the replica takes traffic), and
 :meth:`~serving.router.core.Router.publish_adapter` loads an announced version on every live replica
 that lacks it.

@@ -1,7 +1,7 @@
 """``posttrain`` commands of the serving package.
 
     posttrain serving replica --model DIR [--engine vllm|local] [--port 30000]   # a replica (python -m serving.replica)
-    posttrain serving engine --model DIR [--port 30000]       # the local CPU engine (python -m serving.engine)
+    posttrain serving engine --model DIR [--port 30000]       # the local CPU engine (python -m serving.local_engine)
     posttrain serving router --worker URL[@POOL:GPUS] ...     # the router (python -m serving.router)
     posttrain serving sidecar --upstream URL --engine sglang  # the capture front of an engine (python -m serving.capture)
     posttrain serving tiny-model OUT [--adapter OUT2]         # a tiny random Qwen2 + tokenizer (+ LoRA adapter)
@@ -45,13 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     serving = sub.add_parser("serving", help="inference engines, the router, capture, tiny models")
     cmds = serving.add_subparsers(dest="serving_command", required=True)
     import serving.capture
-    import serving.engine
     import serving.replica
+    from serving.local_engine import __main__ as local_engine_main
     from serving.router import __main__ as router_main
 
     for name, module, text in (("replica", serving.replica, "run a replica: vLLM (or the local engine) behind the capture front "
                                                             "(as python -m serving.replica)"),
-                               ("engine", serving.engine, "run the local CPU engine (as python -m serving.engine)"),
+                               ("engine", local_engine_main, "run the local CPU engine (as python -m serving.local_engine)"),
                                ("router", router_main, "run the router (as python -m serving.router)"),
                                ("sidecar", serving.capture, "run the capture front of an engine server (as python -m serving.capture)")):
         p = cmds.add_parser(name, help=text)

@@ -14,7 +14,7 @@ One engine process on its own (a trainer with one replica, the curriculum and ev
 Both start ``python -m serving.replica --engine vllm ... --exit-with-parent``
 (:func:`serving.replica.replica_command`: vLLM's server as its child, the capture front in front),
 so a replica never outlives the process that started it. ``POSTTRAIN_ENGINE=local`` (or
-``engine="local"``) runs the project's transformers engine (:mod:`serving.engine`) instead;
+``engine="local"``) runs the project's transformers engine (:mod:`serving.local_engine`) instead;
 ``mode="thread"`` runs that engine in this process (router tests).
 
 Replicas get the trainer credential through their environment, never their command line
@@ -126,7 +126,7 @@ class LocalFleet:
         self._unreplaced: list[tuple[str, int | None, tuple[str, int]]] = []  # (url, exit status, (pool, size))
 
     def _start_thread(self):
-        from serving.engine import LocalEngine
+        from serving.local_engine import LocalEngine
         from serving.http import serve
 
         server = serve(LocalEngine(self.model_path, **self.engine_kwargs), host=self.host, port=0)

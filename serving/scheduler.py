@@ -30,7 +30,7 @@ from serving.protocol import GenerateRequest
 
 
 class Scheduled(Protocol):
-    """A request as the scheduler sees it (``_Req`` of :mod:`serving.engine`, ``_SimReq`` of
+    """A request as the scheduler sees it (``_Req`` of :mod:`serving.local_engine.engine`, ``_SimReq`` of
     :mod:`serving.sim`)."""
 
     request: GenerateRequest

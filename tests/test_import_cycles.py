@@ -5,7 +5,7 @@ module level, inside a function, under ``if TYPE_CHECKING:``. An import moved in
 still ties the two modules together (each needs the other to work), so it is an edge here too.
 Relative imports are resolved against the importing module's package, and ``from X import Y`` is an
 edge to ``X.Y`` when ``Y`` is a submodule of the project, else to ``X``. An import names its deepest
-project module only: ``import serving.engine`` is an edge to ``serving.engine``, not to ``serving``.
+project module only: ``import serving.local_engine`` is an edge to ``serving.local_engine``, not to ``serving``.
 Imports through ``importlib`` with a computed name are not seen.
 """
 

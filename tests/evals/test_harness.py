@@ -79,7 +79,7 @@ def test_json_tool_calls():
 
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

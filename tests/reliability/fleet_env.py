@@ -2,7 +2,7 @@
 (loaded by the trainer process through ``environment = "tests.reliability.fleet_env:make"``).
 
 The fleet is the trainer's own (:func:`training.episodes.fleet_environment`: ``replicas`` processes of
-``python -m serving.engine`` behind ``serving.router``, a replica that dies is replaced); only the
+``python -m serving.local_engine`` behind ``serving.router``, a replica that dies is replaced); only the
 episodes differ from the harness: instead of an agent in a sandbox, each episode is a multi-turn
 session of ``max_turns`` calls whose context grows by the model's output and a fixed "observation"
 every turn, as an agent's does. A group's episodes run at once. The reward is the share of sampled

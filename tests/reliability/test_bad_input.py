@@ -165,7 +165,7 @@ def test_run_toml_file_of_any_text_is_refused_or_planned(tmp_path_factory, text)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
     from serving.tiny import build_tiny_lora_adapter, build_tiny_model
 

@@ -41,7 +41,7 @@ def test_forty_percent_of_replicas_sigkilled_mid_step_loses_no_call(tmp_path: Pa
 
 @pytest.mark.slow
 def test_forty_percent_of_real_engine_replicas_sigkilled_replacements_load_the_newest_adapter(tmp_path: Path):
-    """The same with real local engines (``python -m serving.engine``, a tiny random Qwen2) and real LoRA
+    """The same with real local engines (``python -m serving.local_engine``, a tiny random Qwen2) and real LoRA
     adapters published on the volume: 2 of 5 SIGKILLed mid-step, no call lost, and each replacement has
     the newest version loaded by peft before it takes traffic (over a minute: seven engine processes)."""
     from serving.tiny import build_tiny_model

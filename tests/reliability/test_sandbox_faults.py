@@ -132,7 +132,7 @@ def test_a_call_the_engine_refuses_is_an_infra_error(task, tokenizer, tmp_path):
     published) refuses the call with a 4xx: the episode is an infra error, not an exception that
     would stop the producer, and not a failure of the model."""
     from serving.client import EngineClient
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
     from serving.tiny import build_tiny_model
 

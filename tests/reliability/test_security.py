@@ -78,7 +78,7 @@ def _stop(proc: subprocess.Popen) -> str:
 def test_servers_listen_on_loopback_by_default(name, tiny_engine_model):
     """Started with their documented commands and no --host: every listening socket is 127.0.0.1."""
     cmd = {
-        "engine": [sys.executable, "-m", "serving.engine", "--model", str(tiny_engine_model), "--port", "0"],
+        "engine": [sys.executable, "-m", "serving.local_engine", "--model", str(tiny_engine_model), "--port", "0"],
         "router": [sys.executable, "-m", "serving.router", "--port", "0"],
         "sim": [sys.executable, "-m", "serving.sim", "--replicas", "2x1"],
     }[name]
@@ -144,7 +144,7 @@ def test_no_secret_reaches_engine_or_router_output_even_on_errors(tiny_engine_mo
     from serving.capture_store import trainer_headers
     from serving.client import HttpPool
 
-    engine, _ = _start([sys.executable, "-m", "serving.engine", "--model", str(tiny_engine_model), "--port", "0"],
+    engine, _ = _start([sys.executable, "-m", "serving.local_engine", "--model", str(tiny_engine_model), "--port", "0"],
                        " on http", SECRET_ENV)
     outputs = []
     try:

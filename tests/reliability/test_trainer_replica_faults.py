@@ -4,7 +4,7 @@ the dead replicas are replaced and each replacement joins serving the newest pub
 calls in flight on them are retried elsewhere; no finished rollout is lost (every group in the store
 is whole and every rollout is trained on); each session keeps one adapter version when it moves.
 
-The replicas are real engine processes (``python -m serving.engine`` on a tiny random Qwen2, real LoRA
+The replicas are real engine processes (``python -m serving.local_engine`` on a tiny random Qwen2, real LoRA
 versions published by the trainer); the episodes are multi-turn sessions instead of sandboxed agents
 (``tests/reliability/fleet_env.py``). The run and its step-time report are ``bench/trainer_replica_faults.py``'s;
 ``pytest -s`` prints the report."""

@@ -22,7 +22,7 @@ def adapters(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def engine_server(tiny_model):
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
 
     server = serve(LocalEngine(tiny_model, max_total_tokens=8192, torch_threads=1), port=0)

@@ -6,7 +6,7 @@ import torch
 
 from serving.adapters import newest_adapter, publish_to_volume, push_adapter
 from serving.client import EngineClient, EngineError
-from serving.engine import LocalEngine
+from serving.local_engine import LocalEngine
 from serving.capture import serve_sidecar
 from serving.http import serve
 

@@ -25,7 +25,7 @@ from serving.capture import serve_sidecar
 from serving.capture_store import (CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, SESSION_HEADER, SESSION_KEY_HEADER,
                                    CaptureStore, session_key, trainer_credential)
 from serving.client import EngineClient, HttpPool
-from serving.engine import LocalEngine
+from serving.local_engine import LocalEngine
 from serving.http import serve
 from serving.router.core import Router
 from serving.router.server import serve_router

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from serving.client import EngineClient, EngineError
-from serving.engine import LocalEngine
+from serving.local_engine import LocalEngine
 from serving.http import serve
 from serving.protocol import parse_metrics
 

@@ -142,7 +142,7 @@ def test_kv_headroom_prefers_projected_room_over_current_room():
 
 
 def test_replica_processes_join_with_the_newest_adapter_and_die_like_crashes(tiny_model, adapters, tmp_path):
-    """`python -m serving.engine` replicas started by the fleet (the trainer's local mode)."""
+    """`python -m serving.local_engine` replicas started by the fleet (the trainer's local mode)."""
     volume = tmp_path / "adapters"
     publish_to_volume(adapters["v000001"], volume, "v000001")
     router = Router("kv_headroom", adapters_volume=str(volume), poll_interval_s=0.2)

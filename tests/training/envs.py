@@ -41,7 +41,7 @@ class EngineRunner:
 
 
 def make(cfg: TrainConfig, run_dir: Path) -> Environment:
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
 
     engine = LocalEngine(cfg.base_model, torch_threads=1)

@@ -43,7 +43,7 @@ def test_publication_to_a_live_fleet_skips_a_replica_that_left_it(tmp_path: Path
     is no longer among them is skipped (its replacement loads the version from the volume); one that
     fails while still listed is an error, as with a fixed list."""
     from serving.client import EngineClient
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
     from training.backends.torch_peft import TorchPeftBackend
 

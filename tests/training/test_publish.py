@@ -15,7 +15,7 @@ from training.publish import AdapterPublisher
 
 def test_publish_reaches_every_replica_and_the_volume(tmp_path: Path, tiny_model_dir: Path):
     from serving.client import EngineClient
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
 
     backend = TorchPeftBackend(tiny_model_dir, lora_rank=4)
@@ -45,7 +45,7 @@ def test_a_version_in_use_stays_loaded_until_a_publication_after_its_groups_end(
     """``in_use`` (the trainer's groups in flight) keeps a version loaded past ``keep_versions``;
     the first publication after it is free unloads it."""
     from serving.client import EngineClient
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
 
     backend = TorchPeftBackend(tiny_model_dir, lora_rank=4)

@@ -25,7 +25,7 @@ from training.remote_fleet import RemoteFleet, RouterUnreachable
 @pytest.fixture
 def cluster_like(tmp_path: Path, tiny_model_dir: Path):
     """Two engines and a router process in front of them, as the cluster's Deployment runs it."""
-    from serving.engine import LocalEngine
+    from serving.local_engine import LocalEngine
     from serving.http import serve
 
     engines = [serve(LocalEngine(tiny_model_dir, torch_threads=1)) for _ in range(2)]

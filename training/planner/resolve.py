@@ -92,7 +92,7 @@ class Plan:
         return [t.code for t in self.tips]
 
     def local_engine_args(self) -> list[str]:
-        """``python -m serving.engine`` arguments that this plan sizes (CPU runs)."""
+        """``python -m serving.local_engine`` arguments that this plan sizes (CPU runs)."""
         return [
             "--max-running-requests", str(self.resolved["sglang_max_running_requests"]),
             "--max-total-tokens", str(self.resolved["sglang_max_total_tokens"]),
@@ -290,7 +290,7 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
     if inf.gpu == "cpu":
         tips.append(Advice(
             "inference_local_engine",
-            "gpu = \"cpu\": the local engine (python -m serving.engine) serves this run; of the knobs it "
+            "gpu = \"cpu\": the local engine (python -m serving.local_engine) serves this run; of the knobs it "
             "takes the admission and the token budget: inference.local_engine_args",
         ))  # fmt: skip
 

@@ -1,18 +1,4 @@
-"""The local engine: a transformers + peft model served with SGLang's native HTTP API on CPU.
-
-Not the default: local replicas run vLLM (:mod:`serving.replica`). This engine is kept as the
-baseline that ``bench/serving_vllm.py`` measures vLLM against, as ``--engine local`` /
-``POSTTRAIN_ENGINE=local`` where vLLM's CPU build cannot serve a model (head sizes it has no
-kernel for, e.g. 8 or 16), and in-process for the router's and the publisher's tests.
-
-Run it locally (it listens on 127.0.0.1 unless told otherwise):
-
-    python -m serving.engine --model PATH --host 127.0.0.1 --port 30000 \
-        [--max-total-tokens 65536] [--max-running-requests 64] [--lora NAME=DIR ...]
-
-or in-process, e.g. from the trainer or a test:
-
-    engine = LocalEngine("path/to/model"); server = serve(engine, port=0); server.url
+"""The local engine: a transformers + peft causal LM that answers SGLang's native API on CPU.
 
 What it does, like an SGLang replica: one scheduler thread batches every running request into one
 forward pass per decode step (continuous batching: requests join and leave between steps); prompts
@@ -24,15 +10,16 @@ are loaded at once; each request names one with ``lora_path`` and a batch mixes 
 
 Logprobs are those of the distribution sampled from (logits divided by the temperature, before
 top-k/top-p), which is SGLang's default; at temperature 1 they are the model's own.
+
+torch, transformers, peft and safetensors are imported where they are first used, so that the
+command line, the fleet and the tests import this module without loading them.
 """
 
 from __future__ import annotations
 
-import argparse
+import inspect
 import itertools
-import os
-import signal
-import sys
+import json
 import threading
 import time
 from collections import deque
@@ -107,8 +94,6 @@ class LocalEngine:
         self.config = AutoConfig.from_pretrained(model_path)
         self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.base.eval()
-        import inspect
-
         self._cache_arg = "past_key_values" if "past_key_values" in inspect.signature(self.base.forward).parameters else "cache"
         self.model = self.base  # becomes a PeftModel once an adapter is loaded
         self.tokenizer = None
@@ -501,8 +486,6 @@ class LocalEngine:
 
 def _check_adapter_files(adapter_dir: Path) -> None:
     """Refuse an adapter folder whose files are not whole (truncated, garbage) with a clear error."""
-    import json
-
     from safetensors import safe_open
 
     config_path = adapter_dir / "adapter_config.json"
@@ -523,86 +506,3 @@ def _check_adapter_files(adapter_dir: Path) -> None:
                 f.get_slice(key)
     except Exception as exc:  # safetensors raises its own error types for a bad header or size
         raise BadRequest(f"{weights} is not a whole safetensors file: {exc}") from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a transformers model directory (save_pretrained)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--max-total-tokens", type=int, default=65536, help="KV token budget (SGLang's max_total_num_tokens)")
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16, help="prefix cache block (page) size in tokens")
-    parser.add_argument("--torch-threads", type=int, default=None)
-    parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", help="load an adapter at start")
-    parser.add_argument("--adapters-dir", default=None,
-                        help="shared volume of published adapters (<dir>/<version>/); the newest is loaded before serving")
-    parser.add_argument("--exit-with-parent", action="store_true",
-                        help="shut down when the process that started this one dies (local replicas of a trainer)")
-    parser.add_argument("--http-idle-timeout-s", type=float, default=None,
-                        help="close a kept-alive client connection after this long without a request (default: 60)")
-
-
-REPLICA_FLAGS = {"max_total_tokens": "--max-total-tokens", "max_running_requests": "--max-running-requests",
-                 "block_size": "--block-size", "torch_threads": "--torch-threads"}
-
-
-def replica_command(model: str, *, host: str = "127.0.0.1", port: int = 0, adapters_dir: str | None = None,
-                    **engine_kwargs: Any) -> list[str]:
-    """The command line of a local replica process that a trainer or fleet starts (and that exits with
-    it): ``engine_kwargs`` are :class:`LocalEngine` settings among :data:`REPLICA_FLAGS`."""
-    cmd = [sys.executable, "-m", "serving.engine", "--model", str(model), "--host", host, "--port", str(port),
-           "--exit-with-parent"]
-    for key, value in engine_kwargs.items():
-        if key not in REPLICA_FLAGS:
-            raise ValueError(f"engine_kwargs.{key} cannot be passed to a replica process (known: {sorted(REPLICA_FLAGS)})")
-        cmd += [REPLICA_FLAGS[key], str(value)]
-    if adapters_dir:
-        cmd += ["--adapters-dir", str(adapters_dir)]
-    return cmd
-
-
-def exit_with_parent(poll_s: float = 0.5) -> None:
-    """Interrupt this process (a clean shutdown) once its parent is gone, however the parent died:
-    a trainer SIGKILLed must not leave its replicas running. Watches for re-parenting rather than
-    using PR_SET_PDEATHSIG, which fires when the parent's spawning *thread* ends."""
-    parent = os.getppid()
-    # Call from the main thread: a process started in the background may inherit SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def serve_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.engine", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    from serving.http import HttpLimits, serve
-
-    if args.exit_with_parent:
-        exit_with_parent()
-    engine = LocalEngine(args.model, max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                         block_size=args.block_size, torch_threads=args.torch_threads)
-    for spec in args.lora:
-        name, _, path = spec.partition("=")
-        engine.load_lora_adapter(name, path)
-    if args.adapters_dir:
-        from serving.adapters import newest_adapter
-
-        newest = newest_adapter(args.adapters_dir)
-        if newest is not None and newest[0] not in engine.adapters():
-            engine.load_lora_adapter(*newest)
-    limits = HttpLimits() if args.http_idle_timeout_s is None else HttpLimits(idle_timeout_s=args.http_idle_timeout_s)
-    server = serve(engine, host=args.host, port=args.port, limits=limits)
-    return server.run_in_foreground(f"engine serving {args.model} on {server.url}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(serve_main())
