@@ -40,7 +40,7 @@ from typing import Any
 from serving.adapters import ShardAssembler
 from serving.capture_store import CaptureStore, trainer_headers, warn_if_credential_is_private
 from serving.client import HttpPool
-from serving.engines import ENGINES, NativeEngine, engine_client
+from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
 from serving.http import (EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, check_generate_sessions,
                           session_routes)
@@ -62,7 +62,7 @@ def sglang_metrics(m: EngineMetrics) -> dict[str, float]:
 class CaptureFront(JsonServer):
     """Posttrain's engine API over one protocol engine (see the module docstring)."""
 
-    def __init__(self, engine: NativeEngine, host: str = "127.0.0.1", port: int = 0, *, staging_dir=None,
+    def __init__(self, engine: UpstreamEngine, host: str = "127.0.0.1", port: int = 0, *, staging_dir=None,
                  limits: HttpLimits | None = None, model_name: str = "posttrain"):
         self.engine = engine
         self.capture = CaptureStore()
@@ -187,12 +187,12 @@ class CaptureFront(JsonServer):
         return Text(render_metrics(sglang_metrics(self.engine.metrics()), {"model_name": self.model_name}))
 
 
-def serve_front(engine: NativeEngine, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
+def serve_front(engine: UpstreamEngine, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
                 limits: HttpLimits | None = None) -> CaptureFront:
     return CaptureFront(engine, host, port, staging_dir=staging_dir, limits=limits).start()
 
 
-def upstream_engine(kind: str, url: str) -> NativeEngine:
+def upstream_engine(kind: str, url: str) -> UpstreamEngine:
     """The protocol client of the engine server behind a front. The project's own engine server
     (``local``) guards its sessions as the front does, so the front calls it with the trainer
     credential; the others get no credential of ours."""

@@ -1,4 +1,4 @@
-"""HTTP for engines: SGLang's native API in front of any ``Engine``, with capture in the replica.
+"""HTTP for engines: SGLang's native API in front of any ``InProcessEngine``, with capture in the replica.
 
     server = serve(engine, host="127.0.0.1", port=0)   # port 0: pick a free one
     server.url                                         # http://127.0.0.1:PORT
@@ -72,7 +72,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from serving.adapters import ShardAssembler
 from serving.capture_store import CaptureStore, capture_generate, refusal, sessions_of
-from serving.protocol import BadRequest, Engine, parse_adapter_load, parse_adapter_name, parse_generate, render_metrics
+from serving.protocol import BadRequest, InProcessEngine, parse_adapter_load, parse_adapter_name, parse_generate, render_metrics
 
 # The largest request body a server reads: above a sharded adapter upload of a large model (one
 # shard of a rank-64 adapter of an 8B model is well under it), far below what would exhaust memory.
@@ -860,9 +860,9 @@ def session_routes(capture: CaptureStore) -> dict[tuple[str, str], Route]:
 
 
 class EngineServer(JsonServer):
-    """An ``Engine`` behind SGLang's native API, capturing every call in ``self.capture``."""
+    """An ``InProcessEngine`` behind SGLang's native API, capturing every call in ``self.capture``."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, *, staging_dir=None,
+    def __init__(self, engine: InProcessEngine, host: str = "127.0.0.1", port: int = 0, *, staging_dir=None,
                  model_name: str = "posttrain", limits: HttpLimits | None = None):
         self.engine = engine
         self.capture = CaptureStore()
@@ -928,6 +928,6 @@ class EngineServer(JsonServer):
         self.engine.close()
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 0, **kwargs) -> EngineServer:
+def serve(engine: InProcessEngine, host: str = "127.0.0.1", port: int = 0, **kwargs) -> EngineServer:
     """Serve ``engine`` on ``host:port`` from a background thread; returns the running server."""
     return EngineServer(engine, host, port, **kwargs).start()

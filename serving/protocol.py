@@ -1,4 +1,4 @@
-"""The engine protocol: SGLang's native HTTP API, as every replica here speaks it.
+"""SGLang's native HTTP API, as every engine and replica here speaks it, and :class:`InProcessEngine`.
 
 Request validation lives here so that the local engine, the simulated engine, the capture sidecar
 and the router reject bad input the same way: a ``BadRequest`` whose message names the field, sent
@@ -203,9 +203,12 @@ def finish_reason(kind: str, value: int | None = None) -> dict[str, Any]:
     return {"type": "abort", "message": str(value)}
 
 
-class Engine(Protocol):
-    """What the HTTP layer (``serving.http``) needs from an engine: the local transformers engine and
-    the simulated engine implement it; SGLang speaks the same API over HTTP itself."""
+class InProcessEngine(Protocol):
+    """An engine object in this process that :func:`serving.http.serve` puts behind SGLang's native
+    API: the local engine (:class:`serving.local_engine.LocalEngine`) and the simulated engine
+    (:class:`serving.sim.SimEngine`) implement it. Not to be confused with
+    :class:`serving.engines.base.UpstreamEngine`, the client of an engine running in its own process,
+    which a replica's capture front calls."""
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]: ...
     def load_lora_adapter(self, name: str, path: str) -> None: ...

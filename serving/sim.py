@@ -83,7 +83,7 @@ class SimEngine:
         self._thread = threading.Thread(target=self._loop, name=f"sim-{name}", daemon=True)
         self._thread.start()
 
-    # --- the Engine protocol --------------------------------------------------------------------
+    # --- the InProcessEngine protocol -------------------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]:
         if request.lora_path is not None and request.lora_path not in self._adapters:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-from serving.engines.base import EngineMetrics, Generation, NativeEngine
+from serving.engines.base import EngineMetrics, Generation, UpstreamEngine
 
 ENGINES = {
     "vllm": ("serving.engines.vllm", "VllmEngine"),
@@ -22,7 +22,7 @@ ENGINES = {
 }
 
 
-def engine_client(kind: str, url: str, **kwargs) -> NativeEngine:
+def engine_client(kind: str, url: str, **kwargs) -> UpstreamEngine:
     """The protocol client of engine ``kind`` serving at ``url``."""
     if kind not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(sorted(ENGINES))}, got {kind!r}")
@@ -30,4 +30,4 @@ def engine_client(kind: str, url: str, **kwargs) -> NativeEngine:
     return getattr(importlib.import_module(module), name)(url, **kwargs)
 
 
-__all__ = ["ENGINES", "EngineMetrics", "Generation", "NativeEngine", "engine_client"]
+__all__ = ["ENGINES", "EngineMetrics", "Generation", "UpstreamEngine", "engine_client"]

@@ -1,5 +1,6 @@
-"""The engine protocol: what the replica front, capture, publication and the trainer need from an
-inference engine, whichever engine it is (vLLM, SGLang, or the project's local engine).
+""":class:`UpstreamEngine`: what a replica's capture front needs from the inference engine behind
+it, whichever engine it is (vLLM, SGLang, or the project's local engine), each running in a
+process of its own.
 
 Each implementation is a thin client of one engine's own HTTP API (``serving.engines.vllm``,
 ``serving.engines.sglang``, ``serving.engines.local``); none inherits from another. The capture
@@ -41,7 +42,13 @@ class EngineMetrics:
     prompt_tokens_total: float = 0.0
 
 
-class NativeEngine(Protocol):
+class UpstreamEngine(Protocol):
+    """The client of one engine process, over that engine's own HTTP API (vLLM's OpenAI API,
+    SGLang's native API): :class:`serving.engines.vllm.VllmEngine`,
+    :class:`serving.engines.sglang.SglangEngine`, :class:`serving.engines.local.LocalEngineClient`.
+    Not to be confused with :class:`serving.protocol.InProcessEngine`, an engine object that
+    :mod:`serving.http` serves from this process."""
+
     kind: str                              # "vllm" | "sglang" | "local"
     url: str
     def generate(self, input_ids: list[int], params: "SamplingParams", *, adapter: str | None, request_id: str) -> Generation: ...

@@ -130,7 +130,7 @@ class LocalEngine:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
 
-    # --- the Engine protocol --------------------------------------------------------------------
+    # --- the InProcessEngine protocol -------------------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]:
         for tok in request.input_ids:
