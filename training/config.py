@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from evals.signals import ALL_SIGNALS
+
 
 # The choice lists of the trainer's keys, spelled here only: ``TrainConfig.validate`` checks them and
 # the run planner's ``[trainer]`` table (training.planner.schema) offers the same choices.
@@ -161,7 +163,7 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'group_size' must be >= 2 (advantages are relative within a group)")
         if not self.base_model:
             raise ValueError(f"{source}: key 'base_model' is required (a Hugging Face model folder)")
-        from training.recompute import RECOMPUTE_MODES
+        from training.recompute import RECOMPUTE_MODES  # here: it imports torch, and the run planner reads this module
 
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"{source}: key 'recompute' must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
@@ -177,8 +179,6 @@ class TrainConfig:
         if self.integrity_gate not in INTEGRITY_GATES:
             raise ValueError(f"{source}: key 'integrity_gate' must be one of {', '.join(INTEGRITY_GATES)}, "
                              f"got {self.integrity_gate!r}")
-        from evals.signals import ALL_SIGNALS
-
         unknown = [s for s in self.integrity_exempt_signals if s not in ALL_SIGNALS]
         if unknown:
             raise ValueError(f"{source}: key 'integrity_exempt_signals': {unknown[0]!r} is not a cheating signal; "

@@ -18,12 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.backends import TrainBatch  # noqa: E402
 from training.backends.parallel import DataParallel  # noqa: E402
 from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
+from training.grpo import LossConfig, TrainBatch  # noqa: E402
 
-BACKEND_ARGS = {"lora_rank": 4, "lora_alpha": 8, "seed": 3, "kl_coef": 0.1, "micro_batch_tokens": 40,
+BACKEND_ARGS = {"lora_rank": 4, "lora_alpha": 8, "seed": 3, "micro_batch_tokens": 40,
                 "max_grad_norm": 0.05, "learning_rate": 1e-2}
+LOSS = LossConfig(kl_coef=0.1)
 
 
 def step_batches(vocab_size: int) -> list[TrainBatch]:
@@ -56,7 +57,7 @@ def run_steps(backend: TorchPeftBackend, save) -> None:
     vocab = backend.model.get_base_model().config.vocab_size
     perturb(backend)
     for step, batch in enumerate(step_batches(vocab), start=1):
-        result = backend.train_step(batch)
+        result = backend.train_step(batch, LOSS)
         save(step, {"result": dataclasses.asdict(result),
                     "grads": [m.grad.detach().clone() for m in backend.masters],
                     "adapter": {k: v.clone() for k, v in backend.adapter_state_dict().items()}})

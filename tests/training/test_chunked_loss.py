@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.backends import TrainBatch
 from training.backends.torch_peft import TorchPeftBackend
-from training.grpo import grpo_loss
+from training.grpo import LossConfig, TrainBatch, grpo_loss
 from training.logprobs import full_vocabulary_token_logprobs, token_logprobs
 
 
@@ -43,7 +42,7 @@ def _grpo_loss_and_grads(fn, h, w, t, chunk=None):
     mask = (torch.rand(lp.shape, generator=gen) > 0.3).float()
     adv = torch.tensor([0.7, -0.4])
     loss, _ = grpo_loss(lp.to(torch.float64) if lp.dtype == torch.float64 else lp, serving.to(lp.dtype), mask.to(lp.dtype),
-                        adv.to(lp.dtype), tis_cap=2.0)
+                        adv.to(lp.dtype), LossConfig(tis_cap=2.0))
     loss.backward()
     return lp.detach(), loss.detach(), h.grad, w.grad
 
@@ -147,9 +146,12 @@ def _batch() -> TrainBatch:
     )
 
 
+LOSS = LossConfig(kl_coef=0.1)
+
+
 def _backend(model_dir: Path, **kwargs) -> TorchPeftBackend:
     # alpha = 2 · rank (scaling 2), as in practice: a larger scaling magnifies bf16 rounding in the adapter
-    backend = TorchPeftBackend(model_dir, lora_rank=4, lora_alpha=8, seed=3, kl_coef=0.1, micro_batch_tokens=26, max_grad_norm=1e9,
+    backend = TorchPeftBackend(model_dir, lora_rank=4, lora_alpha=8, seed=3, micro_batch_tokens=26, max_grad_norm=1e9,
                                learning_rate=1e-2, **kwargs)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -161,7 +163,7 @@ def _backend(model_dir: Path, **kwargs) -> TorchPeftBackend:
 
 
 def _step(backend: TorchPeftBackend):
-    result = backend.train_step(_batch())
+    result = backend.train_step(_batch(), LOSS)
     names = [n for n, p in backend.model.named_parameters() if p.requires_grad]
     grads = {n: m.grad.float().clone() for n, m in zip(names, backend.masters)}  # float32 for a bf16 adapter
     return result, grads, {k: v.float() for k, v in backend.adapter_state_dict().items()}
@@ -222,7 +224,7 @@ def test_bf16_backend_keeps_the_adapter_in_bf16_and_matches_the_float32_step(qwe
 def test_bf16_backend_resumes_from_float32_masters(qwen3_dir, tmp_path):
     """A checkpoint of a bf16 backend restores the float32 masters, not their bf16 rounding."""
     backend = _backend(qwen3_dir, dtype="bfloat16")
-    backend.train_step(_batch())
+    backend.train_step(_batch(), LOSS)
     backend.save_state(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "master_weights.pt").is_file()
     masters = [m.clone() for m in backend.masters]

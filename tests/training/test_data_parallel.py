@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.training.data_parallel_worker import BACKEND_ARGS, run_steps, step_batches
-from training.backends import TrainBatch
 from training.backends.parallel import shard_rows
 from training.backends.torch_peft import TorchPeftBackend
 from training.checkpoint import checkpoint_path, complete_steps
+from training.grpo import TrainBatch
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training.backends import TrainBatch, micro_batches
+from training.backends import micro_batches
 from training.backends.torch_peft import TorchPeftBackend
-from training.grpo import batch_from_groups, group_advantages, grpo_loss
+from training.grpo import LossConfig, TrainBatch, batch_from_groups, group_advantages, grpo_loss
 
 LOGPROBS = [[0.0, -1.0, -2.0], [0.0, -0.5, -0.25]]
 SERVING = [[0.0, -1.0, -1.5], [0.0, -0.5, -1.0]]
@@ -41,7 +41,7 @@ def test_sequence_weighting_makes_every_episode_weigh_alike():
     carry 8/10 of the gradient; by sequence each episode's tokens share 1/2 of it."""
     groups = [_group([1.0, 0.0], [2, 8]), _group([1.0, 1.0], [3, 3])]
     for weighting, per_token in (("token", [-0.5 / 10, 0.5 / 10]), ("sequence", [-0.5 / (2 * 2), 0.5 / (2 * 8)])):
-        batch, dropped = batch_from_groups(groups, weighting=weighting)
+        batch, dropped = batch_from_groups(groups, LossConfig(weighting=weighting))
         assert dropped == 1 and len(batch.input_ids) == 2
         width = max(len(r) for r in batch.input_ids)
         pad = lambda rows: torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.float32)  # noqa: E731
@@ -51,10 +51,10 @@ def test_sequence_weighting_makes_every_episode_weigh_alike():
         for row, mask, expected in zip(lp.grad.tolist(), batch.loss_mask, per_token):
             assert [g for g, m in zip(row, mask) if m] == pytest.approx([expected] * sum(mask))
     # An episode that generated nothing adds no term: the other is the whole mean.
-    batch, _ = batch_from_groups([_group([1.0, 0.0], [0, 4])], weighting="sequence")
+    batch, _ = batch_from_groups([_group([1.0, 0.0], [0, 4])], LossConfig(weighting="sequence"))
     assert batch.advantages == pytest.approx([0.0, -0.5])
     with pytest.raises(ValueError, match="loss weighting 'episode'"):
-        batch_from_groups(groups, weighting="episode")
+        batch_from_groups(groups, LossConfig(weighting="episode"))
 
 
 def test_the_loss_weighting_key_is_validated_naming_the_key():
@@ -68,7 +68,7 @@ def test_the_loss_weighting_key_is_validated_naming_the_key():
 
 def test_loss_and_gradient_with_truncated_importance_weights():
     lp = torch.tensor(LOGPROBS, requires_grad=True)
-    loss, stats = grpo_loss(lp, torch.tensor(SERVING), torch.tensor(MASK), torch.tensor(ADV), tis_cap=2.0)
+    loss, stats = grpo_loss(lp, torch.tensor(SERVING), torch.tensor(MASK), torch.tensor(ADV), LossConfig(tis_cap=2.0))
     w02 = math.exp(-0.5)  # exp(-2.0 - -1.5), under the cap
     w12 = 2.0  # exp(0.75) = 2.117, truncated to the cap
     expected = -(1 * 1.0 * -1.0 + w02 * 1.0 * -2.0 + 1 * -0.5 * -0.5 + w12 * -0.5 * -0.25) / 4
@@ -85,7 +85,7 @@ def test_loss_and_gradient_with_truncated_importance_weights():
 def test_loss_only_counts_model_generated_tokens():
     lp = torch.tensor(LOGPROBS, requires_grad=True)
     mask = torch.tensor([[0, 1, 0], [0, 0, 1]])  # column 2 of row 0, column 1 of row 1: tool output
-    loss, stats = grpo_loss(lp, torch.tensor(SERVING), mask, torch.tensor(ADV), tis_cap=2.0)
+    loss, stats = grpo_loss(lp, torch.tensor(SERVING), mask, torch.tensor(ADV), LossConfig(tis_cap=2.0))
     assert stats.tokens == 2
     assert loss.item() == pytest.approx(-(1.0 * -1.0 + 2.0 * -0.5 * -0.25) / 2, abs=1e-6)
     loss.backward()
@@ -95,8 +95,8 @@ def test_loss_only_counts_model_generated_tokens():
 def test_kl_term_value_and_gradient():
     lp = torch.tensor(LOGPROBS, requires_grad=True)
     ref = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -0.25]])
-    loss, stats = grpo_loss(lp, torch.tensor(SERVING), torch.tensor(MASK), torch.tensor(ADV), tis_cap=2.0,
-                            ref_logprobs=ref, kl_coef=0.1)
+    loss, stats = grpo_loss(lp, torch.tensor(SERVING), torch.tensor(MASK), torch.tensor(ADV),
+                            LossConfig(tis_cap=2.0, kl_coef=0.1), ref_logprobs=ref)
     kl = ((math.e - 2.0) + (math.exp(-0.5) + 0.5 - 1.0)) / 4
     assert stats.kl == pytest.approx(kl, abs=1e-6)
     assert loss.item() == pytest.approx(0.4282653 + 0.1 * kl, abs=1e-6)
@@ -129,7 +129,7 @@ def test_backend_step_does_not_depend_on_micro_batching(tiny_model_dir):
     whole = TorchPeftBackend(tiny_model_dir, lora_rank=4, micro_batch_tokens=10_000, seed=3)
     split = TorchPeftBackend(tiny_model_dir, lora_rank=4, micro_batch_tokens=7, seed=3)
     assert len(micro_batches(_batch().input_ids, split.micro_batch_tokens)) == 4
-    a, b = whole.train_step(_batch()), split.train_step(_batch())
+    a, b = whole.train_step(_batch(), LossConfig()), split.train_step(_batch(), LossConfig())
     assert a.tokens == b.tokens == 8
     assert a.loss == pytest.approx(b.loss, abs=1e-6)
     assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
@@ -144,6 +144,6 @@ def test_backend_steps_raise_the_likelihood_of_advantaged_tokens(tiny_model_dir)
     batch = TrainBatch(input_ids=[[1, 5, 7, 9, 11]], loss_mask=[[0, 0, 1, 1, 1]],
                        serving_logprobs=[[0, 0, -4.0, -4.0, -4.0]], advantages=[1.0])
     for _ in range(5):
-        backend.train_step(batch)
+        backend.train_step(batch, LossConfig())
     after = backend.token_logprobs(ids, torch.ones_like(ids))[0, 2:].sum().item()
     assert after > before + 0.1

@@ -16,8 +16,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from training import recompute as recompute_module
-from training.backends import TrainBatch
 from training.backends.torch_peft import TorchPeftBackend
+from training.grpo import LossConfig, TrainBatch
 
 
 def _save_tiny_qwen3(path: Path, vocab_size: int = 64, seed: int = 0) -> Path:
@@ -55,7 +55,7 @@ def _batch() -> TrainBatch:
 
 
 def _backend(model_dir: Path, recompute: str) -> TorchPeftBackend:
-    backend = TorchPeftBackend(model_dir, lora_rank=4, seed=3, kl_coef=0.1, micro_batch_tokens=16,
+    backend = TorchPeftBackend(model_dir, lora_rank=4, seed=3, micro_batch_tokens=16,
                                max_grad_norm=1e9, learning_rate=1e-2, recompute=recompute)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def _backend(model_dir: Path, recompute: str) -> TorchPeftBackend:
 
 
 def _step(backend: TorchPeftBackend):
-    result = backend.train_step(_batch())
+    result = backend.train_step(_batch(), LossConfig(kl_coef=0.1))
     grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad}
     return result, grads, backend.adapter_state_dict()
 
@@ -130,9 +130,8 @@ def test_attention_output_recomputation_never_reruns_attention_or_the_down_produ
 
     batch = TrainBatch(input_ids=[[1, 5, 7, 9, 11]], loss_mask=[[0, 0, 1, 1, 1]],
                        serving_logprobs=[[0, 0, -4.0, -4.0, -4.0]], advantages=[1.0])
-    backend.kl_coef = 0.0
     with CountDownProducts():
-        backend.train_step(batch)
+        backend.train_step(batch, LossConfig(kl_coef=0.0))
     assert counts == {"attention forward": 2, "attention backward": 2, "down product": 2}
 
 

@@ -1,8 +1,10 @@
 """Trainer backends: what steps the policy, as a small protocol.
 
 The loop (``training.loop``) owns everything around a step: which rollouts form the batch, their
-advantages, checkpoints and publication. A backend owns the model and optimizer: it turns one
-:class:`TrainBatch` into one optimizer step and can save, load and export its adapter.
+advantages, checkpoints and publication. A backend owns the model and optimizer (and its own
+engineering knobs: micro-batch size, recompute, device): it turns one :class:`training.grpo.TrainBatch`
+and the run's :class:`training.grpo.LossConfig` into one optimizer step and can save, load and export
+its adapter. The loss settings are not the backend's: each step is given them.
 
 Two implementations: ``training.backends.torch_peft`` (the default: a Hugging Face causal LM with a
 peft LoRA adapter, on the CPU or one GPU per process) and a Megatron-core backend for large models
@@ -20,19 +22,27 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from training.backends.batch import StepResult, TrainBatch, micro_batches, pad_rows
+from training.backends import parallel
+from training.backends.batch import StepResult, micro_batches, pad_rows
+from training.backends.parallel import DataParallel
 from training.config import BACKENDS
+from training.grpo import LossConfig, TrainBatch
 
-__all__ = ["StepResult", "TrainBatch", "TrainerBackend", "backend_class", "backend_default_device", "build_replica",
-           "load_backend", "micro_batches", "pad_rows"]
+__all__ = ["DEFAULT_MAX_GRAD_NORM", "StepResult", "TrainerBackend", "backend_class", "backend_default_device",
+           "build_replica", "load_backend", "micro_batches", "pad_rows"]
+
+# The gradient-norm clip of every backend's optimizer step (an optimizer setting, like the learning
+# rate; not a trainer config key): the one default each backend's ``max_grad_norm`` takes.
+DEFAULT_MAX_GRAD_NORM = 1.0
 
 
 @runtime_checkable
 class TrainerBackend(Protocol):
     """What the RL loop needs from a trainer."""
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
-        """Compute the GRPO loss of ``batch`` under the current policy and take one optimizer step."""
+    def train_step(self, batch: TrainBatch, loss: LossConfig) -> StepResult:
+        """Compute the GRPO loss of ``batch`` under the current policy with the settings ``loss`` and
+        take one optimizer step."""
         ...
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
@@ -59,8 +69,6 @@ def load_backend(name: str, **kwargs: Any) -> TrainerBackend:
     other rank builds its own replica with the same arguments, and the backend returned here makes
     each call on all of them (:class:`training.backends.parallel.LeadBackend`)."""
     backend_class(name)  # a wrong name fails here, before any other rank is asked to build it
-    from training.backends import parallel
-
     lead = parallel.leading()
     if lead is None:
         return backend_class(name)(**kwargs)
@@ -71,8 +79,6 @@ def build_replica(name: str, kwargs: dict[str, Any]) -> TrainerBackend:
     """This process's replica of the backend called ``name`` in a trainer of several processes: a
     backend that takes ``data_parallel`` (torch/peft) gets every process of the world as a replica;
     one that derives its replicas itself (Megatron, from its tensor-parallel size) is built as asked."""
-    from training.backends.parallel import DataParallel
-
     cls = backend_class(name)
     if "data_parallel" in inspect.signature(cls).parameters:
         kwargs = {**kwargs, "data_parallel": DataParallel.of_world()}

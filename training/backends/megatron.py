@@ -2,7 +2,7 @@
 data parallel over groups of tensor-parallel ranks.
 
 Run one process per GPU (``torchrun --nproc-per-node N``); every rank builds the backend with the
-same arguments and feeds it the same :class:`~training.backends.TrainBatch` (the whole step's). The
+same arguments and feeds it the same :class:`~training.grpo.TrainBatch` (the whole step's). The
 N ranks form ``N / tensor_parallel_size`` data-parallel replicas (Megatron's ``parallel_state``:
 tensor-parallel ranks adjacent, data-parallel groups across them; ``tensor_parallel_size`` defaults
 to N, one replica). Each replica trains on its shard of the batch
@@ -45,24 +45,29 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from training.backends import StepResult, TrainBatch
+from training.attention import FlashAttention, attention_kernels
+from training.backends import DEFAULT_MAX_GRAD_NORM, StepResult
 from training.backends.megatron_weights import QwenConfig, load_base_weights
 from training.backends.parallel import DataParallel, broadcast_from_first
 from training.backends.step import grpo_train_step
 from training.checkpoint import adapter_dir
+from training.grpo import LossConfig, TrainBatch
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _megatron():
+    # imported on first use: megatron-core is a GPU extra, and this module is read without it
     try:
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.models.gpt import GPTModel
@@ -162,8 +167,6 @@ class _FlashCoreAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from training.attention import FlashAttention, attention_kernels
-
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("flash core attention: packed sequences and attention bias are not supported")
         # [s, b, heads, d] -> [b, heads, s, d] (views)
@@ -186,8 +189,6 @@ class _FlashCoreAttention(nn.Module):
 def _keep_rope_on_cpu(model: nn.Module) -> None:
     """Megatron's rotary embedding moves its frequencies to CUDA on first use; on the CPU (tests,
     with gloo) keep them where they are. The rest of the table is computed as Megatron does."""
-    import types
-
     rope = model.rotary_pos_emb
 
     def get_emb(self, max_seq_len: int, offset: int = 0):
@@ -227,9 +228,7 @@ class MegatronBackend:
         target_modules: Sequence[str] = TARGET_MODULES,
         learning_rate: float = 2e-3,
         weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
-        tis_cap: float = 2.0,
-        kl_coef: float = 0.0,
+        max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
         micro_batch_tokens: int = 8192,
         seed: int = 0,
         device: str = "cuda",
@@ -295,7 +294,6 @@ class MegatronBackend:
         self.lora_modules = self._add_lora(lora_rank, lora_alpha)
         broadcast_from_first(self.lora_parameters(), self.data_parallel)
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
-        self.tis_cap, self.kl_coef = tis_cap, kl_coef
         self.max_grad_norm, self.micro_batch_tokens = max_grad_norm, micro_batch_tokens
         self.optimizer = torch.optim.AdamW(self.lora_parameters(), lr=learning_rate, weight_decay=weight_decay)
 
@@ -377,15 +375,15 @@ class MegatronBackend:
             dist.all_reduce(sharded, group=self.tp_group)
         return (sharded + replicated).sqrt()
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
+    def train_step(self, batch: TrainBatch, loss: LossConfig) -> StepResult:
         """One GRPO step: the same (whole) batch on every rank, each replica on its shard; the same
         loss and statistics on every rank."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         return grpo_train_step(
-            batch, micro_batch_tokens=self.micro_batch_tokens, device=self.device,
+            batch, loss, micro_batch_tokens=self.micro_batch_tokens, device=self.device,
             policy_logprobs=lambda ids, _attention_mask: self.token_logprobs(ids),
-            reference_logprobs=self._reference_logprobs, tis_cap=self.tis_cap, kl_coef=self.kl_coef,
+            reference_logprobs=self._reference_logprobs,
             optimizer_step=self._optimizer_step, data_parallel=self.data_parallel, trained=self.lora_parameters(),
         )
 
@@ -432,8 +430,6 @@ class MegatronBackend:
 
     def load_adapter(self, directory: Path) -> None:
         """Load a peft LoRA folder (from this backend or the torch/peft one) into the local shards."""
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         weights, config = directory / "adapter_model.safetensors", directory / "adapter_config.json"
         if not weights.is_file() or not config.is_file():
@@ -465,8 +461,6 @@ class MegatronBackend:
 
     def save_adapter(self, directory: Path) -> None:
         """Write the peft folder (rank 0 writes; every rank must call, for the gather)."""
-        from safetensors.torch import save_file
-
         state = self.adapter_state_dict()
         if dist.get_rank() != 0:
             return

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 
@@ -61,8 +62,6 @@ class SafetensorsFolder:
     """Reads single tensors or row/column slices of them from a (possibly sharded) safetensors folder."""
 
     def __init__(self, model_path: Path):
-        from safetensors import safe_open
-
         model_path = Path(model_path)
         index = model_path / "model.safetensors.index.json"
         if index.is_file():

@@ -44,7 +44,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from training.backends.batch import StepResult, TrainBatch
+from training.backends.batch import StepResult
+from training.grpo import LossConfig, TrainBatch
 
 # The methods of the TrainerBackend protocol that rank 0 makes on every rank (training.backends).
 LED_METHODS = ("train_step", "adapter_state_dict", "save_adapter", "save_state", "load_state")
@@ -230,8 +231,8 @@ class LeadBackend:
     def __init__(self, lead: Lead, local: Any) -> None:
         self.lead, self.local = lead, local
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
-        return self.lead.call("train_step", (batch,), lambda: self.local.train_step(batch))
+    def train_step(self, batch: TrainBatch, loss: LossConfig) -> StepResult:
+        return self.lead.call("train_step", (batch, loss), lambda: self.local.train_step(batch, loss))
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         return self.lead.call("adapter_state_dict", (), self.local.adapter_state_dict)

@@ -1,6 +1,7 @@
 """The GRPO step both trainer backends take: micro-batches, the loss, its gradients, one optimizer step.
 
-A backend supplies how to score token log-probabilities under its policy (and, for the KL term,
+The loss settings (:class:`training.grpo.LossConfig`) come with each step; a backend supplies how
+to score token log-probabilities under its policy (and, for the KL term,
 under the reference policy: the same model with its adapter off), what to do after each
 micro-batch's backward, and its optimizer step (clipping included); :func:`grpo_train_step` does
 the rest the same way for every backend. Each micro-batch's loss is weighted by its share of the
@@ -15,9 +16,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from training.backends import StepResult, TrainBatch, micro_batches, pad_rows
+from training.backends.batch import StepResult, micro_batches, pad_rows
 from training.backends.parallel import DataParallel, all_reduce_step, select_rows, shard_rows
-from training.grpo import grpo_loss
+from training.grpo import LossConfig, TrainBatch, grpo_loss
 
 # (input ids, attention mask), both (rows, longest row) and right-padded -> (rows, longest row)
 # log-probabilities, column t that of token t (column 0 is 0)
@@ -26,22 +27,21 @@ LogprobsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def grpo_train_step(
     batch: TrainBatch,
+    loss: LossConfig,
     *,
     micro_batch_tokens: int,
     device: torch.device | str,
     policy_logprobs: LogprobsFn,
     reference_logprobs: LogprobsFn,
-    tis_cap: float,
-    kl_coef: float,
     optimizer_step: Callable[[], torch.Tensor | float],
     after_backward: Callable[[], None] | None = None,
     data_parallel: DataParallel = DataParallel(),
     trained: Sequence[torch.Tensor] = (),
 ) -> StepResult:
-    """Accumulate the gradients of ``batch``'s GRPO loss over micro-batches of at most
+    """Accumulate the gradients of ``batch``'s GRPO loss under ``loss`` over micro-batches of at most
     ``micro_batch_tokens`` padded tokens, then call ``optimizer_step`` (which clips, steps and
     returns the gradient norm before clipping). ``reference_logprobs`` is called only when
-    ``kl_coef`` is set, and must not record gradients; ``after_backward`` runs after each
+    ``loss.kl_coef`` is set, and must not record gradients; ``after_backward`` runs after each
     micro-batch's backward. The caller clears the gradients before.
 
     With ``data_parallel`` of more than one rank, every rank passes the whole step's ``batch``, trains
@@ -59,10 +59,10 @@ def grpo_train_step(
         serving = pad_rows([batch.serving_logprobs[i] for i in idx], 0.0, torch.float32, device)
         adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=device)
         logprobs = policy_logprobs(ids, attn)
-        ref = reference_logprobs(ids, attn) if kl_coef else None
-        loss, stats = grpo_loss(logprobs, serving, mask, adv, tis_cap=tis_cap, ref_logprobs=ref, kl_coef=kl_coef)
+        ref = reference_logprobs(ids, attn) if loss.kl_coef else None
+        value, stats = grpo_loss(logprobs, serving, mask, adv, loss, ref_logprobs=ref)
         share = stats.tokens / total_tokens
-        (loss * share).backward()
+        (value * share).backward()
         if after_backward is not None:
             after_backward()
         sums["loss"] += stats.loss * share

@@ -32,14 +32,20 @@ time (float32 for the log-sum-exp), in forward and again in backward, never for 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
-from training.backends import StepResult, TrainBatch
+from training.backends import DEFAULT_MAX_GRAD_NORM, StepResult
 from training.backends.parallel import DataParallel, broadcast_from_first
 from training.backends.step import grpo_train_step
+from training.grpo import LossConfig, TrainBatch
 from training.checkpoint import adapter_dir
 from training.logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from training.recompute import RECOMPUTE_MODES, keep_attention_output_in_hf_layers, plain_lora
@@ -57,9 +63,7 @@ class TorchPeftBackend:
         target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
         learning_rate: float = 2e-3,
         weight_decay: float = 0.0,
-        max_grad_norm: float = 1.0,
-        tis_cap: float = 2.0,
-        kl_coef: float = 0.0,
+        max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
         micro_batch_tokens: int = 8192,
         seed: int = 0,
         device: str = "cpu",
@@ -68,8 +72,6 @@ class TorchPeftBackend:
         logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         data_parallel: DataParallel | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         model_path = Path(model_path)
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"base model {model_path}: no config.json (expected a Hugging Face model folder)")
@@ -82,35 +84,32 @@ class TorchPeftBackend:
         torch.manual_seed(seed)  # LoRA A matrices are initialized from the global generator
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model = self._wrap(base, lora_rank, lora_alpha, target_modules, recompute, device)
-        self._finish_init(recompute, device, tis_cap, kl_coef, max_grad_norm, micro_batch_tokens,
+        self._finish_init(recompute, device, max_grad_norm, micro_batch_tokens,
                           logits_chunk_tokens, learning_rate, weight_decay, data_parallel)
 
     @classmethod
     def from_model(cls, base: torch.nn.Module, **kwargs) -> "TorchPeftBackend":
         """A backend around an already built Hugging Face causal LM (a benchmark's random-weight
         model made from a config, say); the keyword arguments are those of the constructor but
-        ``model_path`` and ``dtype`` (the model's own is used)."""
+        ``model_path`` and ``dtype`` (the model's own is used), with the constructor's defaults."""
+        defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "dtype"}
+        unexpected = sorted(set(kwargs) - set(defaults))
+        if unexpected:
+            raise TypeError(f"TorchPeftBackend.from_model: unexpected arguments {unexpected}")
+        args = {**defaults, **kwargs}
         self = cls.__new__(cls)
-        recompute = kwargs.pop("recompute", "none")
+        recompute, device = args["recompute"], args["device"]
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
-        device = kwargs.pop("device", "cpu")
-        torch.manual_seed(kwargs.pop("seed", 0))
-        self.model = cls._wrap(base, kwargs.pop("lora_rank", 16), kwargs.pop("lora_alpha", 32),
-                               kwargs.pop("target_modules", DEFAULT_TARGET_MODULES), recompute, device)
-        self._finish_init(
-            recompute, device, kwargs.pop("tis_cap", 2.0), kwargs.pop("kl_coef", 0.0), kwargs.pop("max_grad_norm", 1.0),
-            kwargs.pop("micro_batch_tokens", 8192), kwargs.pop("logits_chunk_tokens", DEFAULT_CHUNK_TOKENS),
-            kwargs.pop("learning_rate", 2e-3), kwargs.pop("weight_decay", 0.0), kwargs.pop("data_parallel", None),
-        )
-        if kwargs:
-            raise TypeError(f"TorchPeftBackend.from_model: unexpected arguments {sorted(kwargs)}")
+        torch.manual_seed(args["seed"])
+        self.model = cls._wrap(base, args["lora_rank"], args["lora_alpha"], args["target_modules"], recompute, device)
+        self._finish_init(recompute, device, args["max_grad_norm"], args["micro_batch_tokens"],
+                          args["logits_chunk_tokens"], args["learning_rate"], args["weight_decay"], args["data_parallel"])
         return self
 
     @staticmethod
     def _wrap(base, lora_rank, lora_alpha, target_modules, recompute, device):
-        from peft import LoraConfig, get_peft_model
-
         lora = LoraConfig(
             r=lora_rank, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
             bias="none", task_type="CAUSAL_LM",
@@ -130,15 +129,13 @@ class TorchPeftBackend:
             keep_attention_output_in_hf_layers(model)
         return model
 
-    def _finish_init(self, recompute, device, tis_cap, kl_coef, max_grad_norm, micro_batch_tokens,
+    def _finish_init(self, recompute, device, max_grad_norm, micro_batch_tokens,
                      logits_chunk_tokens, learning_rate, weight_decay, data_parallel) -> None:
         # one replica unless given its data-parallel place (training.backends.build_replica in a trainer
         # of several processes): a backend built on one rank alone, e.g. as a reference, steps alone
         self.data_parallel = data_parallel or DataParallel()
         self.recompute = recompute
         self.device = device
-        self.tis_cap = tis_cap
-        self.kl_coef = kl_coef
         self.max_grad_norm = max_grad_norm
         self.micro_batch_tokens = micro_batch_tokens
         self.logits_chunk_tokens = logits_chunk_tokens
@@ -168,15 +165,14 @@ class TorchPeftBackend:
             lp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], self.logits_chunk_tokens)
         return torch.nn.functional.pad(lp, (1, 0))
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
+    def train_step(self, batch: TrainBatch, loss: LossConfig) -> StepResult:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
         return grpo_train_step(
-            batch, micro_batch_tokens=self.micro_batch_tokens, device=self.device,
+            batch, loss, micro_batch_tokens=self.micro_batch_tokens, device=self.device,
             policy_logprobs=self.token_logprobs, reference_logprobs=self._reference_logprobs,
-            tis_cap=self.tis_cap, kl_coef=self.kl_coef,
             after_backward=self._accumulate_master_grads, optimizer_step=self._optimizer_step,
             data_parallel=self.data_parallel, trained=self.masters,
         )
@@ -220,8 +216,6 @@ class TorchPeftBackend:
     # -- adapter and state --------------------------------------------------------------------
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        from peft import get_peft_model_state_dict
-
         return {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
 
     def save_adapter(self, directory: Path) -> None:
@@ -241,9 +235,6 @@ class TorchPeftBackend:
             torch.save([m.detach().cpu() for m in self.masters], directory / "master_weights.pt")
 
     def load_state(self, directory: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         weights = adapter_dir(directory) / "adapter_model.safetensors"
         if not weights.is_file():
@@ -273,8 +264,6 @@ def _fused_lora_forward(module: torch.nn.Module, original):
     epilogue (``addmm``): no separate scale and sum passes over the (tokens, out) output. Falls back
     to peft's forward where the module does more (see ``training.recompute.plain_lora``) or the
     adapter's dtype differs from the input's."""
-    import torch.nn.functional as F
-
     def forward(x, *args, **kwargs):
         parts = plain_lora(module) if not args and not kwargs else None
         if parts is None:
