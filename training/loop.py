@@ -39,13 +39,13 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from training.backends import StepResult, TrainBatch, TrainerBackend, load_backend
+from training.backends import StepResult, TrainerBackend, load_backend
 from training.checkpoint import (ADAPTER_DIR, CheckpointLoadError, adapter_dir, adapters_volume, check_checkpoint,
                                  checkpoint_path, complete_steps, lock_path, logs_dir, metrics_dir, rng_state,
                                  set_rng_state, store_path, write_checkpoint)
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.grpo import IntegrityGate, batch_from_groups, has_reward_variance
+from training.grpo import IntegrityGate, LossConfig, TrainBatch, batch_from_groups, has_reward_variance
 from training.metrics import MetricsWriter, bin_rows
 from training.publish import AdapterPublisher, version_name
 from training.rollout import Rollout
@@ -254,6 +254,7 @@ class RunState:
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.backend = self._new_backend()
         self.gate = IntegrityGate.from_config(cfg)  # what a flagged attempt counts for (training.grpo)
+        self.loss = LossConfig.from_config(cfg)  # every loss setting, for the batch and each step
         self.store = RolloutStore(store_path(self.run_dir))
         self._lock = threading.Lock()
         self._versions_in_flight: collections.Counter[str] = collections.Counter()
@@ -279,7 +280,7 @@ class RunState:
         random.seed(cfg.seed)
         return load_backend(
             cfg.backend, model_path=cfg.base_model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            learning_rate=cfg.learning_rate, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, seed=cfg.seed,
+            learning_rate=cfg.learning_rate, seed=cfg.seed,
             recompute=cfg.recompute, **cfg.backend_placement(),
         )
 
@@ -428,13 +429,12 @@ class RunState:
     def build_batch(self, groups: list[Group]) -> tuple[TrainBatch | None, int]:
         """The batch of the groups with reward variance once the integrity gate has decided what each
         flagged attempt counts for, and how many groups were dropped."""
-        return batch_from_groups(groups, scale_by_std=self.cfg.scale_advantages_by_std,
-                                 weighting=self.cfg.loss_weighting, gate=self.gate)
+        return batch_from_groups(groups, self.loss, gate=self.gate)
 
     def train(self, step: int, taken: TakenBatch) -> dict[str, Any]:
         started = time.perf_counter()
         batch, dropped = self.build_batch(taken.groups)
-        result = self.backend.train_step(batch) if batch is not None else None
+        result = self.backend.train_step(batch, self.loss) if batch is not None else None
         train_s = time.perf_counter() - started
         with self._lock:
             for g in taken.groups:
