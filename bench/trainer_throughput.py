@@ -49,9 +49,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.backends import TrainBatch  # noqa: E402
 from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
 from training.attention import chosen_attention_kernels  # noqa: E402
+from training.grpo import DEFAULT_LOSS, TrainBatch  # noqa: E402
 from training.recompute import RECOMPUTE_MODES  # noqa: E402
 from training.reference_decoder import DecoderShape, Qwen3Decoder  # noqa: E402
 
@@ -166,7 +166,7 @@ def check_backend_modes(device: str, dtype: torch.dtype) -> None:
                 if p.abs().sum() == 0:  # a fresh adapter's B is zero, which would hide A's gradient
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
         backend.refresh_masters()
-        step = backend.train_step(batch)
+        step = backend.train_step(batch, DEFAULT_LOSS)
         results[mode] = (step.loss, torch.cat([m.grad.flatten() for m in backend.masters]))
         del backend
     errs = {m: (abs(results[m][0] - results["none"][0]),
@@ -227,7 +227,7 @@ def scaling_worker(args) -> None:
             dist.barrier()
             sync(device)
             t0 = time.perf_counter()
-            backend.train_step(batch)
+            backend.train_step(batch, DEFAULT_LOSS)
             sync(device)
             took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=on)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
@@ -394,7 +394,7 @@ def main() -> None:
                         continue
 
                     def step():
-                        backend.train_step(batch)
+                        backend.train_step(batch, DEFAULT_LOSS)
                 else:
                     torch.manual_seed(0)
                     decoder = Qwen3Decoder(shape, dtype=dtype, device=device, kernels=choice.kernels)
