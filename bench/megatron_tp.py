@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.backends import TrainBatch  # noqa: E402
+from training.grpo import DEFAULT_LOSS, TrainBatch  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -131,7 +131,7 @@ def checks(device: str, tmp: Path, tensor_parallel_size: int | None = None) -> d
         results["adapter logprobs vs peft (rel)"] = rel(backend.token_logprobs(ids.to(backend.device)), hf_logprobs(peft_model, ids))
 
     batch = make_batch(128, [17, 30, 41, 9, 26], seed=7)
-    step = backend.train_step(batch)
+    step = backend.train_step(batch, DEFAULT_LOSS)
     mine_after = backend.adapter_state_dict()
     if dist.get_rank() == 0:
         torch_backend = TorchPeftBackend(model_dir, lora_rank=4, lora_alpha=8, learning_rate=1e-2,
@@ -140,7 +140,7 @@ def checks(device: str, tmp: Path, tensor_parallel_size: int | None = None) -> d
         from safetensors.torch import load_file
 
         set_peft_model_state_dict(torch_backend.model, load_file(str(adapter_dir / "adapter_model.safetensors")))
-        ref_step = torch_backend.train_step(batch)
+        ref_step = torch_backend.train_step(batch, DEFAULT_LOSS)
         ref_after = torch_backend.adapter_state_dict()
         results["GRPO loss vs torch/peft backend (abs)"] = abs(step.loss - ref_step.loss)
         results["grad norm vs torch/peft backend (rel)"] = abs(step.grad_norm - ref_step.grad_norm) / ref_step.grad_norm
@@ -160,7 +160,7 @@ def checks(device: str, tmp: Path, tensor_parallel_size: int | None = None) -> d
     else:
         with torch.no_grad():
             backend.token_logprobs(ids.to(backend.device))  # the vocabulary-parallel collectives need every rank
-    backend.train_step(make_batch(128, [12, 33], seed=8))
+    backend.train_step(make_batch(128, [12, 33], seed=8), DEFAULT_LOSS)
     backend.load_state(ckpt)
     restored = backend.adapter_state_dict()
     results["load_state restores adapter (max abs)"] = max(float((restored[k] - saved[k]).abs().max()) for k in saved)
@@ -248,7 +248,7 @@ def throughput(size: str, model_dir: Path, seq_len: int, sequences: int, steps: 
     for i in range(steps + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = backend.train_step(batch)
+        result = backend.train_step(batch, DEFAULT_LOSS)
         torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
