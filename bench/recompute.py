@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.grpo import grpo_loss  # noqa: E402
+from training.grpo import DEFAULT_LOSS, TrainBatch, grpo_loss  # noqa: E402
 from training.attention import chosen_attention_kernels  # noqa: E402
 from training.recompute import RECOMPUTE_MODES  # noqa: E402
 from training.reference_decoder import DecoderShape, LoRALinear, Qwen3Decoder  # noqa: E402
@@ -159,7 +159,6 @@ def check_backend(small: bool) -> None:
     """The torch/peft trainer backend's ``recompute`` modes give the same step on a small random HF Qwen3."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from training.backends import TrainBatch
     from training.backends.torch_peft import TorchPeftBackend
 
     config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, head_dim=128,
@@ -186,7 +185,7 @@ def check_backend(small: bool) -> None:
                     if "lora_B" in name:  # a fresh adapter's B is zero, which would hide A's gradient
                         p.copy_(torch.randn(p.shape, generator=b_gen) * 0.05)
             backend.refresh_masters()
-            step = backend.train_step(batch)
+            step = backend.train_step(batch, DEFAULT_LOSS)
             grads = torch.cat([m.grad.float().flatten() for m in backend.masters])  # float32 masters of a bf16 adapter
             results[mode] = (step.loss, grads)
             del backend
