@@ -4,7 +4,8 @@ against ``edit OLD => NEW``, same SFT budget, side by side in one run.
 Builds two direct-answer base models with ``training.base_model`` that differ only in
 ``answer_form`` (the demonstrations' form), samples ``--samples`` one-turn answers per held-out task
 from each at temperature 1, and runs each answer against an in-process copy of its task (the edited
-module and the task's own tests, as ``bench/rl_multiturn.py`` does). Printed per form: the share of
+module and the task's own tests, as ``bench/rl_multiturn.py`` does: a proxy study, which grades in
+this process instead of the product's sandboxed grader, see that file). Printed per form: the share of
 answers whose committed module passes the tests, and where the others went wrong: an answer that is
 not an action, one that names another file, a ``replace`` of a line other than the buggy one, an
 ``edit`` whose old text is not in the module exactly once, a fix on the right spot that is wrong.
@@ -23,14 +24,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from evals.actions import ActionParseError, parse_compact  # noqa: E402
+from evals.harness import replace_once  # noqa: E402
+from evals.tasks import demonstration_tasks  # noqa: E402
 from rl_multiturn import episodes, suite_tests  # noqa: E402  (the sibling sweep's in-process tasks)
+from training.base_model import ANSWER_FORMS, BaseModelSpec, build_base_model  # noqa: E402
 
 
 def failure(copy, answer: str) -> str:
     """Where a wrong answer went wrong (the first mistake that explains it)."""
-    from evals.actions import ActionParseError, parse_compact
-    from evals.harness import replace_once
-
     try:
         actions = parse_compact(answer)
     except ActionParseError:
@@ -54,12 +59,6 @@ def failure(copy, answer: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from evals.tasks import demonstration_tasks
-    from training.base_model import ANSWER_FORMS, BaseModelSpec, build_base_model
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", required=True, help="a built bundled suite folder")
     parser.add_argument("--samples", type=int, default=8, help="answers per held-out task (default %(default)s)")

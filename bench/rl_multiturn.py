@@ -1,6 +1,8 @@
 """Does RL teach the embedded base model to test and retry, and does that lift held-out pass@1?
 
-A multi-turn GPU proxy of ``posttrain demo``. The bundled suite's compact actions (``replace``,
+A proxy study, not a measure of the product: a multi-turn GPU proxy of ``posttrain demo``.
+:class:`TaskCopy` stands in for the harness's action executor (``evals.harness.execute``, each action in
+a sandbox) and ``rl_transfer.run_tests`` for the grader (``evals.grading``). The bundled suite's compact actions (``replace``,
 ``test``, ``reset``, ``commit``) run against an in-process copy of each task: the module text is
 edited in memory and the task's tests run in this process, formatted as the sandboxed harness
 formats them. So an episode of several turns costs no sandbox, and a sweep takes minutes on one GPU.
@@ -11,8 +13,8 @@ Base models come from ``training.base_model`` (one per entry of ``bases``: ``Bas
 e.g. ``verify_share``, ``retry_share``, ``seed``); each run (``base``, ``lr``, ``turns``, ``groups``,
 ``group_size``, ``steps``, ``fresh``: draw from that many freshly generated tasks instead of
 the training split) takes GRPO steps with the project's ``TorchPeftBackend`` and
-``group_advantages`` on the suite's RL tasks (``std``, ``per_sequence`` and ``positive_only`` as in
-``rl_transfer.grpo_step``). Printed per run, before and after the steps: held-out
+``training.grpo.batch_from_groups`` on the suite's RL tasks (``std``: ``LossConfig.scale_advantages_by_std``;
+``per_sequence``: ``LossConfig.weighting = "sequence"``; ``positive_only`` as in ``rl_transfer.grpo_step``). Printed per run, before and after the steps: held-out
 pass@1 over ``--samples`` episodes a task, the share of episodes that ran ``test``, and the pass rate
 of episodes that tested and of those that committed without testing.
 
@@ -26,11 +28,23 @@ import multiprocessing as mp
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from evals.actions import (ActionParseError, apply_edits, compact_observation, parse_compact,  # noqa: E402
+                           render_compact_prompt)
+from evals.bundled import TASKS_PER_LEVEL, generate, load_suite  # noqa: E402
+from evals.harness import replace_once  # noqa: E402
+from evals.tasks import demonstration_tasks, rl_tasks  # noqa: E402
 from rl_transfer import fresh_generated, grpo_step, plan_arguments, run_tests  # noqa: E402  (the sibling sweep's pieces)
+from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
+from training.base_model import BaseModelSpec, build_base_model  # noqa: E402
+from training.grpo import LossConfig  # noqa: E402
 
 
 class TaskCopy:
@@ -44,8 +58,6 @@ class TaskCopy:
     """
 
     def __init__(self, task, tests: str):
-        from evals.actions import render_compact_prompt
-
         self.task, self.module, self.tests = task, task.metadata["module_file"], tests
         self.base = self.text = task.metadata["source_text"]
         self.prompt = render_compact_prompt(task)
@@ -53,10 +65,6 @@ class TaskCopy:
 
     def step(self, answer: str) -> str | None:
         """Run a turn's actions; the observation, or ``None`` once the agent committed."""
-        from evals.actions import ActionParseError, compact_observation, parse_compact
-        from evals.actions import apply_edits
-        from evals.harness import replace_once
-
         try:
             actions, error = parse_compact(answer), None
         except ActionParseError as exc:
@@ -95,8 +103,6 @@ class TaskCopy:
 
 def suite_tests(suite: str) -> tuple[list, dict[str, str]]:
     """The suite's tasks and each one's test file, from the generator that built it."""
-    from evals.bundled import TASKS_PER_LEVEL, generate, load_suite
-
     tasks = list(load_suite(suite))
     generated = {g.id: g for g in generate(0, TASKS_PER_LEVEL)}
     tests = {}
@@ -111,8 +117,6 @@ def suite_tests(suite: str) -> tuple[list, dict[str, str]]:
 def fresh_tasks(count: int, suite_tasks) -> tuple[list, dict[str, str]]:
     """``count`` freshly generated tasks whose module is in no suite task (``rl_transfer.fresh_generated``),
     as in-process tasks with their tests: training tasks the base model never saw in SFT."""
-    from types import SimpleNamespace
-
     tasks, tests = [], {}
     for seed, gen, fails in fresh_generated(count, {t.metadata["source_text"] for t in suite_tasks}):
         task_id = f"fresh-{seed}-{gen.id}"
@@ -125,8 +129,6 @@ def fresh_tasks(count: int, suite_tasks) -> tuple[list, dict[str, str]]:
 
 def episodes(model, tokenizer, tasks, tests, n: int, turns: int, device: str, max_new_tokens: int = 48):
     """``n`` episodes of each task, all turns batched; rows of (task copy, token ids, loss mask)."""
-    import torch
-
     copies = [TaskCopy(t, tests[t.id]) for t in tasks for _ in range(n)]
     ids = [tokenizer(c.prompt).input_ids for c in copies]
     masks = [[0] * len(x) for x in ids]
@@ -165,11 +167,6 @@ def summary(rows) -> dict[str, float]:
 
 
 def build(job) -> str:
-    import torch
-
-    from evals.tasks import demonstration_tasks
-    from training.base_model import BaseModelSpec, build_base_model
-
     index, spec, args = job
     torch.set_num_threads(1)
     tasks, _ = suite_tests(args.suite)
@@ -178,18 +175,14 @@ def build(job) -> str:
 
 
 def train_run(job) -> dict:
-    import torch
-    from transformers import AutoTokenizer
-
-    from evals.tasks import rl_tasks
-    from training.backends.torch_peft import TorchPeftBackend
-
     index, run, args = job
     torch.set_num_threads(1)
     path = Path(args.out) / f"base-{run['base']}"
     tokenizer = AutoTokenizer.from_pretrained(path)
     backend = TorchPeftBackend(path, lora_rank=run.get("rank", 16), learning_rate=run.get("lr", 1e-3),
                                device=args.device, seed=0)
+    loss = LossConfig(scale_advantages_by_std=run.get("std", False),
+                      weighting="sequence" if run.get("per_sequence") else "token")
     tasks, tests = suite_tests(args.suite)
     train, held = rl_tasks(tasks), [t for t in tasks if t.split == "eval"]
     if run.get("fresh"):  # RL on generated tasks the base never saw, instead of its SFT tasks
@@ -201,8 +194,7 @@ def train_run(job) -> dict:
     for _ in range(run.get("steps", 44)):
         rows = episodes(backend.model, tokenizer, rng.sample(train, groups), tests, size, turns, args.device)
         log.append(summary(rows))
-        grpo_step(backend, [(x, m, c.reward) for c, x, m in rows], groups, size, args.device,
-                  scale_by_std=run.get("std", False), per_sequence=run.get("per_sequence", False),
+        grpo_step(backend, [(x, m, c.reward) for c, x, m in rows], groups, size, args.device, loss,
                   positive_only=run.get("positive_only", False))
     after = summary(episodes(backend.model, tokenizer, held, tests, args.samples, turns, args.device))
 

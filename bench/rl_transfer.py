@@ -1,5 +1,12 @@
 """Does RL on the training split move held-out accuracy? A fast proxy of ``posttrain demo``.
 
+A proxy study, not a measure of the product: :func:`run_tests` stands in for the product's grader
+(``evals.grading``, pytest or call checks in a fresh sandbox) and ``Sampler`` for the engine and the
+harness, so a sweep of learning runs takes minutes on one GPU. The model, the base-model build, the
+batching (``training.grpo.batch_from_groups``), the loss (``training.grpo.LossConfig``) and the step
+(``TorchPeftBackend.train_step``) are the product's own. Its figures say what the model learns, never
+how fast or how strictly the product grades.
+
 Builds embedded base models (``training.base_model`` settings, one per entry of ``bases``), then runs
 GRPO on each with the project's own ``TorchPeftBackend`` and ``group_advantages`` (one entry of
 ``runs`` each), all in parallel processes. What differs from the real loop, to make a sweep take
@@ -14,8 +21,9 @@ steps, with the training reward of the first and last 10 steps.
     python bench/rl_transfer.py --suite posttrain-data/datasets/bundled --plan plan.json --device cuda
 
 ``plan.json``: ``{"bases": [{BaseModelSpec fields}...], "runs": [{"base": 0, "lr": 0.002, ...}]}``;
-run keys: ``lr``, ``rank``, ``kl``, ``std`` (advantages scaled by the group's std), ``positive`` (negative
-advantages dropped: only the better-than-average episodes of a group are pushed up), ``groups``,
+run keys: ``lr``, ``rank``, ``kl`` (``LossConfig.kl_coef``), ``std`` (``LossConfig.scale_advantages_by_std``),
+``positive`` (negative advantages dropped: only the better-than-average episodes of a group are pushed
+up; a variant the trainer does not have), ``groups``,
 ``group_size``, ``steps``, ``vary`` (each sampled prompt is a fresh renamed variant of the task),
 ``uniform`` (draw from every training task, not only those the base solves sometimes), ``fresh``
 (draw from that many freshly generated tasks instead of the training split).
@@ -24,19 +32,33 @@ advantages dropped: only the better-than-average episodes of a group are pushed 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from evals.actions import Action, ActionParseError, content_edits, demonstration, numbered, parse_compact  # noqa: E402
+from evals.bundled import generate, load_suite  # noqa: E402
+from evals.tasks import demonstration_tasks, rl_tasks  # noqa: E402
+from training.backends import pad_rows  # noqa: E402
+from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
+from training.base_model import BaseModelSpec, build_base_model  # noqa: E402
+from training.demonstrations import augment  # noqa: E402
+from training.grpo import DEFAULT_LOSS, LossConfig, batch_from_groups  # noqa: E402
+from training.rollout import Rollout  # noqa: E402
+from training.store import Group  # noqa: E402
+
 
 def _answer_key(text: str):
-    from evals.actions import ActionParseError, parse_compact
-
     try:
         actions = parse_compact(text)
     except ActionParseError:
@@ -54,8 +76,6 @@ class Sampler:
         self.tok.padding_side = "left"
 
     def sample(self, demos: list[tuple[str, str]], n: int, greedy: bool = False) -> list[tuple[list[int], list[int], float]]:
-        import torch
-
         out_rows = []
         self.model.eval()
         eos = self.tok.eos_token_id
@@ -96,8 +116,6 @@ def run_tests(module: str, source: str, tests: str) -> list[str]:
     every episode of every step on a GPU machine whose point is the model's learning, not its isolation.
     Bundled tests are ``assert CALL == WANT`` lines, so evaluating them here is the same verdict for
     honest code (a proxy: nothing here defends against code that games it)."""
-    import re
-
     namespace: dict = {}
     try:
         exec(compile(source, f"/workspace/{module}", "exec"), namespace)
@@ -125,8 +143,6 @@ def fresh_generated(count: int, exclude: set[str]) -> list[tuple[int, object, li
     module text is in no task of ``exclude`` nor repeated, as ``(seed, GeneratedTask, failing asserts)``;
     the asserts come from :func:`run_tests`, so no sandbox validated them. Training tasks the base
     model never saw in SFT, for both sweeps' ``fresh`` runs."""
-    from evals.bundled import generate
-
     seen, out, seed = set(exclude), [], 1
     while len(out) < count:
         for gen in generate(seed, 60):
@@ -142,8 +158,6 @@ def fresh_generated(count: int, exclude: set[str]) -> list[tuple[int, object, li
 def _generated_demos(count: int, exclude: set[str]) -> list[tuple[str, str]]:
     """Compact demonstrations of :func:`fresh_generated` tasks, the failing asserts formatted as the
     suite's validation records them."""
-    from evals.actions import Action, content_edits, numbered
-
     out = []
     for _, gen, fails in fresh_generated(count, exclude):
         source = gen.files[f"{gen.module}.py"]
@@ -156,17 +170,11 @@ def _generated_demos(count: int, exclude: set[str]) -> list[tuple[str, str]]:
 
 
 def _all_tasks(path: str):
-    from evals.bundled import load_suite
-
     return list(load_suite(path))
 
 
 def _suite(path: str, rl: bool = False):
     """The suite's demonstration tasks (with ``rl``, its RL tasks instead) and its held-out demonstrations."""
-    from evals.actions import demonstration
-    from evals.bundled import load_suite
-    from evals.tasks import demonstration_tasks, rl_tasks
-
     tasks = list(load_suite(path))
     train = rl_tasks(tasks) if rl else demonstration_tasks(tasks)
     held = [demonstration(t) for t in tasks if t.split == "eval"]
@@ -174,18 +182,12 @@ def _suite(path: str, rl: bool = False):
 
 
 def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
-    import torch
-
-    from training.base_model import BaseModelSpec, build_base_model
-
     index, spec, args = job
     torch.set_num_threads(1)
     train, held = _suite(args.suite)
     # One-turn episodes: bases that answer and commit at once (no test-and-retry demonstrations)
     spec = {"verify_share": 0.0, "retry_share": 0.0, **spec}
     path = build_base_model(Path(args.out) / f"base-{index}", train, BaseModelSpec(**spec), device=args.device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(path).to(args.device)
     sampler = Sampler(model, AutoTokenizer.from_pretrained(path), args.device)
     return {"base": index, "spec": spec, "held_sampled": accuracy(sampler, held, args.samples),
@@ -193,22 +195,13 @@ def build(job: tuple[int, dict, argparse.Namespace]) -> dict:
 
 
 def grpo_step(backend, rows: list[tuple[list[int], list[int], float]], groups: int, size: int, device: str,
-              scale_by_std: bool = False, per_sequence: bool = False, positive_only: bool = False) -> int:
+              loss: LossConfig = DEFAULT_LOSS, positive_only: bool = False) -> int:
     """One GRPO step of the project's backend on ``groups`` x ``size`` rows of ``(token ids, loss mask,
     reward)``, in group order, batched as the trainer batches a step (``training.grpo.batch_from_groups``
-    on the store's ``Group``/``Rollout``); on-policy, so the sampling logprobs are the model's own.
-    Returns the number of zero-variance groups dropped. ``per_sequence`` weighs every sequence alike
-    (the loss a mean over sequences of each one's token mean, instead of a mean over all tokens);
-    ``positive_only`` drops the negative advantages: two variants the trainer does not have."""
-    import dataclasses
-
-    import torch
-
-    from training.backends import pad_rows
-    from training.grpo import batch_from_groups
-    from training.rollout import Rollout
-    from training.store import Group
-
+    on the store's ``Group``/``Rollout``, under ``loss``: its ``scale_advantages_by_std`` and
+    ``weighting``, ``sequence`` for every episode alike); on-policy, so the sampling logprobs are the
+    model's own. Returns the number of zero-variance groups dropped. ``positive_only`` drops the
+    negative advantages: the one variant here that the trainer does not have (a proxy study's knob)."""
     def group_rows(g: int) -> list[tuple[list[int], list[int], float]]:
         return rows[g * size:(g + 1) * size]
 
@@ -227,31 +220,21 @@ def grpo_step(backend, rows: list[tuple[list[int], list[int], float]], groups: i
         Group(f"g{g}", f"g{g}", 0, [
             Rollout(f"g{g}-{s}", f"g{g}", f"g{g}", 0, ids, mask, logprobs.get((g, s), [0.0] * len(ids)), reward)
             for s, (ids, mask, reward) in enumerate(group_rows(g))])
-        for g in range(groups)], scale_by_std=scale_by_std)
+        for g in range(groups)], loss)
     if batch is not None:
-        advantages = list(batch.advantages)
         if positive_only:
-            advantages = [max(a, 0.0) for a in advantages]
-        if per_sequence:  # the backend divides by all tokens; scale each row to its own token mean
-            total = sum(sum(m) for m in batch.loss_mask)
-            advantages = [a * total / (len(batch.loss_mask) * max(1, sum(m))) for a, m in zip(advantages, batch.loss_mask)]
-        backend.train_step(dataclasses.replace(batch, advantages=advantages))
+            batch = dataclasses.replace(batch, advantages=[max(a, 0.0) for a in batch.advantages])
+        backend.train_step(batch, loss)
     return dropped
 
 
 def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
-    import torch
-    from transformers import AutoTokenizer
-
-    from evals.actions import demonstration
-    from training.backends.torch_peft import TorchPeftBackend
-    from training.demonstrations import augment
-
     index, run, args = job
     torch.set_num_threads(1)
     path = Path(args.out) / f"base-{run['base']}"
     backend = TorchPeftBackend(path, lora_rank=run.get("rank", 16), learning_rate=run.get("lr", 2e-3),
-                               kl_coef=run.get("kl", 0.0), device=args.device, seed=0)
+                               device=args.device, seed=0)
+    loss = LossConfig(kl_coef=run.get("kl", 0.0), scale_advantages_by_std=run.get("std", False))
     sampler = Sampler(backend.model, AutoTokenizer.from_pretrained(path), args.device)
     train, held = _suite(args.suite, rl=True)
     before = accuracy(sampler, held, args.samples)
@@ -270,7 +253,7 @@ def train_run(job: tuple[int, dict, argparse.Namespace]) -> dict:
         rows = sampler.sample(demos, size)
         rewards_log.append(sum(r[2] for r in rows) / len(rows))
         dropped += grpo_step(backend, [(p + g, [0] * len(p) + [1] * len(g), ok) for p, g, ok in rows], groups, size,
-                             args.device, scale_by_std=run.get("std", False), positive_only=run.get("positive", False))
+                             args.device, loss, positive_only=run.get("positive", False))
     after = accuracy(sampler, held, args.samples)
     first, last = rewards_log[:10], rewards_log[-10:]
     return {"run": index, **run, "pool": len(pool), "zero_variance_groups": dropped,
