@@ -50,7 +50,7 @@ def layer_violations(graph: dict[str, set[str]], order: list[str]) -> list[str]:
         for target in sorted(targets):
             package = target.split(".")[0]
             if package != source and rank[package] <= rank[source]:
-                bad.append(f"{module} -> {target} ({source} is above {package} in docs/design.md)")
+                bad.append(f"{module} -> {target} ({package} is not below {source} in docs/design.md)")
     return bad
 
 
@@ -165,8 +165,8 @@ def test_the_checks_see_planted_violations(tmp_path):
     (tmp_path / "top" / "a.py").write_text("def f():\n    from low import b\n")
     (tmp_path / "low" / "b.py").write_text("from top.a import f\nimport dagster\nimport dagster_pipes\n")
     graph = import_graph(tmp_path, ("top", "low"))
-    assert layer_violations(graph, ["top", "low"]) == ["low.b -> top.a (low is above top in docs/design.md)"]
-    assert layer_violations(graph, ["low", "top"]) == ["top.a -> low.b (top is above low in docs/design.md)"]
+    assert layer_violations(graph, ["top", "low"]) == ["low.b -> top.a (top is not below low in docs/design.md)"]
+    assert layer_violations(graph, ["low", "top"]) == ["top.a -> low.b (low is not below top in docs/design.md)"]
     assert dagster_imports(tmp_path, ("low",)) == ["low/b.py:2: imports dagster"]
     (tmp_path / "bench").mkdir()
     bench = tmp_path / "bench" / "x.py"
