@@ -1,0 +1,283 @@
+"""Where the RL loop's CPU goes: N steps of the embedded default, through the real loop, beside a
+baseline commit's configuration run the same way in the same call, with the groups/s ratio.
+
+Each side is ``python -m training`` on the plan of its code's ``examples/embedded.toml`` (the model
+path and the task suite made absolute: ``HOME/models/base`` and ``HOME/datasets/bundled``, built by
+``posttrain demo`` or ``python -m training.base_model`` and ``posttrain tasks build``; ``steps`` set
+to ``--steps``): the real vLLM CPU engine, real bwrap sandboxes. The baseline side runs the
+baseline commit's code from a ``git worktree`` (same Python environment).
+
+While a run goes, every process of the trainer's tree is sampled from /proc (psutil) every
+``--interval-s`` (0.25 s) and its CPU time (user + system) is put in one bucket:
+
+- **model**: the engine replica and its processes (``serving.replica``, vLLM's engine core);
+- **episode commands**: what the sandbox daemon runs (the agent's tests and commands, the grading
+  tests): the daemon's reaped children, plus those alive at the sample;
+- **sandbox start/stop**: the sandbox's own processes (the cgroup shell, setpriv, bwrap, the pxd
+  daemon: a Python start per sandbox);
+- **trainer step**: the GRPO step's seconds (the loop's ``train_s`` per step, one thread: the
+  trainer runs torch on ``torch_threads`` = 1);
+- **else**: the rest of the trainer process (HTTP to the engine, capture, grading glue, rootfs and
+  cgroup set-up, publication, waiting loops) and any other process it starts.
+
+Only the steady part counts: from the end of step 1 (the engine is up, the pipeline full) to the end
+of step N, so ``groups/s`` is the groups the steps 2..N took over that time. The machine is shared:
+absolute figures move with the load; the shares and the ratio are the figures to read.
+
+    .venv/bin/python bench/loop_profile.py --home HOME [--steps 4] [--baseline fdf7a51]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+BUCKETS = ("model", "episode commands", "sandbox start/stop", "trainer step", "else")
+STEP_LINE = re.compile(r"^step\s+(\d+) .* groups (\d+) .* train ([0-9.]+)s")
+
+PLAN_SCRIPT = """
+import json, sys, tomllib
+from training.planner.resolve import resolve
+data = tomllib.loads(open(sys.argv[1]).read())
+data["model"]["path"] = sys.argv[2]
+plan = resolve(data, source=sys.argv[1]).to_json()
+print(json.dumps(plan))
+"""
+
+
+@dataclass
+class Sample:
+    """Cumulative CPU seconds per bucket at one moment (the step's from the loop, added later)."""
+
+    at: float
+    cpu_s: dict[str, float]
+
+
+@dataclass
+class Tracker:
+    """Classifies the trainer's process tree and keeps each process's CPU as last seen."""
+
+    root: int
+    kinds: dict[tuple[int, float], str] = field(default_factory=dict)
+    own_s: dict[tuple[int, float], float] = field(default_factory=dict)
+    reaped_s: dict[tuple[int, float], float] = field(default_factory=dict)  # a sandbox daemon's children
+    alive_commands_s: float = 0.0
+
+    def _kind(self, proc: psutil.Process, parent_kind: str | None) -> str:
+        if proc.pid == self.root:
+            return "trainer"
+        try:
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
+            cmd = ""
+        if parent_kind == "model" or "serving.replica" in cmd or "vllm" in cmd.lower():
+            return "model"
+        if parent_kind in ("sandbox", "command"):
+            if parent_kind == "sandbox" and ("--stdio" in cmd or "bwrap" in cmd):
+                return "sandbox"  # bwrap's own child and the pxd daemon
+            return "command"
+        if "bwrap" in cmd or "setpriv" in cmd or "cgroup.procs" in cmd or "--stdio" in cmd:
+            return "sandbox"
+        return "other"
+
+    def sample(self) -> None:
+        try:
+            top = psutil.Process(self.root)
+            procs = [top, *top.children(recursive=True)]
+        except psutil.Error:
+            return
+        by_pid = {}
+        for proc in procs:
+            try:
+                by_pid[proc.pid] = (proc, proc.create_time(), proc.ppid())
+            except psutil.Error:
+                continue
+        alive_commands = 0.0
+        for pid, (proc, created, ppid) in by_pid.items():
+            key = (pid, created)
+            if key not in self.kinds:
+                parent = by_pid.get(ppid)
+                parent_kind = self.kinds.get((ppid, parent[1])) if parent else None
+                self.kinds[key] = self._kind(proc, parent_kind)
+            kind = self.kinds[key]
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            own = t.user + t.system
+            if kind == "command":
+                alive_commands += own
+                continue
+            self.own_s[key] = own
+            if kind == "sandbox" and "--stdio" in self._cmd(proc):
+                self.reaped_s[key] = t.children_user + t.children_system
+        self.alive_commands_s = alive_commands
+
+    @staticmethod
+    def _cmd(proc: psutil.Process) -> str:
+        try:
+            return " ".join(proc.cmdline())
+        except psutil.Error:
+            return ""
+
+    def totals(self) -> dict[str, float]:
+        out = {"model": 0.0, "episode commands": 0.0, "sandbox start/stop": 0.0, "trainer": 0.0, "else": 0.0}
+        for key, seconds in self.own_s.items():
+            kind = self.kinds[key]
+            out[{"model": "model", "sandbox": "sandbox start/stop", "trainer": "trainer"}.get(kind, "else")] += seconds
+        out["episode commands"] = sum(self.reaped_s.values()) + self.alive_commands_s
+        return out
+
+
+def resolved_plan(code: Path, home: Path, steps: int, run_name: str, overrides: dict | None = None) -> dict:
+    """The plan of ``code``'s ``examples/embedded.toml``, resolved by that code's planner, on ``home``;
+    ``overrides``: trainer keys set on top (a trial's)."""
+    toml = code / "examples" / "embedded.toml"
+    out = subprocess.run([sys.executable, "-c", PLAN_SCRIPT, str(toml), str(home / "models" / "base")],
+                         cwd=code, env={**os.environ, "PYTHONPATH": str(code)}, capture_output=True, text=True,
+                         check=True)
+    plan = json.loads(out.stdout)
+    plan["trainer"].update({"base_model": str(home / "models" / "base"), "tasks": str(home / "datasets" / "bundled"),
+                            "steps": steps, "checkpoint_every": steps + 1, "run_name": run_name,
+                            **(overrides or {})})
+    return plan
+
+
+def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, label: str,
+            overrides: dict | None = None) -> dict:
+    """Run ``steps`` steps of ``code``'s embedded default and return its CPU split and groups/s."""
+    run_dir = work / label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    plan = resolved_plan(code, home, steps, f"profile-{label}", overrides)
+    (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+    engine_args = plan["inference"].get("local_engine_args") or []
+    settings = {**{k: plan["trainer"].get(k) for k in ("groups_per_step", "producer_workers", "episode_workers")
+                   if k in plan["trainer"]},
+                **{k: v for k, v in (overrides or {}).items()},
+                "engine": " ".join(map(str, engine_args))}
+    env = {**os.environ, "PYTHONPATH": str(code), "POSTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    log = open(run_dir / "trainer.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(run_dir / "plan.json"),
+                             "--run-dir", str(run_dir / "run")], cwd=code, env=env, stdout=subprocess.PIPE,
+                            stderr=log, text=True)
+    tracker = Tracker(proc.pid)
+    steps_done: list[tuple[int, int, float, float, Sample]] = []  # step, groups, train_s, at, sample
+    lock = threading.Lock()
+
+    def read_steps() -> None:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            m = STEP_LINE.match(line)
+            if m:
+                with lock:
+                    tracker.sample()
+                    at = time.monotonic()
+                    steps_done.append((int(m[1]), int(m[2]), float(m[3]), at, Sample(at, tracker.totals())))
+
+    reader = threading.Thread(target=read_steps, daemon=True)
+    reader.start()
+    started = time.monotonic()
+    me = psutil.Process()
+    profiler_cpu0 = sum(me.cpu_times()[:2])
+    while proc.poll() is None:
+        with lock:
+            tracker.sample()
+        time.sleep(interval_s)
+    reader.join(timeout=10)
+    log.close()
+    if proc.returncode != 0 or len(steps_done) < 2:
+        tail = (run_dir / "trainer.log").read_text()[-3000:]
+        raise SystemExit(f"{label}: the trainer exited with {proc.returncode} after {len(steps_done)} steps; "
+                         f"log {run_dir / 'trainer.log'}:\n{tail}")
+    first, last = steps_done[0], steps_done[-1]
+    window_s = last[3] - first[3]
+    groups = sum(s[1] for s in steps_done[1:])
+    train_s = sum(s[2] for s in steps_done[1:])
+    cpu = {k: last[4].cpu_s[k] - first[4].cpu_s[k] for k in last[4].cpu_s}
+    step_cpu = min(train_s, cpu["trainer"])
+    split = {"model": cpu["model"], "episode commands": cpu["episode commands"],
+             "sandbox start/stop": cpu["sandbox start/stop"], "trainer step": step_cpu,
+             "else": cpu["else"] + cpu["trainer"] - step_cpu}
+    return {"label": label, "code": str(code), "settings": settings, "steps": len(steps_done),
+            "window_s": window_s, "groups": groups, "groups_per_s": groups / window_s, "cpu_s": split,
+            "cores_busy": sum(split.values()) / window_s, "wall_s": time.monotonic() - started,
+            "profiler_cpu_s": sum(me.cpu_times()[:2]) - profiler_cpu0}
+
+
+def baseline_tree(commit: str) -> Path:
+    """A detached worktree of ``commit`` (made once, kept for the next call)."""
+    path = Path(tempfile.gettempdir()) / f"lp-base-{commit[:7]}"
+    if not (path / "training").is_dir():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit], check=True,
+                       capture_output=True)
+    return path
+
+
+def print_side(result: dict) -> None:
+    total = sum(result["cpu_s"].values())
+    print(f"{result['label']}: {result['groups']} groups in {result['window_s']:.1f} s = "
+          f"{result['groups_per_s']:.2f} groups/s; CPU {total:.1f} s ({result['cores_busy']:.2f} cores busy); "
+          f"settings {json.dumps(result['settings'])}")
+    for bucket in BUCKETS:
+        seconds = result["cpu_s"][bucket]
+        print(f"  {bucket:20s} {seconds:7.1f} s  {100 * seconds / max(total, 1e-9):5.1f}%  "
+              f"{seconds / result['groups']:.2f} s a group")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--home", type=Path, required=True, help="a posttrain home with models/base and datasets/bundled")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--baseline", default="fdf7a51", help="the commit whose configuration is the baseline")
+    parser.add_argument("--interval-s", type=float, default=0.25)
+    parser.add_argument("--only", choices=("baseline", "current"), help="run one side only")
+    parser.add_argument("--code", type=Path, default=REPO, help="the current side's code (default: this checkout)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "loop-profile")
+    parser.add_argument("--json", type=Path, help="write both sides' figures here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a trainer key for the current side (JSON value), for trials")
+    args = parser.parse_args(argv)
+    home = args.home.resolve()
+    for need in (home / "models" / "base" / "config.json", home / "datasets" / "bundled" / "suite.json"):
+        if not need.is_file():
+            raise SystemExit(f"{need} is missing: build the base model and the bundled suite in {home} first")
+    overrides = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}
+    results = []
+    if args.only != "current":
+        results.append(profile(baseline_tree(args.baseline), home, args.steps, args.interval_s, args.work,
+                               f"baseline {args.baseline}"))
+        print_side(results[-1])
+    if args.only != "baseline":
+        results.append(profile(args.code.resolve(), home, args.steps, args.interval_s, args.work, "current",
+                               overrides))
+        print_side(results[-1])
+    if len(results) == 2:
+        base, cur = results
+        print(f"groups/s: {cur['groups_per_s']:.2f} against {base['groups_per_s']:.2f}, "
+              f"ratio {cur['groups_per_s'] / base['groups_per_s']:.2f}x; CPU a group "
+              f"{sum(cur['cpu_s'].values()) / cur['groups']:.2f} s against "
+              f"{sum(base['cpu_s'].values()) / base['groups']:.2f} s")
+    print(f"profiler's own CPU: {sum(r['profiler_cpu_s'] for r in results):.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
