@@ -55,7 +55,7 @@ deadline = time.monotonic() + 600
 while len(taken) < total_groups and time.monotonic() < deadline:
     step += 1
     t0 = time.perf_counter()
-    got = store.take_groups(4, step=step, min_version=0).groups
+    got = store.take_groups(4, step=step, min_adapter_step=0).groups
     if got:
         lat.append(time.perf_counter() - t0)
     taken += [g.group_id for g in got]

@@ -47,7 +47,7 @@ def write_run(home: Path, groups: int, group_size: int, tokens: int) -> Path:
                               [-rng.random() if m else 0.0 for m in mask], reward,
                               {"stop_reason": "commit", "turns": rng.randint(1, 5), "committed": True,
                                "agent_s": 20.0, "grade_s": 3.0, "generation_s": 12.0, "grade_status": "graded"}))
-    take = store.take_groups(groups, step=1, min_version=0)
+    take = store.take_groups(groups, step=1, min_adapter_step=0)
     assert len(take.groups) == groups
     store.close()
     return run

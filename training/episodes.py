@@ -76,7 +76,7 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
             logprobs[start + j] = lp
     return Rollout(
         rollout_id=f"{group_id}-{traj.session_id.rsplit('/', 1)[-1]}", group_id=group_id, task_id=traj.task_id,
-        adapter_step=adapter.version, input_ids=ids, loss_mask=mask, serving_logprobs=logprobs, reward=reward,
+        adapter_step=adapter.step, input_ids=ids, loss_mask=mask, serving_logprobs=logprobs, reward=reward,
         info={"stop_reason": traj.stop_reason, "turns": len(calls), "committed": traj.committed,
               "agent_s": traj.agent_s, "grade_s": traj.grade_s,
               "generation_s": round(sum(c.latency_s for c in calls), 4),  # of agent_s, the model calls'
@@ -202,7 +202,7 @@ class HarnessRunner(PooledGroupRunner):
             try:
                 return rollout_from_capture(
                     fetch_session(self.engine_url, session_id), rollout_id=f"{group_id}-{index}", group_id=group_id,
-                    task_id=task.id, adapter_step=adapter.version, reward=reward,
+                    task_id=task.id, adapter_step=adapter.step, reward=reward,
                     info={"stop_reason": traj.stop_reason, "committed": traj.committed, "scaffold": self.cfg.scaffold,
                           "agent_s": traj.agent_s, "grade_s": traj.grade_s,
                           "grade_status": traj.grade.status if traj.grade else None, **graded})

@@ -54,9 +54,10 @@ from training.store import Group, RolloutStore
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """The policy a group is sampled with: ``version`` is the step (0: base model, ``name`` None)."""
+    """The policy a group is sampled with: the adapter of training step ``step`` (0: the base model,
+    ``name`` None), served under ``name`` (its adapter version, ``step_000012``) from ``path``."""
 
-    version: int
+    step: int
     name: str | None
     path: Path | None
 
@@ -142,7 +143,7 @@ class Producer:
     def produce(self, task_id: str, group_id: str, adapter: AdapterRef) -> bool:
         """Run and store one group; False when it lost an episode to the infrastructure and was dropped."""
         store = self.state.store
-        store.add_group(group_id, task_id, adapter.version, self.cfg.group_size)
+        store.add_group(group_id, task_id, adapter.step, self.cfg.group_size)
         seed = group_seed(self.cfg.seed, group_id)
         try:
             with self.state.sampling_with(adapter):
@@ -380,8 +381,8 @@ class RunState:
              *, timeout_s: float | None = None, producers_alive: Callable[[], int] | None = None) -> TakenBatch:
         """Whole groups for ``step``, waiting until enough are complete; stale ones are discarded.
 
-        The trainer at ``step`` updates adapter version ``step - 1``; a group sampled at version ``v``
-        has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
+        The trainer at ``step`` updates the adapter of step ``step - 1``; a group sampled with the
+        adapter of step ``v`` has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
         With ``max_groups_per_step`` set (dynamic sampling), groups without reward variance do not count
         towards ``groups_per_step``: the step takes more, up to ``max_groups_per_step`` in all (the
         curriculum still learns from every one; the loss drops them). In synchronous mode
@@ -395,7 +396,7 @@ class RunState:
         if produce is not None:
             produce(rounds, self.cfg.groups_per_step)
         timeout_s = self.cfg.take_timeout_s if timeout_s is None else timeout_s
-        min_version = max(0, step - 1 - self.cfg.max_policy_lag)
+        min_adapter_step = max(0, step - 1 - self.cfg.max_policy_lag)
         most = self.cfg.max_groups_per_step or self.cfg.groups_per_step
         groups: list[Group] = []
         discarded: list[Group] = []
@@ -405,7 +406,7 @@ class RunState:
             wanted = min(self.cfg.groups_per_step - useful, most - len(groups))
             if wanted <= 0:
                 return TakenBatch(groups, discarded, time.perf_counter() - started)
-            take = self.store.take_groups(wanted, step=step, min_version=min_version)
+            take = self.store.take_groups(wanted, step=step, min_adapter_step=min_adapter_step)
             groups += take.groups
             discarded += take.discarded_groups
             useful += sum(has_reward_variance(self.gate.rewards(g.rollouts)) for g in take.groups) \
@@ -421,7 +422,7 @@ class RunState:
                 alive = "unknown" if producers_alive is None else producers_alive()
                 raise TakeTimeout(
                     f"step {step}: waited {timeout_s:g} s for {self.cfg.groups_per_step} whole groups sampled at "
-                    f"adapter version >= {min_version}; {len(groups)} taken, {self.store.ready_groups()} more "
+                    f"adapter step >= {min_adapter_step}; {len(groups)} taken, {self.store.ready_groups()} more "
                     f"complete in the store {self.store.path}; producers alive: {alive} "
                     f"(trainer config key 'take_timeout_s')")
             time.sleep(0.02)

@@ -28,14 +28,14 @@ def length_bin(tokens: int) -> str:
     return f">={LENGTH_BINS[-2]}"
 
 
-def bin_rows(step: int, used: Iterable[Group], discarded: Iterable[Group], trainer_version: int) -> list[dict[str, Any]]:
+def bin_rows(step: int, used: Iterable[Group], discarded: Iterable[Group], trainer_step: int) -> list[dict[str, Any]]:
     """Rows of ``bins.parquet`` for one step."""
     acc: dict[tuple[str, str], dict[str, int]] = {}
     for status, groups in (("used", used), ("discarded", discarded)):
         for group in groups:
             for r in group.rollouts:
                 for kind, label in (("length", length_bin(r.generated_tokens)),
-                                    ("age", str(trainer_version - r.adapter_step))):
+                                    ("age", str(trainer_step - r.adapter_step))):
                     cell = acc.setdefault((kind, label), {"used_samples": 0, "used_tokens": 0,
                                                           "discarded_samples": 0, "discarded_tokens": 0})
                     cell[f"{status}_samples"] += 1

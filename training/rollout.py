@@ -4,8 +4,9 @@
 model turn and every tool observation in order). ``loss_mask`` is 1 exactly on the tokens the model
 generated; ``serving_logprobs`` holds the engine's log-probability of each of those tokens (0 where
 the mask is 0). ``adapter_step`` is the training step whose adapter sampled the rollout (0 is the
-base model): the trainer uses it to measure policy lag. (The harness's ``adapter_version`` is the
-adapter's name, ``step_000012``; the rollout store keeps this step in its ``adapter_version`` column.)
+base model): the trainer uses it to measure policy lag. The adapter's name, ``step_000012``, is its
+``adapter_version`` (the harness's, the eval rows'); the rollout store keeps the step in a column
+that existing stores call ``adapter_version`` (:mod:`training.store`).
 """
 
 from __future__ import annotations

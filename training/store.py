@@ -9,7 +9,10 @@ With ``synchronous=FULL`` a commit also survives power loss. A Parquet segment w
 buffered (losing the rollouts not yet flushed) or written per rollout (thousands of tiny files).
 
 Layout: ``rollouts`` (one row per rollout, tokens and logprobs as packed little-endian arrays) and
-``groups`` (one row per group: task, adapter version, expected size). A group is *complete* when all of
+``groups`` (one row per group: task, adapter step, expected size). The column ``adapter_version`` of
+both tables holds the adapter's *step*, an integer (:attr:`training.rollout.Rollout.adapter_step`), not
+the adapter's name that ``adapter_version`` means everywhere else: the name is what existing stores
+have, and resuming a run reads them. A group is *complete* when all of
 its rollouts are stored. Status moves ``ready -> consumed`` (used by step N) or ``ready -> discarded``
 (too stale when the trainer looked). :meth:`RolloutStore.rewind_to` undoes the status changes of steps
 after a checkpoint, so a resumed run sees exactly the rollouts that were unused at that checkpoint,
@@ -43,7 +46,7 @@ CREATE TABLE IF NOT EXISTS groups (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     group_id TEXT UNIQUE NOT NULL,
     task_id TEXT NOT NULL,
-    adapter_version INTEGER NOT NULL,
+    adapter_version INTEGER NOT NULL,  -- the adapter's step (see the module docstring)
     group_size INTEGER NOT NULL,
     created_s REAL NOT NULL
 );
@@ -221,7 +224,7 @@ class RolloutStore:
             "GROUP BY g.seq HAVING SUM(r.status='ready') = g.group_size ORDER BY g.seq"
         ).fetchall()
 
-    def _group(self, conn: sqlite3.Connection, group_id: str, task_id: str, version: int) -> Group:
+    def _group(self, conn: sqlite3.Connection, group_id: str, task_id: str, adapter_step: int) -> Group:
         rows = conn.execute(
             "SELECT rollout_id, adapter_version, input_ids, loss_mask, serving_logprobs, reward, info "
             "FROM rollouts WHERE group_id=? ORDER BY rollout_id", (group_id,),
@@ -234,7 +237,7 @@ class RolloutStore:
             )
             for r in rows
         ]
-        return Group(group_id=group_id, task_id=task_id, adapter_step=version, rollouts=rollouts)
+        return Group(group_id=group_id, task_id=task_id, adapter_step=adapter_step, rollouts=rollouts)
 
     def complete_group_ids(self) -> set[str]:
         """Ids of every group whose rollouts are all stored, whatever their status."""
@@ -249,18 +252,18 @@ class RolloutStore:
         with self._conn() as conn:
             return len(self._complete_group_rows(conn))
 
-    def take_groups(self, count: int, *, step: int, min_version: int) -> Take:
-        """Mark up to ``count`` complete groups sampled at ``adapter_version >= min_version`` consumed
-        by ``step`` and return them, oldest first; complete groups older than ``min_version`` are
+    def take_groups(self, count: int, *, step: int, min_adapter_step: int) -> Take:
+        """Mark up to ``count`` complete groups sampled at ``adapter_step >= min_adapter_step`` consumed
+        by ``step`` and return them, oldest first; complete groups older than ``min_adapter_step`` are
         marked discarded and returned separately (they are counted, never trained on)."""
         with self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             fresh, stale = [], []
-            for group_id, task_id, version in self._complete_group_rows(conn):
-                if version < min_version:
-                    stale.append(self._group(conn, group_id, task_id, version))
+            for group_id, task_id, adapter_step in self._complete_group_rows(conn):
+                if adapter_step < min_adapter_step:
+                    stale.append(self._group(conn, group_id, task_id, adapter_step))
                 elif len(fresh) < count:
-                    fresh.append(self._group(conn, group_id, task_id, version))
+                    fresh.append(self._group(conn, group_id, task_id, adapter_step))
             for status, groups in (("consumed", fresh), ("discarded", stale)):
                 conn.executemany(
                     "UPDATE rollouts SET status=?, status_step=? WHERE group_id=?",

@@ -8,7 +8,7 @@ starts it beside the Dagster UI). Pages, each one request with its charts inline
 - ``/runs/<run>/steps/<step>`` (or ``ready``): distributions, groups and rollouts; filters
   ``min_reward``, ``max_reward``, ``signal``, ``task``, ``status``
 - ``/runs/<run>/rollouts/<id>``: each turn (prompt, actions, observations), the tokens with their
-  mask and serving logprobs, reward, advantage, signals, stop reason, adapter version
+  mask and serving logprobs, reward, advantage, signals, stop reason, adapter step
 - ``/evals/<checkpoint>``: the per-task table against the base model; filters ``task``, ``level``,
   ``flip`` (gained, lost, flipped), ``flawed``; ``run`` picks an eval run
 - ``/evals/<checkpoint>/tasks/<task>`` and ``.../attempts/<n>``: attempts; one attempt's tests with

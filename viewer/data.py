@@ -170,7 +170,7 @@ class RolloutRow:
     rollout_id: str
     group_id: str
     task_id: str
-    adapter_version: int
+    adapter_step: int
     reward: float
     total_tokens: int
     generated_tokens: int
@@ -203,7 +203,7 @@ def signal_names(value: Any) -> list[str]:
 class GroupView:
     group_id: str
     task_id: str
-    adapter_version: int
+    adapter_step: int
     rollouts: list[RolloutRow] = field(default_factory=list)
 
     @property
@@ -242,7 +242,7 @@ def with_advantages(rows: Iterable[RolloutRow], scale_by_std: bool) -> list[Grou
     for group_id, members in groups.items():
         adv = plain_advantages([m.reward for m in members], scale_by_std=scale_by_std)
         members = [RolloutRow(**{**m.__dict__, "advantage": a}) for m, a in zip(members, adv)]
-        out.append(GroupView(group_id, members[0].task_id, members[0].adapter_version, members))
+        out.append(GroupView(group_id, members[0].task_id, members[0].adapter_step, members))
     return out
 
 
@@ -283,7 +283,7 @@ def filter_rollouts(groups: Sequence[GroupView], *, min_reward: float | None = N
                 and (not signal or signal in r.signals) and (not task or task in r.task_id)
                 and (not status or r.status == status)]
         if kept:
-            out.append(GroupView(g.group_id, g.task_id, g.adapter_version, kept))
+            out.append(GroupView(g.group_id, g.task_id, g.adapter_step, kept))
     return out
 
 

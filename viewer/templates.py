@@ -69,10 +69,10 @@ STEP = """{% extends "base" %}{% block body %}
 <button>filter</button></form>
 <h2>Distributions</h2><div class="charts">{% for chart in charts %}{{ chart|safe }}{% endfor %}</div>
 <h2>Groups and rollouts</h2>
-<table><tr><th>group</th><th>task</th><th>adapter version</th><th>rollout</th><th>status</th><th>reward</th><th>advantage</th><th>response tokens</th><th>turns</th><th>stop reason</th><th>signals</th></tr>
+<table><tr><th>group</th><th>task</th><th>adapter step</th><th>rollout</th><th>status</th><th>reward</th><th>advantage</th><th>response tokens</th><th>turns</th><th>stop reason</th><th>signals</th></tr>
 {% for g in groups %}{% for r in g.rollouts %}<tr>
 {% if loop.first %}<td rowspan="{{ g.rollouts|length }}">{{ g.group_id }}<br><span class="muted">spread {{ "%.3f"|format(g.spread) }}</span></td>
-<td rowspan="{{ g.rollouts|length }}">{{ g.task_id }}</td><td rowspan="{{ g.rollouts|length }}" class="num">{{ g.adapter_version }}</td>{% endif %}
+<td rowspan="{{ g.rollouts|length }}">{{ g.task_id }}</td><td rowspan="{{ g.rollouts|length }}" class="num">{{ g.adapter_step }}</td>{% endif %}
 <td><a href="{{ link(r.rollout_id) }}">{{ r.rollout_id }}</a></td><td>{{ r.status }}</td><td class="num">{{ "%.3f"|format(r.reward) }}</td>
 <td class="num">{{ "%+.3f"|format(r.advantage) }}</td><td class="num">{{ r.generated_tokens }}</td><td class="num">{{ r.turns }}</td>
 <td>{{ r.info.get("stop_reason", "") }}</td><td>{% for s in r.signals %}<span class="badge signal">{{ s }}</span>{% endfor %}</td></tr>{% endfor %}{% endfor %}
@@ -82,7 +82,7 @@ ROLLOUT = """{% extends "base" %}{% block body %}
 <h1><a href="{{ run_link }}">{{ run }}</a> · {% if step_link %}<a href="{{ step_link }}">step {{ r.status_step }}</a> · {% endif %}rollout {{ r.rollout_id }}</h1>
 <dl class="kv"><dt>task</dt><dd>{{ r.task_id }}</dd><dt>group</dt><dd>{{ r.group_id }} (rewards {{ group_rewards }})</dd>
 <dt>reward</dt><dd class="{{ 'pass' if r.reward >= 1 else 'fail' }}" id="reward">{{ "%.3f"|format(r.reward) }}</dd>
-<dt>advantage</dt><dd>{{ "%+.4f"|format(r.advantage) }}</dd><dt>adapter version</dt><dd>{{ r.adapter_version }}</dd>
+<dt>advantage</dt><dd>{{ "%+.4f"|format(r.advantage) }}</dd><dt>adapter step</dt><dd>{{ r.adapter_step }}</dd>
 <dt>status</dt><dd>{{ r.status }}{% if r.status_step is not none %} at step {{ r.status_step }}{% endif %}</dd>
 <dt>stop reason</dt><dd>{{ r.info.get("stop_reason", "–") }}</dd><dt>turns</dt><dd>{{ r.turns }}</dd>
 <dt>tokens</dt><dd>{{ tokens }} in all, {{ trained }} trained on (mask 1)</dd>

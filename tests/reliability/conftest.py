@@ -24,8 +24,8 @@ def serves_newest(serving, newest: str) -> bool:
     return any(version_sort_key(v) >= version_sort_key(newest) for v in serving)
 
 
-def rollout(group_id: str, index: int, tokens: int = 64, version: int = 0, reward: float = 1.0) -> Rollout:
-    return Rollout(f"{group_id}-{index}", group_id, "task", version, list(range(tokens)),
+def rollout(group_id: str, index: int, tokens: int = 64, adapter_step: int = 0, reward: float = 1.0) -> Rollout:
+    return Rollout(f"{group_id}-{index}", group_id, "task", adapter_step, list(range(tokens)),
                    [0] + [1] * (tokens - 1), [0.0] + [-0.5] * (tokens - 1), reward)
 
 

@@ -106,7 +106,7 @@ def test_main_file_truncated_is_refused_with_a_clear_error_and_salvaged(tmp_path
         RolloutStore(db)
     counts = salvage(db, tmp_path / "salvaged.sqlite")
     recovered = RolloutStore(tmp_path / "salvaged.sqlite")
-    taken = recovered.take_groups(1000, step=1, min_version=0).groups
+    taken = recovered.take_groups(1000, step=1, min_adapter_step=0).groups
     got = {r.rollout_id: r for g in taken for r in g.rollouts}
     assert counts["rollouts"] >= len(got) > 0
     for rid, r in got.items():
@@ -133,7 +133,7 @@ def test_concurrent_writers_and_a_reader_lose_and_duplicate_nothing(tmp_path: Pa
         step = 0
         while not done.is_set() or store.ready_groups():
             step += 1
-            taken.extend(g.group_id for g in store.take_groups(3, step=step, min_version=0).groups)
+            taken.extend(g.group_id for g in store.take_groups(3, step=step, min_adapter_step=0).groups)
 
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
     trainer = threading.Thread(target=reader)

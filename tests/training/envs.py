@@ -36,7 +36,7 @@ class EngineRunner:
             ids = list(out["output_ids"])
             lps = [float(e[0]) for e in out["meta_info"]["output_token_logprobs"]]
             reward = sum(1 for t in ids if t < self.vocab_size // 2) / len(ids)
-            yield Rollout(f"{group_id}-{i}", group_id, task_id, adapter.version, prompt + ids,
+            yield Rollout(f"{group_id}-{i}", group_id, task_id, adapter.step, prompt + ids,
                           [0] * len(prompt) + [1] * len(ids), [0.0] * len(prompt) + lps, reward)
 
 

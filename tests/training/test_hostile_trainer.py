@@ -182,7 +182,7 @@ def test_a_group_in_flight_keeps_its_adapter_version_from_being_unloaded(tmp_pat
         def run_group(self, task_id, adapter, group_id, size, seed):
             for i in range(size):
                 seen.append(state.publisher._in_use())
-                yield rollout(group_id, i, version=adapter.version)
+                yield rollout(group_id, i, adapter_step=adapter.step)
             if group_id == "g-lost":
                 raise EpisodeInfraError(task_id, group_id, 1, 1, "sandbox gone")
 

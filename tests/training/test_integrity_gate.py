@@ -129,7 +129,7 @@ def graded_groups(task, tokenizer, tmp_path_factory):
             store.add_group("g", task.id, 0, len(GROUP))
             for r in sorted(rollouts, key=lambda r: r.rollout_id):
                 store.put(r)
-            (group,) = store.take_groups(1, step=1, min_version=0).groups
+            (group,) = store.take_groups(1, step=1, min_adapter_step=0).groups
             made[name] = Group(group.group_id, group.task_id, group.adapter_step,
                                sorted(group.rollouts, key=lambda r: r.rollout_id))
         return made[name]

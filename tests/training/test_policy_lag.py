@@ -23,11 +23,11 @@ def test_lag_window_and_bins(tmp_path: Path):
     _group(store, "v1", 1, 40)
     _group(store, "v2", 2, 100)
     # step 4 updates version 3; with max_policy_lag 1 the oldest usable version is 2
-    take = store.take_groups(2, step=4, min_version=2)
+    take = store.take_groups(2, step=4, min_adapter_step=2)
     assert [g.group_id for g in take.groups] == ["v2"]
     assert sorted(g.group_id for g in take.discarded_groups) == ["v0", "v1"]
     assert take.discarded_samples == 4 and take.discarded_tokens == 2 * 10 + 2 * 40
-    rows = {(r["kind"], r["bin"]): r for r in bin_rows(4, take.groups, take.discarded_groups, trainer_version=3)}
+    rows = {(r["kind"], r["bin"]): r for r in bin_rows(4, take.groups, take.discarded_groups, trainer_step=3)}
     assert rows[("age", "1")]["used_samples"] == 2
     assert rows[("age", "3")]["discarded_tokens"] == 20 and rows[("age", "2")]["discarded_tokens"] == 80
     assert rows[(("length", length_bin(100)))]["used_tokens"] == 200

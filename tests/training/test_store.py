@@ -36,7 +36,7 @@ def test_round_trip_and_only_complete_groups_are_taken(tmp_path: Path):
     _fill(store, "g1", 0)
     store.add_group("g2", "task-g2", 0, 2)
     store.put(_rollout("g2", 0, 0, 1.0))  # one of two: not complete
-    take = store.take_groups(5, step=1, min_version=0)
+    take = store.take_groups(5, step=1, min_adapter_step=0)
     assert [g.group_id for g in take.groups] == ["g1"]
     assert take.groups[0].rollouts[1] == _rollout("g1", 1, 0, 1.0)
     assert store.counts() == {"ready": 1, "consumed": 2, "discarded": 0, "groups": 2}
@@ -46,7 +46,7 @@ def test_stale_groups_are_discarded_and_counted(tmp_path: Path):
     store = RolloutStore(tmp_path / "store.sqlite")
     _fill(store, "old", 0)
     _fill(store, "new", 2)
-    take = store.take_groups(5, step=3, min_version=1)
+    take = store.take_groups(5, step=3, min_adapter_step=1)
     assert [g.group_id for g in take.groups] == ["new"]
     assert [g.group_id for g in take.discarded_groups] == ["old"]
     assert take.discarded_samples == 2 and take.discarded_tokens == 4
@@ -56,10 +56,10 @@ def test_rewind_makes_later_steps_rollouts_ready_again(tmp_path: Path):
     store = RolloutStore(tmp_path / "store.sqlite")
     for name in ("a", "b", "c"):
         _fill(store, name, 0)
-    assert [g.group_id for g in store.take_groups(1, step=1, min_version=0).groups] == ["a"]
-    assert [g.group_id for g in store.take_groups(1, step=2, min_version=0).groups] == ["b"]
+    assert [g.group_id for g in store.take_groups(1, step=1, min_adapter_step=0).groups] == ["a"]
+    assert [g.group_id for g in store.take_groups(1, step=2, min_adapter_step=0).groups] == ["b"]
     assert store.rewind_to(1) == 2
-    assert [g.group_id for g in store.take_groups(5, step=2, min_version=0).groups] == ["b", "c"]
+    assert [g.group_id for g in store.take_groups(5, step=2, min_adapter_step=0).groups] == ["b", "c"]
 
 
 def test_snapshot_is_a_readable_copy(tmp_path: Path):

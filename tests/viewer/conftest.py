@@ -105,7 +105,7 @@ def viewer_home(tmp_path_factory):
             rollout = rollout_from_trajectory(traj, group_id, adapter, float(traj.reward or 0.0))
             store.put(rollout)
             rollouts[rollout.rollout_id] = rollout
-    take = store.take_groups(2, step=1, min_version=0)
+    take = store.take_groups(2, step=1, min_adapter_step=0)
     assert len(take.groups) == 2
     store.close()
     writer = MetricsWriter(metrics_dir(run_dir))
