@@ -17,8 +17,8 @@ Bugs come from fixed *kinds* (a wrong operator, an off-by-one range, a flipped c
 slice, a wrong constant...) instantiated with varied names and constants, so a tiny model trained on
 the train split can learn the kinds and be measured on held-out instances (``split="eval"``, a fixed
 quarter of the first ``per_level`` tasks of each level, and ``extra_eval_per_level`` more generated after
-the RL tasks: 45 a level, 135 in all, by default, so that a checkpoint's held-out pass@1 and its change
-from the base are measured to a few points rather than about ten).
+the RL tasks: 90 a level, 270 in all, by default, sized so that a held-out gain of +5 points of pass@1
+shows a paired 95% interval above zero: :func:`default_extra_eval_per_level`).
 
 The train split has two parts. The train tasks among the first ``per_level`` of a level are
 *demonstrations* (``metadata.demonstration = true``): the embedded base model is trained on their
@@ -34,6 +34,13 @@ scores reward 1); an invalid task fails the build with its id. The failing test 
 is stored with the task (``metadata.failing_output``) and shown to the agent in its instruction.
 The build writes under a temporary name and renames, and :func:`ensure_suite` reuses a complete
 build of the same generator version.
+
+RL can instead draw from the *RL task stream* (:func:`stream_task`, :func:`build_task`; served by
+:class:`training.curriculum.TaskStream`): tasks of the same levels and kinds, generated one at a time
+from a random generator of their own (:data:`STREAM_NAMESPACE`, the run's seed, the level and the
+index), none sharing a module with the suite or with each other, each written and validated as
+strictly as the suite's before it is served. The suite's held-out tasks are then the same whatever
+the RL run's size or seed.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Container, Sequence
 
 from sandboxes.home import default_suite_dir
 from evals.actions import apply_edits, content_edits, failing_summary
@@ -151,7 +158,7 @@ def _fill(line: str, name: str, k: int, w: str) -> str:
     return line.replace("{f}", name).replace("{k}", str(k)).replace("{w}", w)
 
 
-def _generate_one(level: int, index: int, rng: random.Random, taken: set[str] | None = None) -> GeneratedTask:
+def _generate_one(level: int, index: int, rng: random.Random, taken: Container[str] | None = None) -> GeneratedTask:
     """One task; drawn again while a buggy line's text (without indentation) is not unique in its
     module, so that every fix can be named by the code it changes (the compact ``edit`` action), or
     while its module's text is in ``taken`` (another task of the suite has it)."""
@@ -227,9 +234,23 @@ def default_rl_per_level(per_level: int) -> int:
 
 
 def default_extra_eval_per_level(per_level: int) -> int:
-    """Held-out tasks per level generated after the RL tasks: half of ``per_level`` (30 of 60, which
-    with the 15 held out among the first 60 makes 45 a level)."""
-    return per_level // 2
+    """Held-out tasks per level generated after the RL tasks: five quarters of ``per_level`` (75 of
+    60, which with the 15 held out among the first 60 makes 90 a level, 270 in all).
+
+    Why 270: ``eval_report``'s interval on the paired change is a two-level bootstrap (tasks, then
+    attempts within tasks; :func:`evals.metrics.paired_attempt_difference`). In the demo runs of 135
+    held-out tasks and 2 attempts it was +-6.5 to +-6.9 points wide, a variance of about 0.156 per task.
+    Of it, Q/a + Q(1-1/a)/a = 0.0975 is attempt noise: Q = 0.13 is the mean p(1-p) of a task's pass
+    rate p, base plus trained (each checkpoint's pass@2 minus its pass@1: 38.1% -> 45.2% gives 0.071,
+    0.059 after RL), counted once in the spread of the per-task differences and once more by the
+    resampling of attempts; the other 0.0585 is how differently RL changes each task. The interval is
+    then +-1.96 * sqrt((0.0585 + 0.0975) / n) at 2 attempts: +-4.7 points at n = 270 tasks, so an
+    observed +5 shows an interval above zero (135 tasks: +-6.7). Attempts buy less than tasks: 4
+    attempts on 270 tasks (twice the episodes) give +-4.0; one attempt on 270 gives +-5.2. The extra
+    tasks come after every earlier one in their level's random stream, so the 135 held-out tasks of
+    the earlier default are among the 270 (docs/benchmarks.md, "Held-out tasks and attempts: how
+    many for a +5 gain")."""
+    return per_level * 5 // 4
 
 
 def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None,
@@ -259,6 +280,47 @@ def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int 
             taken.add(gen.files[f"{gen.module}.py"])
             out.append(gen)
     return out
+
+
+STREAM_NAMESPACE = "posttrain-rl-stream"
+
+
+def stream_task(seed: int, level: int, index: int, taken: Container[str] = ()) -> GeneratedTask:
+    """The ``index``-th task of ``level`` on the RL task stream of ``seed`` (no file is written).
+
+    The stream is a generator of its own: each task comes from a random generator seeded by
+    (:data:`STREAM_NAMESPACE`, ``seed``, ``level``, ``index``) alone, never from a suite's per-level
+    streams, so no RL size or seed moves a held-out task of the suite. A task whose module text is in
+    ``taken`` (the suite's tasks and the stream's earlier ones) is drawn again from the same generator,
+    so the stream never repeats a task. Ids: ``stream-l<level>-<index>-<module>``, split ``train``."""
+    if level not in (1, 2, 3) or index < 0:
+        raise ValueError(f"stream task: level must be 1, 2 or 3 and index >= 0, got level={level}, index={index}")
+    rng = random.Random(f"{STREAM_NAMESPACE}-{seed}-{level}-{index}")
+    gen = _generate_one(level, index, rng, taken)
+    return replace(gen, id=f"stream-l{level}-{index:05d}-{gen.module}", split="train", demonstration=False)
+
+
+def build_task(gen: GeneratedTask, out: str | Path, sandbox_factory: SandboxFactory) -> Task:
+    """Write ``gen`` to ``out/<id>/{repo/, task.json}``, validate it as :func:`build_suite` does
+    (:func:`validate_task`: the base fails every target test and passes every existing one, the
+    reference solution scores reward 1) and return it. A task that fails validation raises
+    :class:`SuiteBuildError` and leaves nothing under ``out``; one already built there is read back."""
+    out = Path(out).resolve()
+    final = out / gen.id
+    if (final / "task.json").is_file():
+        return task_from_json(json.loads((final / "task.json").read_text()), final, str(final / "task.json"))
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{gen.id}.building-", dir=out))
+    try:
+        data = _task_json(gen, _write_repo(gen, tmp / "repo"))
+        data["metadata"]["failing_output"] = validate_task(task_from_json(data, tmp, str(tmp / "task.json")),
+                                                           sandbox_factory)
+        (tmp / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return task_from_json(data, final, str(final / "task.json"))
 
 
 def _git(repo: Path, *args: str) -> str:

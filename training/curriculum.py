@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -141,6 +143,8 @@ class Curriculum:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"curriculum state {path}: not valid JSON: {exc}") from exc
+        if isinstance(data, dict) and data.get("kind") == TaskStream.KIND:  # a run that drew from the task stream
+            return TaskStream.from_json(data, str(path))  # type: ignore[return-value]
         return cls.from_json(data, str(path))
 
 
@@ -233,3 +237,319 @@ def _to_state(state: Any) -> Any:
         return random.Random(0).getstate()
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
+
+
+# -- the RL task stream -----------------------------------------------------------------------------
+
+STREAM_DIR = "task_stream"  # under the run directory: tasks/, served.jsonl, state.json
+STREAM_LEDGER = "served.jsonl"
+STREAM_SUMMARY = "state.json"
+LEVELS = (1, 2, 3)
+
+
+class StreamTasks(Mapping[str, Any]):
+    """The stream's tasks by id, read from ``folder/<id>/task.json`` on first use: every stream of a
+    run (one resumed from a checkpoint too) writes a task there before serving it, so a group runner
+    holding this mapping finds whatever any of them serves."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, task_id: str) -> Any:
+        task = self._cache.get(task_id)
+        if task is None:
+            from evals.tasks import task_from_json
+
+            path = self.folder / task_id / "task.json"
+            if not path.is_file():
+                raise KeyError(task_id)
+            task = self._cache[task_id] = task_from_json(json.loads(path.read_text()), path.parent, str(path))
+        return task
+
+    def __iter__(self):
+        return iter(sorted(p.name for p in self.folder.glob("*") if (p / "task.json").is_file()))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class TaskStream:
+    """RL tasks generated, validated and served on the fly, each new to the run.
+
+    A task is :func:`evals.bundled.stream_task` of the run's ``seed`` (a generator of its own, so the
+    suite's held-out tasks never depend on RL), built and validated in a sandbox by
+    :func:`evals.bundled.build_task` before it is served; one that fails validation (the unfixed code
+    passes, or the reference solution fails) is never served. A background thread keeps
+    ``buffer_per_level`` validated tasks ready per open level, so the loop does not wait on validation.
+
+    Order, easy to hard: level 1 is open from the start, level 2 from ``open_hard_after_steps // 2``,
+    level 3 from ``open_hard_after_steps``; among the open levels a new task's level is drawn with
+    weight p(1-p)+floor on the level's running solve rate (started from the base model's,
+    ``level_rates``). Within a level, tasks come in stream order. A task whose group solved no
+    attempt comes back ``retry_after_steps`` later (at most ``max_retries`` times); a draw takes a
+    due retry with probability ``retry_share``. Nothing else is ever served twice.
+
+    State: the plain JSON of :meth:`to_json` (saved in every checkpoint as ``curriculum.json``,
+    loaded back by :meth:`Curriculum.load`) and, under ``root`` (``RUN_DIR/task_stream``), the built
+    tasks and ``served.jsonl``, one line per task as it is served. A stream restored from a checkpoint
+    skips every task that line says was served after it, so a restart serves nothing twice;
+    ``state.json`` is a summary for the assets (drawn, solved, retried, rejected, validation time).
+    """
+
+    KIND = "task_stream"
+
+    def __init__(self, root: str | Path, suite: str | Path, *, seed: int = 0,
+                 level_rates: Mapping[Any, float] | None = None, open_hard_after_steps: int = 10,
+                 retry_after_steps: int = 8, max_retries: int = 2, retry_share: float = 0.25,
+                 buffer_per_level: int = 4, floor: float = 0.05, ema: float = 0.5, sandbox_runtime: str = "bwrap",
+                 generate: Callable[..., Any] | None = None, sandbox_factory: Any = None) -> None:
+        for name, value, low in (("open_hard_after_steps", open_hard_after_steps, 0),
+                                 ("retry_after_steps", retry_after_steps, 1), ("max_retries", max_retries, 0),
+                                 ("buffer_per_level", buffer_per_level, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"task stream: key {name!r} must be an integer >= {low}, got {value!r}")
+        for name, value in (("retry_share", retry_share), ("floor", floor), ("ema", ema)):
+            if not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"task stream: key {name!r} must lie in 0..1, got {value!r}")
+        self.root = Path(root).resolve()
+        self.suite = Path(suite).resolve()
+        self.seed = int(seed)
+        self.open_hard_after_steps, self.retry_after_steps = open_hard_after_steps, retry_after_steps
+        self.max_retries, self.retry_share, self.buffer_per_level = max_retries, float(retry_share), buffer_per_level
+        self.floor, self.ema, self.sandbox_runtime = float(floor), float(ema), sandbox_runtime
+        rates = {int(k): float(v) for k, v in (level_rates or {}).items()}
+        for level, rate in rates.items():
+            if level not in LEVELS or not 0.0 <= rate <= 1.0:
+                raise ValueError(f"task stream: key 'level_rates' maps levels 1-3 to rates in 0..1, got {level}: {rate}")
+        self.level_estimates = {lv: rates.get(lv, 0.5) for lv in LEVELS}
+        # what was served: state, saved with every checkpoint
+        self.next_index = {lv: 0 for lv in LEVELS}  # the stream index after the last served, per level
+        self.served: list[str] = []
+        self.solved: set[str] = set()
+        self.retries: dict[str, int] = {}  # task -> times served again
+        self.retry_due: dict[str, int] = {}
+        self.rejected: list[str] = []  # failed validation, never served
+        self.skipped: list[str] = []  # served after the checkpoint this stream was restored from
+        self.validated = 0
+        self.validation_s = 0.0
+        self.step = 0
+        self.rng_state: Any = random.Random(f"task-stream-{self.seed}").getstate()
+        self.tasks = StreamTasks(self.root / "tasks")
+        self._generate = generate
+        self._factory = sandbox_factory
+        self._cond = threading.Condition()
+        self._buffers: dict[int, list[tuple[int, Any]]] = {lv: [] for lv in LEVELS}
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+
+    # -- serving ----------------------------------------------------------------------------------
+
+    def open_levels(self) -> list[int]:
+        opens = {1: 0, 2: self.open_hard_after_steps // 2, 3: self.open_hard_after_steps}
+        return [lv for lv in LEVELS if self.step >= opens[lv]]
+
+    def next_tasks(self, n: int) -> list[str]:
+        """``n`` task ids for the next groups: due retries (each with probability ``retry_share``)
+        and new tasks, each new one validated and written under ``root/tasks`` before it is returned."""
+        self.start()
+        rng = random.Random()
+        rng.setstate(_to_state(self.rng_state))
+        chosen: list[str] = []
+        for _ in range(n):
+            due = sorted((d, t) for t, d in self.retry_due.items() if d <= self.step and t not in chosen)
+            if due and rng.random() < self.retry_share:
+                task = due[0][1]
+                del self.retry_due[task]
+                self.retries[task] = self.retries.get(task, 0) + 1
+                chosen.append(task)
+                continue
+            levels = self.open_levels()
+            weights = [self.level_estimates[lv] * (1 - self.level_estimates[lv]) + self.floor for lv in levels]
+            chosen.append(self._serve(rng.choices(levels, weights=weights, k=1)[0]))
+        self.rng_state = rng.getstate()
+        return chosen
+
+    def _serve(self, level: int) -> str:
+        with self._cond:
+            while not self._buffers[level]:
+                if self._error is not None:
+                    raise RuntimeError(f"task stream: generating level {level} tasks failed: {self._error}") from self._error
+                self._cond.wait(0.5)
+            index, task = self._buffers[level].pop(0)
+            self._cond.notify_all()
+        self.next_index[level] = index + 1
+        self.served.append(task.id)
+        with open(self.root / STREAM_LEDGER, "a") as ledger:
+            ledger.write(json.dumps({"id": task.id, "level": level, "index": index, "step": self.step}) + "\n")
+        return task.id
+
+    def record(self, task_id: str, rewards: list[float]) -> None:
+        """Fold one finished group's rewards (1.0 = solved) into its level's solve rate and the retry
+        queue: a group with no solved attempt brings its task back later."""
+        level = level_of(task_id)
+        rate = sum(1.0 for r in rewards if r >= 1.0) / max(len(rewards), 1)
+        self.level_estimates[level] = (1 - self.ema) * self.level_estimates[level] + self.ema * rate
+        if rate > 0:
+            self.solved.add(task_id)
+            self.retry_due.pop(task_id, None)
+        elif task_id not in self.solved and self.retries.get(task_id, 0) < self.max_retries:
+            self.retry_due[task_id] = self.step + self.retry_after_steps
+        else:
+            self.retry_due.pop(task_id, None)
+
+    def advance(self, step: int) -> None:
+        self.step = step
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the generator thread (the first :meth:`next_tasks` does it too)."""
+        if self._thread is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        for line in (self.root / STREAM_LEDGER).read_text().splitlines() if (self.root / STREAM_LEDGER).is_file() else ():
+            entry = json.loads(line)  # served by this run before, maybe after the checkpoint restored
+            if entry["index"] >= self.next_index[entry["level"]]:
+                self.next_index[entry["level"]] = entry["index"] + 1
+                if entry["id"] not in self.served:
+                    self.skipped.append(entry["id"])
+        self._thread = threading.Thread(target=self._fill, name="task-stream", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _fill(self) -> None:
+        from evals.bundled import SuiteBuildError, build_task, stream_task
+        from evals.tasks import load_bundled
+
+        try:
+            generate = self._generate or stream_task
+            factory = self._factory
+            if factory is None:
+                from evals.sandbox import platform_sandbox_factory
+
+                factory = platform_sandbox_factory(self.sandbox_runtime)
+            suite_texts = {t.metadata.get("source_text") for t in load_bundled(self.suite).tasks}
+            taken = {lv: set(suite_texts) for lv in LEVELS}
+            frontier = dict(self.next_index)
+            rejected = set(self.rejected)
+            for lv in LEVELS:  # the tasks before the frontier, so later draws avoid their modules
+                for index in range(frontier[lv]):
+                    gen = generate(self.seed, lv, index, taken[lv])
+                    taken[lv].add(gen.files[f"{gen.module}.py"])
+            while not self._stopped.is_set():
+                with self._cond:
+                    # the open levels only: a level about to open waits for one validation, once
+                    short = [lv for lv in self.open_levels() if len(self._buffers[lv]) < self.buffer_per_level]
+                    if not short:
+                        self._cond.wait(0.5)
+                        continue
+                    level = min(short, key=lambda lv: (len(self._buffers[lv]), lv))
+                index = frontier[level]
+                frontier[level] += 1
+                try:
+                    gen = generate(self.seed, level, index, taken[level])
+                except SuiteBuildError:
+                    continue
+                taken[level].add(gen.files[f"{gen.module}.py"])
+                if gen.id in rejected:
+                    continue
+                started = time.perf_counter()
+                try:
+                    task = build_task(gen, self.root / "tasks", factory)
+                except SuiteBuildError:
+                    with self._cond:
+                        self.rejected.append(gen.id)
+                    continue
+                finally:
+                    took = time.perf_counter() - started
+                with self._cond:
+                    self.validated += 1
+                    self.validation_s += took
+                    self._buffers[level].append((index, task))
+                    self._cond.notify_all()
+        except BaseException as exc:  # surfaced by the next draw that waits on this thread
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """How many tasks were served (``drawn``), solved, served again (``retried``: draws, and
+        ``tasks_retried``), rejected by validation, and what validation cost a task."""
+        by_level = {str(lv): sum(level_of(t) == lv for t in self.served) for lv in LEVELS}
+        return {
+            "seed": self.seed, "step": self.step, "drawn": len(self.served), "drawn_by_level": by_level,
+            "solved": len(self.solved), "retried": sum(self.retries.values()), "tasks_retried": len(self.retries),
+            "retry_queue": len(self.retry_due), "rejected": len(self.rejected), "skipped_after_restart": len(self.skipped),
+            "validated": self.validated,
+            "validation_s_per_task": round(self.validation_s / self.validated, 3) if self.validated else None,
+            "level_solve_rates": {str(lv): round(r, 4) for lv, r in self.level_estimates.items()},
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.KIND, "root": str(self.root), "suite": str(self.suite), "seed": self.seed,
+            "open_hard_after_steps": self.open_hard_after_steps, "retry_after_steps": self.retry_after_steps,
+            "max_retries": self.max_retries, "retry_share": self.retry_share, "buffer_per_level": self.buffer_per_level,
+            "floor": self.floor, "ema": self.ema, "sandbox_runtime": self.sandbox_runtime,
+            "level_estimates": {str(k): v for k, v in self.level_estimates.items()},
+            "next_index": {str(k): v for k, v in self.next_index.items()}, "served": list(self.served),
+            "solved": sorted(self.solved), "retries": dict(self.retries), "retry_due": dict(self.retry_due),
+            "rejected": list(self.rejected), "skipped": list(self.skipped), "validated": self.validated,
+            "validation_s": round(self.validation_s, 4), "step": self.step, "rng_state": _from_state(self.rng_state),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "task stream state") -> "TaskStream":
+        try:
+            stream = cls(data["root"], data["suite"], seed=int(data["seed"]),
+                         level_rates=data["level_estimates"], open_hard_after_steps=int(data["open_hard_after_steps"]),
+                         retry_after_steps=int(data["retry_after_steps"]), max_retries=int(data["max_retries"]),
+                         retry_share=float(data["retry_share"]), buffer_per_level=int(data["buffer_per_level"]),
+                         floor=float(data["floor"]), ema=float(data["ema"]), sandbox_runtime=data["sandbox_runtime"])
+            stream.next_index = {int(k): int(v) for k, v in data["next_index"].items()}
+            stream.served = list(data["served"])
+            stream.solved = set(data["solved"])
+            stream.retries = {k: int(v) for k, v in data["retries"].items()}
+            stream.retry_due = {k: int(v) for k, v in data["retry_due"].items()}
+            stream.rejected, stream.skipped = list(data["rejected"]), list(data["skipped"])
+            stream.validated, stream.validation_s = int(data["validated"]), float(data["validation_s"])
+            stream.step, stream.rng_state = int(data["step"]), data["rng_state"]
+        except KeyError as exc:
+            raise ValueError(f"{source}: missing key {exc.args[0]!r}") from exc
+        return stream
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{STREAM_SUMMARY}.tmp"
+        tmp.write_text(json.dumps(self.summary(), indent=1, sort_keys=True) + "\n")
+        tmp.replace(self.root / STREAM_SUMMARY)
+
+
+def level_of(task_id: str) -> int:
+    """The level of a stream task from its id (``stream-l<level>-...``)."""
+    head = task_id.split("-")
+    if len(head) < 3 or head[0] != "stream" or head[1] not in ("l1", "l2", "l3"):
+        raise KeyError(f"task stream: {task_id!r} is not a stream task id")
+    return int(head[1][1:])
+
+
+def stream_summaries(runs_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """The task stream summary of every run under ``runs_dir`` that drew from one, by run name."""
+    out = {}
+    for path in sorted(Path(runs_dir).glob(f"*/{STREAM_DIR}/{STREAM_SUMMARY}")):
+        try:
+            out[path.parent.parent.name] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out

@@ -193,6 +193,8 @@ class CurriculumSection:
     attempts_per_task: int | None = field(default=None, metadata=_key(POSITIVE, doc="k base-model attempts per task"))
     retry_after_steps: int | None = field(default=None, metadata=_key(POSITIVE))
     open_hard_after_steps: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
+    task_stream: bool | None = field(default=None, metadata=_key(
+        doc="RL draws tasks generated and validated as the run goes, each new to it (bundled suite only)"))
 
 
 @dataclass(frozen=True)

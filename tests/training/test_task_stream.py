@@ -1,0 +1,178 @@
+"""The RL task stream: tasks generated and validated for real (in bubblewrap sandboxes) as they are
+served, each new to the run, unsolved ones retried, the suite's held-out tasks untouched, and a
+restart that serves nothing twice."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from evals import bundled
+from evals.actions import apply_edits
+from evals.tasks import load_bundled
+from training.curriculum import STREAM_LEDGER, Curriculum, TaskStream, level_of
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sandbox_dir(tmp_path_factory):
+    """Sandbox images and layer cache of these tests live in a temporary folder, not the user's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POSTTRAIN_SANDBOX_DIR", str(tmp_path_factory.mktemp("sandboxes")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("suite") / "bundled"
+    bundled.build_suite(out, per_level=2, extra_eval_per_level=1, workers=2)
+    return out
+
+
+def folder_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def stream(root: Path, suite: Path, **kwargs) -> TaskStream:
+    """Level 1 only (the others open at step 1000), so few tasks are validated."""
+    kwargs.setdefault("open_hard_after_steps", 1000)
+    kwargs.setdefault("buffer_per_level", 2)
+    return TaskStream(root, suite, sandbox_factory=bundled.default_sandbox_factory(), **kwargs)
+
+
+def test_generated_stream_is_distinct_and_apart_from_the_suite():
+    """Pure generation: no two stream tasks share a module's text, with each other or with any task
+    of the default suite, and the stream does not depend on how far it is read."""
+    suite_texts = {g.files[f"{g.module}.py"] for g in bundled.generate()}
+    for seed in (0, 1):
+        taken = {lv: set(suite_texts) for lv in (1, 2, 3)}
+        gens = []
+        for lv in (1, 2, 3):
+            for i in range(150):
+                gen = bundled.stream_task(seed, lv, i, taken[lv])
+                taken[lv].add(gen.files[f"{gen.module}.py"])
+                gens.append(gen)
+        texts = [g.files[f"{g.module}.py"] for g in gens]
+        assert len(set(texts)) == len(texts) == 450 and not set(texts) & suite_texts
+        assert len({g.id for g in gens}) == 450 and all(g.split == "train" and not g.demonstration for g in gens)
+        assert all(level_of(g.id) == g.difficulty for g in gens)
+    assert bundled.stream_task(0, 2, 7).files != bundled.stream_task(1, 2, 7).files  # seeds differ
+    assert bundled.stream_task(0, 2, 7).files == bundled.stream_task(0, 2, 7).files
+
+
+def test_held_out_tasks_do_not_depend_on_the_rl_stream(suite, tmp_path):
+    """Two runs of different seeds and sizes draw different tasks; the suite's held-out tasks (ids and
+    every file) are the same before and after both, and the same as the generator gives alone."""
+    before = folder_digest(suite)
+    held_out = {t.id: t.metadata["source_text"] for t in load_bundled(suite).tasks if t.split == "eval"}
+    drawn = {}
+    for seed, n in ((0, 2), (1, 4)):
+        s = stream(tmp_path / f"run{seed}", suite, seed=seed)
+        drawn[seed] = s.next_tasks(n)
+        s.close()
+        assert len(set(drawn[seed])) == n and all(t.startswith("stream-l1-") for t in drawn[seed])
+        assert not {s.tasks[t].metadata["source_text"] for t in drawn[seed]} & set(held_out.values())
+    texts = {seed: [(tmp_path / f"run{seed}" / "tasks" / t / "task.json").read_text() for t in ids]
+             for seed, ids in drawn.items()}
+    assert texts[0] != texts[1][:2]  # another seed, other tasks
+    assert folder_digest(suite) == before
+    again = {g.id: g.files[f"{g.module}.py"] for g in bundled.generate(per_level=2, extra_eval_per_level=1)
+             if g.split == "eval"}
+    assert again == held_out
+
+
+def broken(kind: str):
+    """A stream generator whose tasks 1 and 2 are invalid: ``unfixed-passes`` ships task 1 already
+    fixed, ``oracle-fails`` gives task 2 a reference solution that changes the wrong thing."""
+
+    def generate(seed, level, index, taken=()):
+        gen = bundled.stream_task(seed, level, index, taken)
+        module = f"{gen.module}.py"
+        if kind == "unfixed-passes" and index == 1:
+            fixed = apply_edits(gen.files[module], [(n, t) for _, n, t in gen.reference_edits])
+            return replace(gen, files={**gen.files, module: fixed})
+        if kind == "oracle-fails" and index == 2:
+            return replace(gen, reference_edits=tuple((f, n, "    return None") for f, n, _ in gen.reference_edits))
+        return gen
+
+    return generate
+
+
+@pytest.mark.parametrize("kind, bad", [("unfixed-passes", 1), ("oracle-fails", 2)])
+def test_a_task_that_fails_validation_is_never_served(suite, tmp_path, kind, bad):
+    s = TaskStream(tmp_path / "run", suite, open_hard_after_steps=1000, buffer_per_level=1,
+                   generate=broken(kind), sandbox_factory=bundled.default_sandbox_factory())
+    served = s.next_tasks(3)
+    s.close()
+    assert [int(t.split("-")[2]) for t in served] == [i for i in range(4) if i != bad]
+    assert len(s.rejected) == 1 and s.rejected[0].startswith(f"stream-l1-{bad:05d}-")
+    assert not (tmp_path / "run" / "tasks" / s.rejected[0]).exists()
+    for task_id in served:  # each served task is on disk, validated: its failing output is stored
+        assert s.tasks[task_id].metadata["failing_output"]
+    summary = s.summary()
+    assert summary["rejected"] == 1 and summary["drawn"] == 3 and summary["validated"] >= 3
+    assert 0 < summary["validation_s_per_task"] < 30
+
+
+def test_only_unsolved_tasks_come_back(suite, tmp_path):
+    s = stream(tmp_path / "run", suite, retry_after_steps=2, retry_share=1.0, max_retries=1)
+    first = s.next_tasks(2)
+    s.record(first[0], [0.0, 0.5])  # unsolved (partial credit is not a solve)
+    s.record(first[1], [1.0, 0.0])  # solved
+    s.advance(1)
+    assert s.next_tasks(1)[0] not in first  # not due before step 0 + 2
+    s.advance(2)
+    assert s.next_tasks(1) == [first[0]]  # due: retried
+    s.record(first[0], [0.0, 0.0])
+    s.advance(10)
+    later = s.next_tasks(2)  # max_retries = 1: it does not come back again
+    s.close()
+    assert first[0] not in later and first[1] not in later
+    new = [t for t in s.served]
+    assert len(new) == len(set(new)) == 5
+    assert s.summary()["retried"] == 1 and s.summary()["solved"] == 1
+
+
+def test_resume_serves_nothing_twice(suite, tmp_path):
+    """A restored stream (as a run resumes from its checkpoint's ``curriculum.json``) continues after
+    every task the run served, those served after the checkpoint included (the ledger in the run
+    directory), and keeps the retry queue it had."""
+    root = tmp_path / "run" / "task_stream"
+    s = stream(root, suite, retry_after_steps=1, retry_share=1.0)
+    before = s.next_tasks(3)
+    s.record(before[0], [0.0])
+    s.advance(1)
+    s.save(tmp_path / "curriculum.json")
+    after_checkpoint = s.next_tasks(2)  # a retry of before[0], then a new task
+    s.close()
+    assert after_checkpoint[0] == before[0]
+    restored = Curriculum.load(tmp_path / "curriculum.json")
+    assert isinstance(restored, TaskStream) and restored.served == before and restored.retry_due == {before[0]: 1}
+    restored._factory = bundled.default_sandbox_factory()
+    later = restored.next_tasks(4)
+    restored.close()
+    new = [t for t in later if t != before[0]]
+    assert len(new) >= 3 and not set(new) & (set(before) | set(after_checkpoint))
+    assert restored.skipped == [after_checkpoint[1]]
+    ledger = [json.loads(line)["id"] for line in (root / STREAM_LEDGER).read_text().splitlines()]
+    assert len(ledger) == len(set(ledger))  # each task served once, over both
+    assert json.loads((root / "state.json").read_text())["drawn"] == 3
+
+
+def test_settings_errors_name_the_key(suite, tmp_path):
+    with pytest.raises(ValueError, match="'retry_share'"):
+        TaskStream(tmp_path, suite, retry_share=2.0)
+    with pytest.raises(ValueError, match="'buffer_per_level'"):
+        TaskStream(tmp_path, suite, buffer_per_level=0)
+    state = TaskStream(tmp_path, suite).to_json()
+    del state["next_index"]
+    (tmp_path / "curriculum.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="missing key 'next_index'"):
+        Curriculum.load(tmp_path / "curriculum.json")
