@@ -171,6 +171,7 @@ def measure_base_model(
     temperature: float = 1.0,
     workers: int = 2,
     sandbox_runtime: str = "bwrap",
+    task_stream: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> BaseMeasurement:
     """The base model's pass rate on each of ``tasks`` (``evals.tasks.Task``) over ``attempts``
@@ -179,7 +180,9 @@ def measure_base_model(
     curriculum they define with ``settings`` (``retry_after_steps``, ``open_hard_after_steps``).
 
     Writes ``out_dir/curriculum.json`` (pass rates, tiers, settings, attempts, base model, run file;
-    atomically) and ``out_dir/base_attempts.parquet``. Attempts lost to sandbox failures are left
+    atomically) and ``out_dir/base_attempts.parquet``. With ``task_stream`` (the stream's settings),
+    ``curriculum.json`` also says RL draws from the task stream (key ``task_stream``: those settings
+    and ``level_rates``, the base model's pass rate per level, where the stream's level weights start). Attempts lost to sandbox failures are left
     out of the rates; a task with no graded attempt at all is an error naming it and what failed.
     """
     import pandas as pd
@@ -216,13 +219,44 @@ def measure_base_model(
     curriculum = Curriculum.from_pass_rates(rates, **settings)
     path = out_dir / CURRICULUM_FILE
     tmp = path.with_name(f".tmp-{CURRICULUM_FILE}")
-    tmp.write_text(json.dumps({"pass_rates": rates, "tiers": curriculum.tiers(), "settings": settings,
-                               "attempts_per_task": attempts, "base_model": str(model), "run_file": run_file},
-                              indent=1, sort_keys=True))
+    written = {"pass_rates": rates, "tiers": curriculum.tiers(), "settings": settings,
+               "attempts_per_task": attempts, "base_model": str(model), "run_file": run_file}
+    if task_stream is not None:
+        written["task_stream"] = {**task_stream, "level_rates": level_rates(rates, tasks)}
+    tmp.write_text(json.dumps(written, indent=1, sort_keys=True))
     tmp.replace(path)
     attempts_path = out_dir / BASE_ATTEMPTS_FILE
     frame.to_parquet(attempts_path, index=False)
     return BaseMeasurement(curriculum, attempts, path, attempts_path)
+
+
+def level_rates(pass_rates: Mapping[str, float], tasks: Sequence[Any]) -> dict[str, float]:
+    """The mean pass rate of the tasks of each difficulty level (``evals.tasks.Task.difficulty``)."""
+    by_level: dict[str, list[float]] = {}
+    for task in tasks:
+        if task.id in pass_rates and task.difficulty:
+            by_level.setdefault(str(task.difficulty), []).append(pass_rates[task.id])
+    return {lv: round(sum(v) / len(v), 4) for lv, v in sorted(by_level.items())}
+
+
+def open_task_stream(settings: Mapping[str, Any], run_dir: str | Path, suite: str | Path, *, seed: int = 0,
+                     sandbox_runtime: str = "bwrap", source: str = "curriculum.json") -> TaskStream:
+    """The task stream of the run in ``run_dir`` from ``settings`` (``curriculum.json``'s
+    ``task_stream`` object: :class:`TaskStream`'s keyword settings and ``level_rates``), drawing
+    apart from the bundled suite at ``suite``; an unknown key or a suite that is not a built bundled
+    suite is an error naming it."""
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"{source}: key 'task_stream' must be an object, got {type(settings).__name__}")
+    allowed = {"level_rates", "open_hard_after_steps", "retry_after_steps", "max_retries", "retry_share",
+               "buffer_per_level", "floor", "ema"}
+    unknown = sorted(set(settings) - allowed)
+    if unknown:
+        raise ValueError(f"{source}: key 'task_stream.{unknown[0]}' is not a task stream setting "
+                         f"(known: {', '.join(sorted(allowed))})")
+    if not (Path(suite) / "suite.json").is_file():
+        raise ValueError(f"{source}: key 'task_stream' needs the bundled suite as the task source "
+                         f"(trainer config key 'tasks'), and {suite} is not a built bundled suite")
+    return TaskStream(Path(run_dir) / STREAM_DIR, suite, seed=seed, sandbox_runtime=sandbox_runtime, **settings)
 
 
 def _from_state(state: Any) -> Any:

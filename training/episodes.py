@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 from serving.adapters import newest_adapter
 from training.checkpoint import adapters_volume, logs_dir
 from training.config import TrainConfig
-from training.curriculum import Curriculum
+from training.curriculum import Curriculum, TaskStream, open_task_stream
 from training.grpo import IntegrityGate
 from training.loop import AdapterRef, EpisodeInfraError, GroupRunner
 from training.rollout import Rollout
@@ -227,9 +227,10 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     return kwargs
 
 
-def load_curriculum(cfg: TrainConfig, task_ids: list[str]) -> Curriculum:
+def load_curriculum(cfg: TrainConfig, task_ids: list[str], run_dir: Path | None = None) -> Curriculum | TaskStream:
     """The curriculum from ``cfg.curriculum`` (the ``difficulty_curriculum`` asset's file), else every
-    training task at an unknown pass rate (0.5)."""
+    training task at an unknown pass rate (0.5). A file with ``task_stream`` settings gives the run's
+    task stream instead (:class:`training.curriculum.TaskStream`, under ``run_dir``)."""
     if cfg.curriculum:
         path = Path(cfg.curriculum)
         if not path.is_file():
@@ -241,6 +242,13 @@ def load_curriculum(cfg: TrainConfig, task_ids: list[str]) -> Curriculum:
         unknown = sorted(set(rates) - set(task_ids))
         if unknown:
             raise ValueError(f"curriculum {path}: task {unknown[0]!r} is not a training task of {cfg.tasks}")
+        if "task_stream" in data:  # RL tasks generated and validated as the run goes
+            if run_dir is None:
+                raise ValueError(f"curriculum {path}: key 'task_stream' needs the run directory")
+            from sandboxes.home import default_suite_dir
+
+            return open_task_stream(data["task_stream"], run_dir, cfg.tasks or default_suite_dir(), seed=cfg.seed,
+                                    sandbox_runtime=cfg.sandbox_runtime, source=f"curriculum {path}")
         return Curriculum.from_pass_rates(rates, seed=cfg.seed, **data.get("settings", {}))
     return Curriculum.from_pass_rates({t: 0.5 for t in task_ids}, seed=cfg.seed)
 
@@ -396,7 +404,9 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
     from evals.sandbox import platform_sandbox_factory
 
     tasks = training_tasks(cfg.tasks)
-    curriculum = load_curriculum(cfg, sorted(tasks))
+    curriculum = load_curriculum(cfg, sorted(tasks), run_dir)
+    if isinstance(curriculum, TaskStream):  # its tasks are written under the run as they are served
+        tasks = curriculum.tasks
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
 
     def make_runner(url: str) -> HarnessRunner:
