@@ -1,6 +1,8 @@
 """Evaluate one checkpoint: several attempts per task, one row per attempt.
 
-:func:`evaluate` is the core of the ``deepswe_eval`` asset, usable without Dagster::
+:func:`evaluate` is the ``deepswe_eval`` asset's evaluation of bundled, SWE-bench and suite tasks, usable
+without Dagster: :func:`evals.attempts.evaluate` with a :class:`BundledVerifier`, which runs an episode
+of the built-in harness and grades its committed work (:func:`evals.grading.grade_patch`)::
 
     rows = evaluate(tasks, model, tokenizer, sandbox_factory, checkpoint="demo-step_000004",
                     adapter_version="step_000004", attempts=8)
@@ -15,28 +17,33 @@ with ``status="infra_error"`` and empty scores, and metrics leave it out (never 
 :func:`write_rows` stores rows as Parquet (temporary name, then rename).
 
 :func:`evaluate_checkpoint` serves a base model (and an adapter on it) with an engine replica
-process (vLLM by default) and evaluates it; :func:`load_eval_tasks` picks the tasks of a source and split.
+process (vLLM by default) and evaluates it; :func:`load_eval_tasks` picks the tasks of a source and split,
+:func:`select_tasks` the ones an eval names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from evals.grading import INFRA_ERROR, Scores
-from evals.harness import ModelClient, Tokenizer, Trajectory, run_episode
+from evals import attempts as attempts_
+from evals.attempts import INFRA_ERROR, ROW_COLUMNS, SCORE_FIELDS, AttemptRow, attempt_seed, write_rows
+from evals.bundled import read_suite
+from evals.harness import HttpClient, ModelClient, Tokenizer, Trajectory, episode_context, run_episode
 from evals.sandbox import SandboxFactory
 from evals.signals import join_signals
-from evals.tasks import Task
+from evals.tasks import Task, load_tasks
+from serving.client import EngineClient
+from serving.engines.vllm import lora_rank_slot
+from serving.fleet import start_engine, stop_replica
 
-SCORE_FIELDS = tuple(Scores.__dataclass_fields__)
-ROW_COLUMNS = ("checkpoint", "adapter_version", "task_id", "source", "difficulty", "split", "attempt", "status",
-               *SCORE_FIELDS, "committed", "stop_reason", "turns", "output_tokens", "agent_s", "grade_s",
-               "infra_retries", "detail", "session_id", "signals", "diff", "test_outcomes", "test_output", "transcript")
+__all__ = ["ROW_COLUMNS", "SCORE_FIELDS", "BundledVerifier", "attempt_row", "evaluate", "evaluate_checkpoint",
+           "eval_split", "load_eval_tasks", "select_tasks", "served_checkpoint", "served_model", "write_rows"]
+
 # What an attempt did, for the trajectory viewer (``viewer``): bounded so a runaway attempt cannot
 # swell the Parquet file. ``test_outcomes`` and ``transcript`` are JSON text (see :func:`attempt_row`).
 MAX_DIFF_CHARS = 200_000
@@ -44,29 +51,30 @@ MAX_TEST_OUTPUT_CHARS = 20_000
 MAX_TURN_CHARS = 20_000
 
 
-def attempt_row(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> dict[str, Any]:
-    """The Parquet row of one graded (or infra-failed) attempt."""
+def attempt_of(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> AttemptRow:
+    """The :class:`~evals.attempts.AttemptRow` of one graded (or infra-failed) episode of the harness."""
     grade = traj.grade
     if traj.stop_reason == INFRA_ERROR or grade is None:
         status, scores, detail = INFRA_ERROR, None, traj.error or "not graded"
     else:
         status, scores, detail = grade.status, grade.scores, grade.detail
-    row: dict[str, Any] = {
-        "checkpoint": checkpoint, "adapter_version": traj.adapter_version, "task_id": task.id,
-        "source": task.source, "difficulty": task.difficulty, "split": task.split, "attempt": attempt,
-        "status": status, "committed": traj.committed, "stop_reason": traj.stop_reason,
-        "turns": len(traj.calls), "output_tokens": sum(len(c.output_ids) for c in traj.calls),
-        "agent_s": traj.agent_s, "grade_s": traj.grade_s, "infra_retries": infra_retries,
-        "detail": detail[:500], "session_id": traj.session_id,
-        "signals": join_signals(grade.signals) if grade is not None else "",
-        "diff": traj.patch[:MAX_DIFF_CHARS],
-        "test_outcomes": json.dumps(outcome_of_tests(task, grade.statuses if grade is not None else None)),
-        "test_output": (grade.test_output if grade is not None else "")[-MAX_TEST_OUTPUT_CHARS:],
-        "transcript": json.dumps(attempt_transcript(task, traj)),
-    }
-    for name in SCORE_FIELDS:
-        row[name] = getattr(scores, name) if scores is not None else None
-    return row
+    return AttemptRow(
+        checkpoint=checkpoint, adapter_version=traj.adapter_version, task_id=task.id, source=task.source,
+        difficulty=task.difficulty, split=task.split, attempt=attempt, status=status, scores=scores,
+        committed=traj.committed, stop_reason=traj.stop_reason, turns=len(traj.calls),
+        output_tokens=sum(len(c.output_ids) for c in traj.calls), agent_s=traj.agent_s, grade_s=traj.grade_s,
+        infra_retries=infra_retries, detail=detail, session_id=traj.session_id,
+        signals=join_signals(grade.signals) if grade is not None else "",
+        diff=traj.patch[:MAX_DIFF_CHARS],
+        test_outcomes=json.dumps(outcome_of_tests(task, grade.statuses if grade is not None else None)),
+        test_output=(grade.test_output if grade is not None else "")[-MAX_TEST_OUTPUT_CHARS:],
+        transcript=json.dumps(attempt_transcript(task, traj)),
+    )
+
+
+def attempt_row(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> dict[str, Any]:
+    """The Parquet row of one graded (or infra-failed) attempt (:func:`attempt_of`, as a row)."""
+    return attempt_of(task, attempt, traj, checkpoint, infra_retries).to_row()
 
 
 def outcome_of_tests(task: Task, statuses: Mapping[str, str] | None) -> list[dict[str, str]]:
@@ -103,6 +111,43 @@ def attempt_transcript(task: Task, traj: Trajectory) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass
+class BundledVerifier:
+    """The :class:`~evals.attempts.Verifier` of tasks graded by posttrain's own grader (bundled,
+    SWE-bench, suites): an episode of the built-in harness (:func:`evals.harness.run_episode`), whose
+    committed work is graded in a fresh sandbox (:func:`evals.grading.grade_patch`). An episode lost
+    to the infrastructure is run again, up to ``infra_retries`` times.
+
+    With ``reuse_grading`` an attempt whose committed patch is identical to an earlier attempt's on
+    the same task takes that grading instead of running the tests again (tiny models often commit
+    the same patch, or nothing); leave it off for tasks with nondeterministic tests."""
+
+    model: ModelClient
+    tokenizer: Tokenizer
+    sandbox_factory: SandboxFactory
+    checkpoint: str
+    adapter_version: str | None = None
+    seed: int = 0
+    infra_retries: int = 2
+    reuse_grading: bool = True
+    episode: dict[str, Any] = field(default_factory=dict)  # run_episode's other keywords (max_turns, ...)
+
+    def __post_init__(self) -> None:
+        self._grade_cache: dict | None = {} if self.reuse_grading else None
+
+    def attempt(self, task: Task, task_index: int, attempt: int) -> AttemptRow:
+        for retry in range(self.infra_retries + 1):
+            traj = run_episode(
+                task, self.model, self.tokenizer, self.sandbox_factory, adapter_version=self.adapter_version,
+                session_id=f"{self.checkpoint}/{task.id}/{attempt}/{retry}",
+                seed=attempt_seed(self.seed, task_index, attempt, retry), grade_cache=self._grade_cache,
+                **self.episode,
+            )
+            if not traj.infra_error:
+                break
+        return attempt_of(task, attempt, traj, self.checkpoint, retry)
+
+
 def evaluate(
     tasks: Sequence[Task],
     model: ModelClient,
@@ -122,42 +167,37 @@ def evaluate(
     reuse_grading: bool = True,
     **episode_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """Run ``attempts`` episodes of every task and return one row per attempt, in task order.
+    """Run ``attempts`` episodes of every task and return one row per attempt, in task order:
+    :func:`evals.attempts.evaluate` with a :class:`BundledVerifier`, its rows as dicts."""
+    verifier = BundledVerifier(
+        model, tokenizer, sandbox_factory, checkpoint, adapter_version, seed=seed, infra_retries=infra_retries,
+        reuse_grading=reuse_grading,
+        episode=dict(action_format=action_format, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                     temperature=temperature, **episode_kwargs))
+    return [row.to_row() for row in attempts_.evaluate(tasks, verifier, attempts=attempts, workers=workers)]
 
-    With ``reuse_grading`` an attempt whose committed patch is identical to an earlier attempt's on
-    the same task takes that grading instead of running the tests again (tiny models often commit
-    the same patch, or nothing); leave it off for tasks with nondeterministic tests.
-    """
-    grade_cache: dict | None = {} if reuse_grading else None
-    if attempts < 1:
-        raise ValueError(f"attempts must be >= 1, got {attempts}")
 
-    def one(job: tuple[int, int]) -> dict[str, Any]:
-        ti, attempt = job
-        task = tasks[ti]
-        for retry in range(infra_retries + 1):
-            traj = run_episode(
-                task, model, tokenizer, sandbox_factory, adapter_version=adapter_version,
-                session_id=f"{checkpoint}/{task.id}/{attempt}/{retry}", action_format=action_format,
-                max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature,
-                seed=seed * 1_000_003 + ti * 1009 + attempt * 17 + retry, grade_cache=grade_cache, **episode_kwargs,
-            )
-            if not traj.infra_error:
-                break
-        return attempt_row(task, attempt, traj, checkpoint, retry)
+def eval_split(split: str) -> str:
+    """The split filter of an ``[eval]`` ``split``: ``all`` is every task (no filter)."""
+    return "" if split == "all" else split
 
-    jobs = [(ti, a) for ti in range(len(tasks)) for a in range(attempts)]
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(one, jobs))
+
+def select_tasks(tasks: Sequence[Task], task_ids: Sequence[str], dataset: str | Path) -> list[Task]:
+    """``tasks`` restricted to ``task_ids`` in that order (empty: all of them); an id that names no task
+    raises ``ValueError`` naming the key and the dataset."""
+    if not task_ids:
+        return list(tasks)
+    by_id = {t.id: t for t in tasks}
+    unknown = [i for i in task_ids if i not in by_id]
+    if unknown:
+        raise ValueError(f"[eval] task_ids: {', '.join(unknown)} is not a task of {dataset} (in the split evaluated)")
+    return [by_id[i] for i in task_ids]
 
 
 def load_eval_tasks(source: str, split: str, *, bundled_dir: str | Path) -> list[Task]:
     """The tasks of ``split`` (empty: all) in ``source``: ``bundled`` is the suite at ``bundled_dir``
     as ``task_dataset`` built it (built at the default sizes if missing), anything else a task source
     :func:`evals.tasks.load_tasks` reads."""
-    from evals.bundled import read_suite
-    from evals.tasks import load_tasks
-
     all_tasks = read_suite(bundled_dir) if source == "bundled" else load_tasks(source).tasks
     tasks = [t for t in all_tasks if not split or t.split == split]
     if not tasks:
@@ -184,8 +224,6 @@ def evaluate_checkpoint(
     otherwise; its output in ``engine_log``, else a temporary file) for the length of the call.
     ``settings`` are :func:`evaluate`'s other keywords (``max_turns``, ``seed``, ...); the model's
     end-of-sequence tokens stop each turn, and its context bounds each episode's."""
-    from evals.harness import HttpClient, episode_context
-
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
                            adapter_version=adapter_version) as (url, tokenizer, eos_ids):
         if log is not None:
@@ -205,16 +243,10 @@ def served_checkpoint(base_model: str | Path, engine_log: str | Path | None = No
     if adapter is not None and not adapter_version:
         raise ValueError(f"checkpoint {checkpoint}: an adapter needs an adapter_version to be served as")
     if adapter is not None:
-        import json
-
-        from serving.engines.vllm import lora_rank_slot
-
         rank = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("r", 16)
         engine_settings.setdefault("max_lora_rank", lora_rank_slot(int(rank)))
     with served_model(base_model, engine_log, what=f"checkpoint {checkpoint}", **engine_settings) as served:
         if adapter is not None:
-            from serving.client import EngineClient
-
             EngineClient(served[0]).load_lora_adapter(adapter_version, str(adapter))
         yield served
 
@@ -227,11 +259,7 @@ def served_model(base_model: str | Path, engine_log: str | Path | None = None, *
     its output in ``engine_log``, else a temporary file): yields the replica's URL, the model's
     tokenizer and its end-of-sequence token ids. ``engine_settings`` go to the replica
     (``max_lora_rank``, ``tool_call_parser``, ...)."""
-    import tempfile
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from serving.fleet import start_engine, stop_replica
+    from transformers import AutoConfig, AutoTokenizer  # heavy: only serving a model needs it
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(base_model))
@@ -246,16 +274,3 @@ def served_model(base_model: str | Path, engine_log: str | Path | None = None, *
         yield url, tokenizer, eos_ids
     finally:
         stop_replica(proc)
-
-
-def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Write attempt rows to Parquet atomically; an empty list writes the schema with no rows."""
-    import pandas as pd
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame = pd.DataFrame(list(rows), columns=list(ROW_COLUMNS))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    frame.to_parquet(tmp, index=False)
-    tmp.replace(path)
-    return path

@@ -47,10 +47,11 @@ import re
 import shlex
 import tomllib
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Iterable, Mapping, Sequence
 
+from evals.attempts import AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR, Scores
 from evals.call_checks import CallCheck, StreamBroken, call_checks, check_statuses, install_probe, probe_spec
 from evals.quicktest import RUNNER_FILE
 from evals.sandbox import AgentFault, InfraError
@@ -189,33 +190,6 @@ def merge_statuses(reports: Iterable[Mapping[str, Status]]) -> dict[str, Status]
         for test_id, status in report.items():
             merged[test_id] = max(status, merged.get(test_id, Status.PASSED))
     return merged
-
-
-@dataclass(frozen=True)
-class Scores:
-    """One attempt's scores, named as in DeepSWE v1.1's ``reward.json``.
-
-    ``reward.json`` gives the share of target tests passed under two names, ``f2p`` and
-    ``target_score``; here it is one value, ``f2p``, and ``target_score`` is derived from it (never
-    passed in), so that both names stay in every row and JSON output.
-    """
-
-    reward: float
-    f2p: float
-    p2p: float
-    partial: float
-    target_score: float = field(init=False)
-    strict_target_score: float
-    f2p_total: int
-    f2p_passed: int
-    p2p_total: int
-    p2p_passed: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target_score", self.f2p)
-
-    def to_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 def clean_test_ids(ids: Iterable[str]) -> list[str]:
@@ -476,7 +450,6 @@ def pytest_sessions(command: str) -> int | None:
 
 # ---------------------------------------------------------------- grading committed work
 
-GRADED, APPLY_FAILED, INFRA_ERROR, AGENT_FAULT = "graded", "apply_failed", "infra_error", "agent_fault"
 PATCH_PATH = ".git/posttrain-graded.patch"  # inside .git: never part of the work tree
 TEST_PATCH_PATH = ".git/posttrain-test.patch"
 RESULTS_FD = 3
