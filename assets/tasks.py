@@ -21,13 +21,14 @@ class TaskDatasetConfig(dg.Config):
     build_workers: int = 2
     harbor_sources: str = ""
     # The bundled suite's size: demonstration and held-out tasks per level, as many RL tasks as
-    # demonstrations, and half as many again held out after them (evals.bundled.generate; 60 gives
-    # 405 tasks, 135 held out).
+    # demonstrations, and 75 more held out after them (evals.bundled.generate; 60 gives 540 tasks,
+    # 270 held out: enough for a +5-point gain to show a paired 95% interval above zero).
     bundled_per_level: int = 60
     # RL tasks per level (the curriculum and the RL loop draw from them alone); 0: as many as there
     # are demonstrations, 45 a level at 60. The held-out tasks generated after the RL ones come from
     # the same random stream, so another count gives other extra held-out tasks: compare runs
-    # evaluated on one suite.
+    # evaluated on one suite. A run file with `[curriculum] task_stream = true` draws its RL tasks
+    # from the task stream instead (a generator of its own), which leaves this suite as it is.
     bundled_rl_per_level: int = 0
 
 
@@ -40,11 +41,13 @@ def task_dataset(
     is generated and every task validated by running its tests in a sandbox; tasks a source lists but
     that cannot be loaded (or, given repository sources, built) are reported as incomplete. A
     dataset's published flawed-task lists (``flawed/lists.json``) are installed under
-    ``datasets/flawed/``."""
+    ``datasets/flawed/``. RL runs that draw from the task stream (tasks generated and validated as
+    they train, apart from this suite) are listed with how many tasks each drew, solved and retried."""
     import pandas as pd
 
     from evals.bundled import ensure_suite
     from evals.tasks import TaskSet, load_bundled, load_tasks, rl_tasks, summarize
+    from training.curriculum import stream_summaries
 
     out_dir = storage.datasets_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +106,19 @@ def task_dataset(
         "median_existing_tests": summary["median_existing_tests"],
         "sources": dg.MetadataValue.md(table),
         "path": dg.MetadataValue.path(str(parquet)),
+        **stream_metadata(stream_summaries(storage.runs_dir())),
     })
+
+
+def stream_metadata(summaries: dict[str, dict]) -> dict[str, object]:
+    """The RL task stream of each run that drew from one (:mod:`training.curriculum`), in all: tasks
+    drawn, solved and retried, beside this dataset's tasks, which the stream never serves."""
+    if not summaries:
+        return {}
+    total = {k: sum(int(s.get(k) or 0) for s in summaries.values()) for k in ("drawn", "solved", "retried", "rejected")}
+    return {f"task_stream_{k}": v for k, v in total.items()} | {
+        "task_stream_runs": dg.MetadataValue.json({run: {k: s.get(k) for k in ("step", "drawn", "solved", "retried", "rejected")}
+                                                   for run, s in summaries.items()})}
 
 
 defs = dg.Definitions(assets=[task_dataset])

@@ -38,7 +38,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ensure_dagster_home(args.home)
     from dagster_project.demo import run_demo
 
-    return run_demo(args.run_name)
+    return run_demo(args.run_name, seed=args.seed)
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_home(demo)
     demo.add_argument("--run-name", default="demo", help="name of the RL run (default: demo)")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="the trainer's seed, and so the RL task stream's (default: 0); the held-out tasks are "
+                      "the same for every seed")
     demo.set_defaults(func=cmd_demo)
 
     ui = sub.add_parser("ui", help="start the Dagster UI and daemon on 127.0.0.1",

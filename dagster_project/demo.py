@@ -7,7 +7,11 @@ prints held-out pass@1, pass@k and target scores of every checkpoint side by sid
 the local Dagster instance, so ``posttrain ui`` shows it after and has nothing left to start.
 
 The settings below are the demo's compute budget for a 2-core machine: the run file's defaults
-(``examples/embedded.toml``) with the overrides of :data:`DEMO_RUN`.
+(``examples/embedded.toml``: RL draws from the task stream, tasks generated and validated as the run
+goes, each new to it) with the overrides of :data:`DEMO_RUN`. ``seed`` is the trainer's seed and so
+the RL task stream's: runs of other seeds draw other RL tasks and are evaluated on the same held-out
+tasks. The last lines printed are the result: the final checkpoint's paired change in held-out
+pass@1 with its 95% interval, level 3's change, and what the task stream served.
 """
 
 from __future__ import annotations
@@ -46,12 +50,18 @@ DEMO_RUN: dict[str, Any] = {
 # idle, and vLLM serves a batch of calls for little more than the cost of one (docs/benchmarks.md,
 # "vLLM's CPU per token").
 DEMO_WORKERS = 32
-DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
-# The demo run's [eval]: two attempts at each of the 135 held-out tasks per checkpoint (540 episodes
-# for the two): the paired interval of the change is set mostly by the number of tasks, little by
-# attempts per task, and four attempts took the evaluations past the 20 minutes the demo has
-# (docs/benchmarks.md).
+# With the task stream the curriculum measures the base model on 15 of the suite's RL tasks a level,
+# where the stream's level weights start (90 episodes).
+DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS,
+                                   "stream_tasks_per_level": 15}
+# The demo run's [eval]: two attempts at each of the 270 held-out tasks per checkpoint (540 episodes
+# each): the paired interval of the change is set mostly by the number of tasks, little by attempts
+# per task, and 270 tasks at 2 attempts put a +5-point gain's interval above zero
+# (evals.bundled.default_extra_eval_per_level; docs/benchmarks.md, "Held-out tasks and attempts").
 DEMO_EVAL: dict[str, Any] = {"attempts": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
+# The base and the final checkpoint are always evaluated; a checkpoint between them only while the
+# demo stays inside this budget (its evaluation is estimated to take as long as the last one did).
+DEMO_BUDGET_S = 20 * 60
 
 
 def _stage(message: str, started: float) -> None:
@@ -166,6 +176,39 @@ def headline_lines(rows: Any, keys: list[str]) -> list[str]:
     return lines
 
 
+def result_lines(rows: Any, final: str, run_dir: Any) -> list[str]:
+    """The demo's result: ``final``'s paired change in held-out pass@1 over the base with its 95%
+    interval (and whether it lies above zero), level 3's change, and what the run's task stream served."""
+    from pathlib import Path
+
+    from evals.report import base_checkpoint, headlines
+    from training.curriculum import STREAM_DIR, STREAM_SUMMARY
+
+    out = []
+    heads = [] if rows.empty else headlines(rows[rows["checkpoint"].isin([final, base_checkpoint(final)])])
+    for h in heads:
+        c = h.change
+        where = "above zero" if c.low > 0 else ("below zero" if c.high < 0 else "includes zero")
+        out.append(f"result: {final} held-out pass@1 {100 * h.base_pass_at_1:.1f}% -> {100 * h.pass_at_1:.1f}%, change "
+                   f"{100 * c.value:+.1f} points, 95% CI [{100 * c.low:+.1f}, {100 * c.high:+.1f}] ({where}; "
+                   f"paired over {c.n_tasks} tasks)")
+        for lv in h.levels:
+            if lv["level"] == 3:
+                d = lv["change"]
+                out.append(f"result: level 3 {100 * lv['base']:.1f}% -> {100 * lv['new']:.1f}% "
+                           f"({100 * d.value:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}], {lv['tasks']} tasks)")
+    summary = Path(run_dir) / STREAM_DIR / STREAM_SUMMARY
+    if summary.is_file():
+        import json
+
+        s = json.loads(summary.read_text())
+        levels = "/".join(str(v) for v in (s.get("drawn_by_level") or {}).values())
+        out.append(f"task stream: {s['drawn']} new tasks served (L1/L2/L3 {levels}), {s['solved']} solved, "
+                   f"{s['retried']} retries of unsolved ones, {s['rejected']} rejected by validation, "
+                   f"{s['validation_s_per_task']} s of validation a task")
+    return out
+
+
 def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
              curriculum_config: dict[str, Any] | None = None, eval_config: dict[str, Any] | None = None,
              dataset_config: dict[str, Any] | None = None, seed: int = 0) -> int:
@@ -201,16 +244,29 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
         keys = [k for k in complete_checkpoint_keys(storage) if parse_checkpoint_partition_key(k)[0] == run_name]
         if not keys:
             raise RuntimeError(f"run {run_name!r} saved no checkpoint under {storage.run_dir(run_name)}")
-        # Every saved checkpoint is evaluated here, so the sensor finds none left to evaluate when
-        # `posttrain ui` starts the daemon; added in step order, the UI lists the partitions so.
-        evaluated = sorted(keys, key=parse_checkpoint_partition_key)
+        # Added in step order, the UI lists the partitions so. The base and the final checkpoint are
+        # evaluated first, then those between while the budget allows; a checkpoint left out here is
+        # evaluated by the sensor once `posttrain ui` starts the daemon.
+        saved = sorted(keys, key=parse_checkpoint_partition_key)
         known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
-        instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in evaluated if k not in known])
+        instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in saved if k not in known])
         section = run_eval_section(storage, run_name)
-        for i, key in enumerate(evaluated, 1):
-            _stage(f"evaluating checkpoint {key} ({i}/{len(evaluated)})", started)
+        order = list(dict.fromkeys([saved[0], saved[-1], *saved[1:-1]]))
+        evaluated: list[str] = []
+        last_eval_s = 0.0
+        for i, key in enumerate(order, 1):
+            elapsed = time.monotonic() - started
+            if i > 2 and elapsed + last_eval_s > DEMO_BUDGET_S - 60:
+                _stage(f"not evaluating checkpoint {key} here: it would take the demo past {DEMO_BUDGET_S // 60} "
+                       "minutes (the sensor evaluates it once `posttrain ui` runs)", started)
+                continue
+            _stage(f"evaluating checkpoint {key} ({i}/{len(order)})", started)
+            t0 = time.monotonic()
             _execute(defs, "checkpoint_eval", instance, partition_key=key,
                      run_config={**QUIET_LOGS, **eval_run_config(section)})
+            last_eval_s = time.monotonic() - t0
+            evaluated.append(key)
+        evaluated.sort(key=parse_checkpoint_partition_key)
 
         k = section.attempts
         _stage("building eval_report", started)
@@ -222,6 +278,8 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             _stage(f"{row['checkpoint']}: held-out pass@1 {100 * row['pass@1']:.1f}%  pass@{k} "
                    f"{100 * row[f'pass@{k}']:.1f}%  target score {row['target_score']:.3f}  ({row['tasks']} tasks)", started)
         for line in headline_lines(evaluated_rows, evaluated):
+            _stage(line, started)
+        for line in result_lines(evaluated_rows, evaluated[-1], storage.run_dir(run_name)):
             _stage(line, started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
         _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)

@@ -48,3 +48,28 @@ def test_a_bar_on_a_terminal():
         text = out.getvalue()
         assert text.startswith("\r[demo") and "rl_run [############............] 2/4" in text
         assert text.endswith("\n")
+
+
+def test_the_result_is_the_final_change_with_its_interval_level_3_and_the_stream(tmp_path):
+    """The demo's last lines: the final checkpoint's paired change (above zero here: 20 of 60 tasks
+    go from failed to solved, none back), level 3's change, and the run's task stream summary."""
+    import json
+
+    import pandas as pd
+
+    from dagster_project.demo import result_lines
+
+    rows = pd.DataFrame([
+        {"checkpoint": ckpt, "task_id": f"t{i:02d}", "status": "graded", "difficulty": 1 + i % 3,
+         "reward": float(ckpt.endswith("44") and i < 20 or i >= 40)}
+        for ckpt in ("demo-step_000000", "demo-step_000044") for i in range(60) for _ in range(2)])
+    (tmp_path / "task_stream").mkdir()
+    (tmp_path / "task_stream" / "state.json").write_text(json.dumps({
+        "drawn": 200, "drawn_by_level": {"1": 90, "2": 70, "3": 40}, "solved": 120, "retried": 15, "rejected": 0,
+        "validation_s_per_task": 0.4}))
+    lines = result_lines(rows, "demo-step_000044", tmp_path)
+    assert lines[0].startswith("result: demo-step_000044 held-out pass@1 33.3% -> 66.7%, change +33.3 points, 95% CI [+")
+    assert "(above zero; paired over 60 tasks)" in lines[0]
+    assert lines[1] == "result: level 3 35.0% -> 65.0% (+30.0 [+10.0, +50.0], 20 tasks)"
+    assert lines[2] == ("task stream: 200 new tasks served (L1/L2/L3 90/70/40), 120 solved, 15 retries of unsolved "
+                        "ones, 0 rejected by validation, 0.4 s of validation a task")
