@@ -16,6 +16,10 @@ kernels, bf16) is not the policy being trained, and the weight corrects for that
 cap bounds the variance. The optional KL term is the k3 estimator against the reference policy (the
 base model with the adapter disabled): ``exp(ref - logπ) - (ref - logπ) - 1``, also token-averaged.
 
+Every setting of the objective (``tis_cap``, ``kl_coef``, how episodes are weighed, whether advantages
+are scaled by the group std) travels as one :class:`LossConfig`, built once from the trainer config;
+the batch (:func:`batch_from_groups`) and each backend step (``training.backends``) are given it.
+
 **Integrity gate.** The policy optimizes the reward, so an attempt that scored by cheating (an
 ``__eq__`` that returns True, a patched test runner, edited tests) would be reinforced on every step.
 Each rollout carries its grading's cheating signals (``info["signals"]``, :mod:`evals.signals`);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import torch
 
 from training.backends import micro_batches
 from training.backends.torch_peft import TorchPeftBackend
-from training.grpo import LossConfig, TrainBatch, batch_from_groups, group_advantages, grpo_loss
+from training.grpo import DEFAULT_LOSS, LossConfig, TrainBatch, batch_from_groups, group_advantages, grpo_loss
 
 LOGPROBS = [[0.0, -1.0, -2.0], [0.0, -0.5, -0.25]]
 SERVING = [[0.0, -1.0, -1.5], [0.0, -0.5, -1.0]]
@@ -55,6 +56,23 @@ def test_sequence_weighting_makes_every_episode_weigh_alike():
     assert batch.advantages == pytest.approx([0.0, -0.5])
     with pytest.raises(ValueError, match="loss weighting 'episode'"):
         batch_from_groups(groups, LossConfig(weighting="episode"))
+
+
+def test_loss_config_comes_from_the_trainer_keys_and_no_backend_takes_a_loss_setting():
+    """The loss settings are built once from the trainer config, with its defaults; a backend is
+    given them with each step and takes none of them when built."""
+    from training.backends import backend_class
+    from training.config import BACKENDS, TrainConfig
+
+    cfg = TrainConfig.from_mapping({"base_model": "m", "tis_cap": 3.0, "kl_coef": 0.05, "loss_weighting": "sequence",
+                                    "scale_advantages_by_std": True})
+    assert LossConfig.from_config(cfg) == LossConfig(tis_cap=3.0, kl_coef=0.05, weighting="sequence",
+                                                     scale_advantages_by_std=True)
+    assert LossConfig.from_config(TrainConfig()) == LossConfig() == DEFAULT_LOSS
+    for name in BACKENDS:
+        constructor = inspect.signature(backend_class(name)).parameters
+        assert not {"tis_cap", "kl_coef", "loss_weighting", "weighting", "scale_advantages_by_std"} & set(constructor), name
+        assert list(inspect.signature(backend_class(name).train_step).parameters) == ["self", "batch", "loss"], name
 
 
 def test_the_loss_weighting_key_is_validated_naming_the_key():
