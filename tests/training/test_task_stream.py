@@ -176,3 +176,77 @@ def test_settings_errors_name_the_key(suite, tmp_path):
     (tmp_path / "curriculum.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="missing key 'next_index'"):
         Curriculum.load(tmp_path / "curriculum.json")
+
+
+# -- the stream in a trainer run, killed and resumed
+
+def stream_env(cfg, run_dir: Path):
+    """The trainer's curriculum from a ``curriculum.json`` with ``task_stream`` settings (as the
+    ``difficulty_curriculum`` asset writes it), its groups sampled by the local engine (in-process,
+    on loopback) from a prompt per task id, the reward the share of low token ids, as in
+    ``tests/training/envs.py``: what is under test is which tasks the run draws."""
+    from serving.http import serve
+    from serving.local_engine import LocalEngine
+    from training.episodes import Environment, load_curriculum
+    from tests.training.envs import EngineRunner, PROMPTS
+
+    stream = load_curriculum(cfg, [], run_dir)
+    assert isinstance(stream, TaskStream)
+
+    class Runner(EngineRunner):
+        def run_group(self, task_id, adapter, group_id, size, seed):
+            assert stream.tasks[task_id].metadata["failing_output"]  # validated, on disk under the run
+            PROMPTS[task_id] = [1 + b % 20 for b in task_id.encode()[-6:]]
+            yield from super().run_group(task_id, adapter, group_id, size, seed)
+
+    engine = LocalEngine(cfg.base_model, torch_threads=1)
+    server = serve(engine)
+    return Environment(Runner(server.url, cfg, engine.vocab_size), stream, [server.url], server.shutdown)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_its_stream_without_drawing_a_task_twice(suite, tmp_path, tiny_model_dir):
+    """``python -m training`` killed after step 3 (its newest checkpoint is step 2) and run again: the
+    second process resumes the stream from step 2's state, skips the tasks step 3 had drawn, and the
+    run's ledger holds each task once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from training.checkpoint import complete_steps
+
+    repo = Path(__file__).resolve().parents[2]
+    curriculum = tmp_path / "curriculum.json"
+    curriculum.write_text(json.dumps({"pass_rates": {}, "task_stream": {
+        "level_rates": {"1": 0.5}, "open_hard_after_steps": 1000, "buffer_per_level": 2}}))
+    config = tmp_path / "trainer.json"
+    config.write_text(json.dumps({
+        "run_name": "stream", "base_model": str(tiny_model_dir), "steps": 4, "groups_per_step": 2, "group_size": 2,
+        "max_policy_lag": 0, "producer_workers": 0, "checkpoint_every": 2, "lora_rank": 4, "max_new_tokens": 4,
+        "seed": 3, "tasks": str(suite), "curriculum": str(curriculum),
+        "environment": "tests.training.test_task_stream:stream_env"}))
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env.pop("DAGSTER_PIPES_CONTEXT", None)
+    cmd = [sys.executable, "-m", "training", "--config", str(config), "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step    3"):
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait()
+    assert complete_steps(run) == [0, 2], "".join(out)
+    ledger = run / "task_stream" / STREAM_LEDGER
+    first = [json.loads(line)["id"] for line in ledger.read_text().splitlines()]
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert complete_steps(run) == [0, 2, 4]
+    ids = [json.loads(line)["id"] for line in ledger.read_text().splitlines()]
+    assert ids[:len(first)] == first and len(ids) == len(set(ids)) > len(first)
+    state = json.loads((run / "checkpoints" / "step_000004" / "curriculum.json").read_text())
+    assert state["kind"] == "task_stream" and state["skipped"] and set(state["skipped"]) <= set(first)
+    assert not set(state["served"]) & set(state["skipped"])
+    assert json.loads((run / "task_stream" / "state.json").read_text())["step"] == 4
