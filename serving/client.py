@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from serving.capture_store import SESSION_KEY_HEADER, session_key, trainer_credential, trainer_headers
+from serving.protocol import parse_metrics
 
 
 class EngineError(RuntimeError):
@@ -39,17 +40,17 @@ def error_message(data: bytes) -> str:
     """The message of an engine's error answer, whichever shape it has: posttrain's and SGLang's
     ``{"error": "..."}``, vLLM's ``{"error": {"message": ...}}``, SGLang's ``{"error_message": ...}``,
     ``{"message": ...}`` or FastAPI's ``{"detail": ...}``; else the body as text."""
-    text = data.decode(errors="replace")
+    text = data.decode(errors="replace").strip()
     try:
         body = json.loads(text)
     except ValueError:
-        return text
+        return text or "(empty answer)"
     if isinstance(body, dict):
         err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
+        if isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"]:
             return err["message"]
         for key in ("error", "error_message", "message", "detail"):
-            if isinstance(body.get(key), str):
+            if isinstance(body.get(key), str) and body[key]:
                 return body[key]
     return text
 
@@ -174,8 +175,6 @@ class EngineClient:
         return self.pool.json("GET", f"{self.url}/server_info")
 
     def metrics(self) -> dict[str, float]:
-        from serving.protocol import parse_metrics
-
         status, data, _ = self.pool.request("GET", f"{self.url}/metrics")
         if status != 200:
             raise EngineError(status, data.decode(errors="replace"), self.url)

@@ -222,11 +222,6 @@ class InProcessEngine(Protocol):
 # --- Prometheus metrics with SGLang's names -------------------------------------------------------
 
 METRIC_PREFIX = "sglang:"
-GAUGES = (
-    "num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage", "cache_hit_rate",
-    "num_retracted_reqs", "gen_throughput", "max_total_num_tokens",
-)
-COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "cached_tokens_total", "num_requests_total")
 
 
 def render_metrics(values: dict[str, float], labels: dict[str, str]) -> str:

@@ -43,7 +43,7 @@ import re
 import uuid
 from typing import Any
 
-from serving.client import EngineError, HttpPool, answers_health
+from serving.client import EngineError, HttpPool, answers_health, error_message
 from serving.engines.base import EngineMetrics, Generation
 from serving.protocol import BadRequest, SamplingParams
 
@@ -55,30 +55,6 @@ _NOT_LOADED = re.compile(r"LoRA with name \S+ does not exist")
 # One Prometheus sample: name, optional {labels}, value (timestamps are ignored).
 _SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(?P<key>[A-Za-z_][A-Za-z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
-
-
-def sampling_json(params: SamplingParams) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` for ``params``."""
-    return params.to_json()
-
-
-def error_message(data: bytes) -> str:
-    """The message of an SGLang error answer, whichever of its error shapes it has."""
-    text = data.decode(errors="replace")
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text.strip() or "(empty answer)"
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str) and error:
-            return error
-        for key in ("error_message", "message", "detail"):
-            if body.get(key):
-                return str(body[key])
-    return text.strip()
 
 
 class SglangEngine:
@@ -109,7 +85,7 @@ class SglangEngine:
         """One completion of ``input_ids``. ``request_id`` is the caller's (a session or rollout id,
         which may repeat); SGLang's ``rid`` is it plus a suffix unique to this call."""
         rid = f"{request_id}-{uuid.uuid4().hex[:16]}" if request_id else uuid.uuid4().hex
-        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_json(params),
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params.to_json(),
                                 "return_logprob": True, "rid": rid}
         if adapter is not None:
             body["lora_path"] = adapter
