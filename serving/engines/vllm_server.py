@@ -44,6 +44,9 @@ import os
 import runpy
 import sys
 
+# vLLM and torch are imported inside the functions that patch them: serving.engines.vllm reads this
+# module's settings where vLLM is not installed, and importing vLLM takes seconds.
+
 BUSY_POLL_ENV = "POSTTRAIN_VLLM_BUSY_POLL_S"
 LORA_OPS_ENV = "POSTTRAIN_VLLM_LORA_OPS"  # "grouped" (the default) or "vllm" (vLLM's own torch LoRA ops)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
