@@ -1,4 +1,4 @@
-"""Inference engines behind one protocol (:mod:`serving.engines.base`).
+"""Clients of inference engine processes, one protocol (:class:`serving.engines.base.UpstreamEngine`).
 
     from serving.engines import engine_client
     engine = engine_client("vllm", "http://127.0.0.1:31001")   # or "sglang", "local"

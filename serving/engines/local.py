@@ -1,4 +1,4 @@
-"""The project's own engine (``python -m serving.local_engine``) through the engine protocol.
+"""The project's own engine (``python -m serving.local_engine``) as an :class:`serving.engines.base.UpstreamEngine`.
 
 That engine speaks SGLang's native API itself (``/generate`` with ``input_ids``, ``rid``,
 ``lora_path``), so this client is what :mod:`serving.replica` uses with ``--engine local``: the

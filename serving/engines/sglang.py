@@ -1,4 +1,4 @@
-"""SGLang behind the engine protocol: a thin client of SGLang's own native HTTP API.
+"""SGLang as an :class:`serving.engines.base.UpstreamEngine`: a thin client of SGLang's own native HTTP API.
 
     from serving.engines.sglang import SglangEngine
     from serving.protocol import BadRequest, SamplingParams

@@ -7,7 +7,7 @@ from a working directory outside the repository so that vLLM imports its own pac
     argv, env = vllm_command("models/base", 31001, max_loras=4, max_lora_rank=16, kv_cache_gib=1)
     subprocess.Popen(argv, env=env, cwd="/tmp")
 
-and talk to it through the engine protocol (:mod:`serving.engines.base`)::
+and talk to it as an :class:`serving.engines.base.UpstreamEngine`::
 
     engine = VllmEngine("http://127.0.0.1:31001")
     engine.load_adapter("step_000003", "runs/r/adapters/step_000003")
@@ -222,7 +222,7 @@ def parse_completion(body: Any, url: str = "") -> Generation:
 
 
 class VllmEngine:
-    """The engine protocol over one vLLM server's HTTP API (see the module docstring)."""
+    """An :class:`~serving.engines.base.UpstreamEngine` over one vLLM server's HTTP API (see the module docstring)."""
 
     kind = "vllm"
 
