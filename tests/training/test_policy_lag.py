@@ -10,10 +10,10 @@ from training.rollout import Rollout
 from training.store import RolloutStore
 
 
-def _group(store: RolloutStore, name: str, version: int, tokens: int) -> None:
-    store.add_group(name, "t", version, 2)
+def _group(store: RolloutStore, name: str, adapter_step: int, tokens: int) -> None:
+    store.add_group(name, "t", adapter_step, 2)
     for i in range(2):
-        store.put(Rollout(f"{name}-{i}", name, "t", version, [1] + [2] * tokens, [0] + [1] * tokens,
+        store.put(Rollout(f"{name}-{i}", name, "t", adapter_step, [1] + [2] * tokens, [0] + [1] * tokens,
                           [0.0] + [-1.0] * tokens, float(i)))
 
 
@@ -22,7 +22,7 @@ def test_lag_window_and_bins(tmp_path: Path):
     _group(store, "v0", 0, 10)
     _group(store, "v1", 1, 40)
     _group(store, "v2", 2, 100)
-    # step 4 updates version 3; with max_policy_lag 1 the oldest usable version is 2
+    # step 4 updates the adapter of step 3; with max_policy_lag 1 the oldest usable one is step 2's
     take = store.take_groups(2, step=4, min_adapter_step=2)
     assert [g.group_id for g in take.groups] == ["v2"]
     assert sorted(g.group_id for g in take.discarded_groups) == ["v0", "v1"]

@@ -17,18 +17,18 @@ from training.rollout import Rollout
 from training.store import RolloutStore
 
 
-def _rollout(group: str, i: int, version: int, reward: float) -> Rollout:
+def _rollout(group: str, i: int, adapter_step: int, reward: float) -> Rollout:
     return Rollout(
-        rollout_id=f"{group}-{i}", group_id=group, task_id=f"task-{group}", adapter_step=version,
+        rollout_id=f"{group}-{i}", group_id=group, task_id=f"task-{group}", adapter_step=adapter_step,
         input_ids=[1, 2, 3 + i], loss_mask=[0, 1, 1], serving_logprobs=[0.0, -0.5, -0.25], reward=reward,
         info={"turns": 1},
     )
 
 
-def _fill(store: RolloutStore, group: str, version: int, size: int = 2) -> None:
-    store.add_group(group, f"task-{group}", version, size)
+def _fill(store: RolloutStore, group: str, adapter_step: int, size: int = 2) -> None:
+    store.add_group(group, f"task-{group}", adapter_step, size)
     for i in range(size):
-        store.put(_rollout(group, i, version, float(i)))
+        store.put(_rollout(group, i, adapter_step, float(i)))
 
 
 def test_round_trip_and_only_complete_groups_are_taken(tmp_path: Path):
