@@ -248,7 +248,7 @@ def open_task_stream(settings: Mapping[str, Any], run_dir: str | Path, suite: st
     if not isinstance(settings, Mapping):
         raise ValueError(f"{source}: key 'task_stream' must be an object, got {type(settings).__name__}")
     allowed = {"level_rates", "open_hard_after_steps", "retry_after_steps", "max_retries", "retry_share",
-               "buffer_per_level", "floor", "ema"}
+               "buffer_per_level", "workers", "floor", "ema"}
     unknown = sorted(set(settings) - allowed)
     if unknown:
         raise ValueError(f"{source}: key 'task_stream.{unknown[0]}' is not a task stream setting "
@@ -315,7 +315,8 @@ class TaskStream:
     suite's held-out tasks never depend on RL), built and validated in a sandbox by
     :func:`evals.bundled.build_task` before it is served; one that fails validation (the unfixed code
     passes, or the reference solution fails) is never served. A background thread keeps
-    ``buffer_per_level`` validated tasks ready per open level, so the loop does not wait on validation.
+    ``buffer_per_level`` validated tasks ready per open level, validating ``workers`` at once, so the
+    loop does not wait on validation.
 
     Order, easy to hard: level 1 is open from the start, level 2 from ``open_hard_after_steps // 2``,
     level 3 from ``open_hard_after_steps``; among the open levels a new task's level is drawn with
@@ -336,11 +337,12 @@ class TaskStream:
     def __init__(self, root: str | Path, suite: str | Path, *, seed: int = 0,
                  level_rates: Mapping[Any, float] | None = None, open_hard_after_steps: int = 10,
                  retry_after_steps: int = 8, max_retries: int = 2, retry_share: float = 0.25,
-                 buffer_per_level: int = 4, floor: float = 0.05, ema: float = 0.5, sandbox_runtime: str = "bwrap",
+                 buffer_per_level: int = 4, workers: int = 2, floor: float = 0.05, ema: float = 0.5,
+                 sandbox_runtime: str = "bwrap",
                  generate: Callable[..., Any] | None = None, sandbox_factory: Any = None) -> None:
         for name, value, low in (("open_hard_after_steps", open_hard_after_steps, 0),
                                  ("retry_after_steps", retry_after_steps, 1), ("max_retries", max_retries, 0),
-                                 ("buffer_per_level", buffer_per_level, 1)):
+                                 ("buffer_per_level", buffer_per_level, 1), ("workers", workers, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"task stream: key {name!r} must be an integer >= {low}, got {value!r}")
         for name, value in (("retry_share", retry_share), ("floor", floor), ("ema", ema)):
@@ -351,6 +353,7 @@ class TaskStream:
         self.seed = int(seed)
         self.open_hard_after_steps, self.retry_after_steps = open_hard_after_steps, retry_after_steps
         self.max_retries, self.retry_share, self.buffer_per_level = max_retries, float(retry_share), buffer_per_level
+        self.workers = workers
         self.floor, self.ema, self.sandbox_runtime = float(floor), float(ema), sandbox_runtime
         rates = {int(k): float(v) for k, v in (level_rates or {}).items()}
         for level, rate in rates.items():
@@ -460,8 +463,30 @@ class TaskStream:
             self._thread.join(timeout=60)
 
     def _fill(self) -> None:
+        """Generate tasks in stream order (cheap, and in order, so each level's draws are the same
+        every time) and validate ``workers`` at once; a level's validated tasks join its buffer in
+        stream order. A validation that fails for the sandbox's sake (not the task's) is tried
+        again, twice; a third failure stops the stream with that error."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
         from evals.bundled import SuiteBuildError, build_task, stream_task
         from evals.tasks import load_bundled
+
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="task-stream-validate")
+
+        def validate(gen: Any, factory: Any) -> tuple[Any, float]:
+            started = time.perf_counter()
+            for attempt in range(3):
+                try:
+                    return build_task(gen, self.root / "tasks", factory), time.perf_counter() - started
+                except SuiteBuildError:
+                    raise
+                except Exception:
+                    if attempt == 2:
+                        raise
+                    time.sleep(1.0)
+            raise AssertionError("unreachable")
 
         try:
             generate = self._generate or stream_task
@@ -478,14 +503,29 @@ class TaskStream:
                 for index in range(frontier[lv]):
                     gen = generate(self.seed, lv, index, taken[lv])
                     taken[lv].add(gen.files[f"{gen.module}.py"])
+            pending: dict[int, Any] = {lv: deque() for lv in LEVELS}  # (index, task id, future), stream order
             while not self._stopped.is_set():
                 with self._cond:
+                    for lv in LEVELS:
+                        while pending[lv] and pending[lv][0][2].done():
+                            index, task_id, future = pending[lv].popleft()
+                            try:
+                                task, took = future.result()
+                            except SuiteBuildError:
+                                self.rejected.append(task_id)
+                                continue
+                            self.validated += 1
+                            self.validation_s += took
+                            self._buffers[lv].append((index, task))
+                            self._cond.notify_all()
                     # the open levels only: a level about to open waits for one validation, once
-                    short = [lv for lv in self.open_levels() if len(self._buffers[lv]) < self.buffer_per_level]
-                    if not short:
-                        self._cond.wait(0.5)
+                    short = [lv for lv in self.open_levels()
+                             if len(self._buffers[lv]) + len(pending[lv]) < self.buffer_per_level]
+                    busy = sum(len(p) for p in pending.values())
+                    if not short or busy >= self.workers:
+                        self._cond.wait(0.05 if busy else 0.5)
                         continue
-                    level = min(short, key=lambda lv: (len(self._buffers[lv]), lv))
+                    level = min(short, key=lambda lv: (len(self._buffers[lv]) + len(pending[lv]), lv))
                 index = frontier[level]
                 frontier[level] += 1
                 try:
@@ -495,24 +535,20 @@ class TaskStream:
                 taken[level].add(gen.files[f"{gen.module}.py"])
                 if gen.id in rejected:
                     continue
-                started = time.perf_counter()
-                try:
-                    task = build_task(gen, self.root / "tasks", factory)
-                except SuiteBuildError:
-                    with self._cond:
-                        self.rejected.append(gen.id)
-                    continue
-                finally:
-                    took = time.perf_counter() - started
+                future = pool.submit(validate, gen, factory)
+                future.add_done_callback(lambda _: self._wake())
                 with self._cond:
-                    self.validated += 1
-                    self.validation_s += took
-                    self._buffers[level].append((index, task))
-                    self._cond.notify_all()
+                    pending[level].append((index, gen.id, future))
         except BaseException as exc:  # surfaced by the next draw that waits on this thread
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -534,7 +570,7 @@ class TaskStream:
             "kind": self.KIND, "root": str(self.root), "suite": str(self.suite), "seed": self.seed,
             "open_hard_after_steps": self.open_hard_after_steps, "retry_after_steps": self.retry_after_steps,
             "max_retries": self.max_retries, "retry_share": self.retry_share, "buffer_per_level": self.buffer_per_level,
-            "floor": self.floor, "ema": self.ema, "sandbox_runtime": self.sandbox_runtime,
+            "workers": self.workers, "floor": self.floor, "ema": self.ema, "sandbox_runtime": self.sandbox_runtime,
             "level_estimates": {str(k): v for k, v in self.level_estimates.items()},
             "next_index": {str(k): v for k, v in self.next_index.items()}, "served": list(self.served),
             "solved": sorted(self.solved), "retries": dict(self.retries), "retry_due": dict(self.retry_due),
@@ -549,7 +585,7 @@ class TaskStream:
                          level_rates=data["level_estimates"], open_hard_after_steps=int(data["open_hard_after_steps"]),
                          retry_after_steps=int(data["retry_after_steps"]), max_retries=int(data["max_retries"]),
                          retry_share=float(data["retry_share"]), buffer_per_level=int(data["buffer_per_level"]),
-                         floor=float(data["floor"]), ema=float(data["ema"]), sandbox_runtime=data["sandbox_runtime"])
+                         workers=int(data.get("workers", 2)), floor=float(data["floor"]), ema=float(data["ema"]), sandbox_runtime=data["sandbox_runtime"])
             stream.next_index = {int(k): int(v) for k, v in data["next_index"].items()}
             stream.served = list(data["served"])
             stream.solved = set(data["solved"])
