@@ -10,15 +10,18 @@ baseline commit's code from a ``git worktree`` (same Python environment).
 While a run goes, every process of the trainer's tree is sampled from /proc (psutil) every
 ``--interval-s`` (0.25 s) and its CPU time (user + system) is put in one bucket:
 
-- **model**: the engine replica and its processes (``serving.replica``, vLLM's engine core);
+- **model**: the forward passes: vLLM's engine core (and worker) processes, or the project's own
+  engine's process (``serving.local_engine``);
 - **episode commands**: what the sandbox daemon runs (the agent's tests and commands, the grading
   tests): the daemon's reaped children, plus those alive at the sample;
 - **sandbox start/stop**: the sandbox's own processes (the cgroup shell, setpriv, bwrap, the pxd
   daemon: a Python start per sandbox);
-- **trainer step**: the GRPO step's seconds (the loop's ``train_s`` per step, one thread: the
-  trainer runs torch on ``torch_threads`` = 1);
-- **else**: the rest of the trainer process (HTTP to the engine, capture, grading glue, rootfs and
-  cgroup set-up, publication, waiting loops) and any other process it starts.
+- **trainer step**: the trainer's main thread: the GRPO step (torch on ``torch_threads`` = 1 runs
+  on it), checkpoints, publication and the loop that waits for groups (the loop's own ``train_s``
+  per step is printed beside it);
+- **else**: the rest: the replica's HTTP processes (vLLM's API server, posttrain's capture front),
+  the trainer process outside the step (the harness's HTTP calls and parsing, grading glue, rootfs and
+  cgroup set-up, the rollout store, publication, waiting loops) and any other process it starts.
 
 Only the steady part counts: from the end of step 1 (the engine is up, the pipeline full) to the end
 of step N, so ``groups/s`` is the groups the steps 2..N took over that time. The machine is shared:
@@ -84,8 +87,15 @@ class Tracker:
             cmd = " ".join(proc.cmdline())
         except psutil.Error:
             cmd = ""
-        if parent_kind == "model" or "serving.replica" in cmd or "vllm" in cmd.lower():
-            return "model"
+        if parent_kind in ("model", "serving") or "serving.replica" in cmd or "vllm" in cmd.lower() \
+                or "serving.local_engine" in cmd:
+            try:
+                name = proc.name()
+            except psutil.Error:
+                name = ""
+            # vLLM's engine core (and worker) run the forward passes; its API server and posttrain's
+            # capture front are HTTP; the project's own engine does both in one process
+            return "model" if name.startswith("VLLM::") or "serving.local_engine" in cmd else "serving"
         if parent_kind in ("sandbox", "command"):
             if parent_kind == "sandbox" and ("--stdio" in cmd or "bwrap" in cmd):
                 return "sandbox"  # bwrap's own child and the pxd daemon
@@ -115,10 +125,18 @@ class Tracker:
                 self.kinds[key] = self._kind(proc, parent_kind)
             kind = self.kinds[key]
             try:
+                if kind == "serving" and proc.name().startswith("VLLM::"):  # named after its start
+                    kind = self.kinds[key] = "model"
                 t = proc.cpu_times()
             except psutil.Error:
                 continue
             own = t.user + t.system
+            if kind == "trainer":  # its main thread: the step, publication and the take loop
+                try:
+                    main = next(th for th in proc.threads() if th.id == pid)
+                    self.own_s[("main", 0.0)] = main.user_time + main.system_time
+                except (psutil.Error, StopIteration):
+                    pass
             if kind == "command":
                 alive_commands += own
                 continue
@@ -135,10 +153,13 @@ class Tracker:
             return ""
 
     def totals(self) -> dict[str, float]:
-        out = {"model": 0.0, "episode commands": 0.0, "sandbox start/stop": 0.0, "trainer": 0.0, "else": 0.0}
+        out = {"model": 0.0, "episode commands": 0.0, "sandbox start/stop": 0.0, "trainer": 0.0, "serving": 0.0,
+               "other": 0.0, "trainer main thread": 0.0}
         for key, seconds in self.own_s.items():
-            kind = self.kinds[key]
-            out[{"model": "model", "sandbox": "sandbox start/stop", "trainer": "trainer"}.get(kind, "else")] += seconds
+            if key == ("main", 0.0):
+                out["trainer main thread"] = seconds
+                continue
+            out[{"sandbox": "sandbox start/stop"}.get(self.kinds[key], self.kinds[key])] += seconds
         out["episode commands"] = sum(self.reaped_s.values()) + self.alive_commands_s
         return out
 
@@ -192,16 +213,17 @@ def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, l
 
     reader = threading.Thread(target=read_steps, daemon=True)
     reader.start()
-    started = time.monotonic()
     me = psutil.Process()
     profiler_cpu0 = sum(me.cpu_times()[:2])
-    while proc.poll() is None:
+    while proc.poll() is None and len(steps_done) < steps:
         with lock:
             tracker.sample()
         time.sleep(interval_s)
-    reader.join(timeout=10)
-    log.close()
-    if proc.returncode != 0 or len(steps_done) < 2:
+    profiler_cpu_s = sum(me.cpu_times()[:2]) - profiler_cpu0
+    if len(steps_done) < max(2, steps):
+        proc.wait()
+        reader.join(timeout=10)
+        log.close()
         tail = (run_dir / "trainer.log").read_text()[-3000:]
         raise SystemExit(f"{label}: the trainer exited with {proc.returncode} after {len(steps_done)} steps; "
                          f"log {run_dir / 'trainer.log'}:\n{tail}")
@@ -210,14 +232,25 @@ def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, l
     groups = sum(s[1] for s in steps_done[1:])
     train_s = sum(s[2] for s in steps_done[1:])
     cpu = {k: last[4].cpu_s[k] - first[4].cpu_s[k] for k in last[4].cpu_s}
-    step_cpu = min(train_s, cpu["trainer"])
+    step_cpu = cpu["trainer main thread"]
     split = {"model": cpu["model"], "episode commands": cpu["episode commands"],
              "sandbox start/stop": cpu["sandbox start/stop"], "trainer step": step_cpu,
-             "else": cpu["else"] + cpu["trainer"] - step_cpu}
-    return {"label": label, "code": str(code), "settings": settings, "steps": len(steps_done),
-            "window_s": window_s, "groups": groups, "groups_per_s": groups / window_s, "cpu_s": split,
-            "cores_busy": sum(split.values()) / window_s, "wall_s": time.monotonic() - started,
-            "profiler_cpu_s": sum(me.cpu_times()[:2]) - profiler_cpu0}
+             "else": cpu["serving"] + cpu["other"] + cpu["trainer"] - step_cpu}
+    detail = {"serving HTTP and capture": cpu["serving"], "trainer process outside the step": cpu["trainer"] - step_cpu,
+              "other processes": cpu["other"]}
+    result = {"label": label, "code": str(code), "settings": settings, "steps": len(steps_done),
+              "window_s": window_s, "groups": groups, "groups_per_s": groups / window_s, "cpu_s": split,
+              "else_detail": detail, "train_wall_s": train_s, "cores_busy": sum(split.values()) / window_s,
+              "profiler_cpu_s": profiler_cpu_s}
+    print_side(result)
+    # the figures are in; the trainer still finishes the groups in flight and stops its engine
+    print(f"{label}: waiting for the trainer to stop", file=sys.stderr, flush=True)
+    proc.wait()
+    reader.join(timeout=10)
+    log.close()
+    if proc.returncode != 0:
+        raise SystemExit(f"{label}: the trainer exited with {proc.returncode}; log {run_dir / 'trainer.log'}")
+    return result
 
 
 def baseline_tree(commit: str) -> Path:
@@ -231,13 +264,15 @@ def baseline_tree(commit: str) -> Path:
 
 def print_side(result: dict) -> None:
     total = sum(result["cpu_s"].values())
-    print(f"{result['label']}: {result['groups']} groups in {result['window_s']:.1f} s = "
+    print(f"{result['label']}: {result['groups']} groups in {result['window_s']:.1f} s (the steps' train_s "
+          f"{result['train_wall_s']:.1f} s) = "
           f"{result['groups_per_s']:.2f} groups/s; CPU {total:.1f} s ({result['cores_busy']:.2f} cores busy); "
           f"settings {json.dumps(result['settings'])}")
     for bucket in BUCKETS:
         seconds = result["cpu_s"][bucket]
         print(f"  {bucket:20s} {seconds:7.1f} s  {100 * seconds / max(total, 1e-9):5.1f}%  "
               f"{seconds / result['groups']:.2f} s a group")
+    print("    else: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in result["else_detail"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,11 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "current":
         results.append(profile(baseline_tree(args.baseline), home, args.steps, args.interval_s, args.work,
                                f"baseline {args.baseline}"))
-        print_side(results[-1])
     if args.only != "baseline":
         results.append(profile(args.code.resolve(), home, args.steps, args.interval_s, args.work, "current",
                                overrides))
-        print_side(results[-1])
     if len(results) == 2:
         base, cur = results
         print(f"groups/s: {cur['groups_per_s']:.2f} against {base['groups_per_s']:.2f}, "
