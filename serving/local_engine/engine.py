@@ -472,10 +472,7 @@ class LocalEngine:
                         lo, hi = pad + b * bs, pad + (b + 1) * bs
                         payloads[b] = [(k[row:row + 1, :, lo:hi].clone(), v[row:row + 1, :, lo:hi].clone()) for k, v in self._kv]
                     # The row's private tokens become cached blocks: usage does not grow.
-                    req_chain = self.cache.insert(req.adapter, req.seq[:full * bs], payloads, have=req.locked)
-                else:
-                    req_chain = req.locked
-                del req_chain
+                    self.cache.insert(req.adapter, req.seq[:full * bs], payloads, have=req.locked)
                 self.cache.unlock(req.locked)
                 req.locked = []
                 self.scheduler.running.remove(req)
