@@ -55,6 +55,11 @@ def groups_per_step(collection_size: int, group_size: int) -> int:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Every trainer key, with its default written here only: the loss settings
+    (training.grpo.LossConfig) and the trainer backends' keyword arguments of the same name
+    (``lora_rank``, ``lora_alpha``, ``learning_rate``, ``seed``, ``recompute``; training.backends)
+    default to these."""
+
     run_name: str = "demo"
     base_model: str = ""  # a Hugging Face model folder
     backend: str = "torch_peft"

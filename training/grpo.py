@@ -40,8 +40,6 @@ import torch
 from evals.signals import ALL_SIGNALS
 from training.config import INTEGRITY_GATES, LOSS_WEIGHTINGS, TrainConfig
 
-TRAINER_DEFAULTS = TrainConfig()  # where every default below is written (the run file's [trainer] keys)
-
 
 @dataclass(frozen=True)
 class TrainBatch:
@@ -80,10 +78,10 @@ class LossConfig:
     (:class:`training.config.TrainConfig`, keys ``tis_cap``, ``kl_coef``, ``loss_weighting``,
     ``scale_advantages_by_std``)."""
 
-    tis_cap: float = TRAINER_DEFAULTS.tis_cap
-    kl_coef: float = TRAINER_DEFAULTS.kl_coef
-    weighting: str = TRAINER_DEFAULTS.loss_weighting
-    scale_advantages_by_std: bool = TRAINER_DEFAULTS.scale_advantages_by_std
+    tis_cap: float = TrainConfig.tis_cap
+    kl_coef: float = TrainConfig.kl_coef
+    weighting: str = TrainConfig.loss_weighting
+    scale_advantages_by_std: bool = TrainConfig.scale_advantages_by_std
 
     def __post_init__(self) -> None:
         if self.weighting not in LOSS_WEIGHTINGS:
@@ -170,7 +168,7 @@ class IntegrityGate:
         return out
 
 
-DEFAULT_GATE = IntegrityGate.from_config(TRAINER_DEFAULTS)  # the trainer's defaults, for callers without a config
+DEFAULT_GATE = IntegrityGate.from_config(TrainConfig())  # the trainer's defaults, for callers without a config
 
 
 def has_reward_variance(rewards: Sequence[float]) -> bool:

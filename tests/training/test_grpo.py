@@ -75,6 +75,23 @@ def test_loss_config_comes_from_the_trainer_keys_and_no_backend_takes_a_loss_set
         assert list(inspect.signature(backend_class(name).train_step).parameters) == ["self", "batch", "loss"], name
 
 
+def test_backend_settings_that_are_trainer_keys_default_to_the_trainer_config():
+    """A backend's keyword argument named like a trainer key takes the trainer config's default, and
+    those that are not trainer keys take training.backends' one default, alike in every backend."""
+    from training import backends
+    from training.backends import backend_class
+    from training.config import BACKENDS, TrainConfig
+
+    shared = {"target_modules": backends.LORA_TARGET_MODULES, "weight_decay": backends.DEFAULT_WEIGHT_DECAY,
+              "max_grad_norm": backends.DEFAULT_MAX_GRAD_NORM, "micro_batch_tokens": backends.DEFAULT_MICRO_BATCH_TOKENS}
+    trainer = TrainConfig()
+    for name in BACKENDS:
+        defaults = {k: p.default for k, p in inspect.signature(backend_class(name)).parameters.items()}
+        for key in ("lora_rank", "lora_alpha", "learning_rate", "seed", "recompute"):
+            assert defaults[key] == getattr(trainer, key), (name, key)
+        assert {k: defaults[k] for k in shared} == shared, name
+
+
 def test_the_loss_weighting_key_is_validated_naming_the_key():
     from training.config import TrainConfig
 

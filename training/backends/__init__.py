@@ -11,6 +11,11 @@ peft LoRA adapter, on the CPU or one GPU per process) and a Megatron-core backen
 (``training.backends.megatron``, tensor parallel). Both train data parallel over the processes of a
 trainer started by torchrun (``training.backends.parallel``). :func:`load_backend` picks one by name,
 importing lazily so that the Megatron dependency is only needed when asked for.
+
+A backend's settings that are trainer config keys (``lora_rank``, ``lora_alpha``, ``learning_rate``,
+``seed``, ``recompute``) default to :class:`training.config.TrainConfig`'s; those that are not (the
+LoRA target modules, weight decay, gradient clip, micro-batch size) are written once below, for every
+backend.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ from training.backends import parallel
 from training.backends.batch import StepResult, micro_batches, pad_rows
 from training.backends.parallel import DataParallel
 from training.config import BACKENDS
-from training.grpo import LossConfig, TrainBatch
+from training.grpo import LossConfig, TrainBatch  # for the type hints only; TrainBatch lives in training.grpo
 
-__all__ = ["DEFAULT_MAX_GRAD_NORM", "StepResult", "TrainerBackend", "backend_class", "backend_default_device",
-           "build_replica", "load_backend", "micro_batches", "pad_rows"]
+__all__ = ["DEFAULT_MAX_GRAD_NORM", "DEFAULT_MICRO_BATCH_TOKENS", "DEFAULT_WEIGHT_DECAY", "LORA_TARGET_MODULES",
+           "StepResult", "TrainerBackend", "backend_class", "backend_default_device", "build_replica",
+           "load_backend", "micro_batches", "pad_rows"]
 
-# The gradient-norm clip of every backend's optimizer step (an optimizer setting, like the learning
-# rate; not a trainer config key): the one default each backend's ``max_grad_norm`` takes.
-DEFAULT_MAX_GRAD_NORM = 1.0
+# The defaults of every backend's keyword arguments that are not trainer config keys: target_modules
+# (the adapter's LoRA projections, every linear layer of a decoder layer; megatron takes only these),
+# weight_decay, max_grad_norm and micro_batch_tokens.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_WEIGHT_DECAY = 0.0  # AdamW's, on the adapter
+DEFAULT_MAX_GRAD_NORM = 1.0  # the gradient-norm clip of each optimizer step
+DEFAULT_MICRO_BATCH_TOKENS = 8192  # padded tokens per forward/backward; gradients accumulate across them
 
 
 @runtime_checkable

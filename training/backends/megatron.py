@@ -56,14 +56,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from training.attention import FlashAttention, attention_kernels
-from training.backends import DEFAULT_MAX_GRAD_NORM, StepResult
+from training.backends import (DEFAULT_MAX_GRAD_NORM, DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_WEIGHT_DECAY,
+                               LORA_TARGET_MODULES, StepResult)
 from training.backends.megatron_weights import QwenConfig, load_base_weights
 from training.backends.parallel import DataParallel, broadcast_from_first
 from training.backends.step import grpo_train_step
 from training.checkpoint import adapter_dir
+from training.config import TrainConfig
 from training.grpo import LossConfig, TrainBatch
-
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from training.recompute import RECOMPUTE_MODES
 
 
 def _megatron():
@@ -223,20 +224,20 @@ class MegatronBackend:
         model_path: str | Path,
         *,
         tensor_parallel_size: int | None = None,
-        lora_rank: int = 16,
-        lora_alpha: int = 32,
-        target_modules: Sequence[str] = TARGET_MODULES,
-        learning_rate: float = 2e-3,
-        weight_decay: float = 0.0,
+        lora_rank: int = TrainConfig.lora_rank,
+        lora_alpha: int = TrainConfig.lora_alpha,
+        target_modules: Sequence[str] = LORA_TARGET_MODULES,
+        learning_rate: float = TrainConfig.learning_rate,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
         max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
-        micro_batch_tokens: int = 8192,
-        seed: int = 0,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+        seed: int = TrainConfig.seed,
         device: str = "cuda",
         dtype: str = "bfloat16",
-        recompute: str = "none",
+        recompute: str = TrainConfig.recompute,
     ) -> None:
-        if recompute not in ("none", "full", "attention_output"):
-            raise ValueError(f"recompute must be one of none, full, attention_output, got {recompute!r}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
         if recompute != "none":
             raise NotImplementedError(
                 f"recompute={recompute!r}: the megatron backend keeps every activation (use recompute='none'). "
@@ -244,8 +245,8 @@ class MegatronBackend:
                 "replayed in backward, and Megatron's own full recomputation is unchecked with LoRA on frozen "
                 "tensor-parallel weights here; both recompute modes run in the torch_peft backend"
             )
-        if tuple(sorted(target_modules)) != tuple(sorted(TARGET_MODULES)):
-            raise ValueError(f"target_modules: the megatron backend puts LoRA on all of {TARGET_MODULES}")
+        if tuple(sorted(target_modules)) != tuple(sorted(LORA_TARGET_MODULES)):
+            raise ValueError(f"target_modules: the megatron backend puts LoRA on all of {LORA_TARGET_MODULES}")
         parallel_state, tensor_parallel, GPTModel, get_spec, TransformerConfig = _megatron()
         self.model_path = Path(model_path)
         self.config = cfg = QwenConfig.from_folder(self.model_path)
@@ -468,7 +469,7 @@ class MegatronBackend:
         directory.mkdir(parents=True, exist_ok=True)
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.lora_rank, "lora_alpha": self.lora_alpha,
-            "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(TARGET_MODULES),
+            "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(LORA_TARGET_MODULES),
             "base_model_name_or_path": str(self.model_path), "fan_in_fan_out": False, "inference_mode": True,
         }
         tmp = directory / "adapter_model.safetensors.tmp"

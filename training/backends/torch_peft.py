@@ -42,15 +42,15 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from training.backends import DEFAULT_MAX_GRAD_NORM, StepResult
+from training.backends import (DEFAULT_MAX_GRAD_NORM, DEFAULT_MICRO_BATCH_TOKENS, DEFAULT_WEIGHT_DECAY,
+                               LORA_TARGET_MODULES, StepResult)
 from training.backends.parallel import DataParallel, broadcast_from_first
 from training.backends.step import grpo_train_step
 from training.grpo import LossConfig, TrainBatch
 from training.checkpoint import adapter_dir
+from training.config import TrainConfig
 from training.logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from training.recompute import RECOMPUTE_MODES, keep_attention_output_in_hf_layers, plain_lora
-
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class TorchPeftBackend:
@@ -58,16 +58,16 @@ class TorchPeftBackend:
         self,
         model_path: str | Path,
         *,
-        lora_rank: int = 16,
-        lora_alpha: int = 32,
-        target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
-        learning_rate: float = 2e-3,
-        weight_decay: float = 0.0,
+        lora_rank: int = TrainConfig.lora_rank,
+        lora_alpha: int = TrainConfig.lora_alpha,
+        target_modules: Sequence[str] = LORA_TARGET_MODULES,
+        learning_rate: float = TrainConfig.learning_rate,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
         max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
-        micro_batch_tokens: int = 8192,
-        seed: int = 0,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+        seed: int = TrainConfig.seed,
         device: str = "cpu",
-        recompute: str = "none",
+        recompute: str = TrainConfig.recompute,
         dtype: str = "float32",
         logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         data_parallel: DataParallel | None = None,
