@@ -250,3 +250,45 @@ def test_a_killed_run_resumes_its_stream_without_drawing_a_task_twice(suite, tmp
     assert state["kind"] == "task_stream" and state["skipped"] and set(state["skipped"]) <= set(first)
     assert not set(state["served"]) & set(state["skipped"])
     assert json.loads((run / "task_stream" / "state.json").read_text())["step"] == 4
+
+
+@pytest.mark.slow
+def test_the_curriculum_asset_sets_up_the_stream(suite, posttrain_home, tmp_path):
+    """``difficulty_curriculum`` on a run file with ``task_stream = true``: the base model (a real,
+    random, tiny one served by an engine process) is measured on ``stream_tasks_per_level`` RL tasks a
+    level, and ``curriculum.json`` carries the stream's settings with the base's rate per level, which
+    the trainer opens as the run's stream; a run's stream state shows in the metadata."""
+    import dagster as dg
+
+    from assets.curriculum import difficulty_curriculum
+    from assets.resources import PosttrainStorage
+    from serving.tiny import build_tiny_model
+    from training.config import TrainConfig
+    from training.episodes import load_curriculum
+
+    model = build_tiny_model(tmp_path / "model")
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'[model]\npath = "{model}"\n\n[curriculum]\ntasks = "{suite}"\nretry_after_steps = 3\n'
+                        'task_stream = true\n')
+    storage = PosttrainStorage(root=str(posttrain_home))
+    shown = storage.runs_dir() / "earlier" / "task_stream"
+    shown.mkdir(parents=True)
+    (shown / "state.json").write_text(json.dumps({"step": 8, "drawn": 30, "drawn_by_level": {"1": 20, "2": 10, "3": 0},
+                                                  "solved": 12, "retried": 3, "retry_queue": 2, "rejected": 0}))
+    config = {"run_file": str(run_file), "attempts_per_task": 1, "max_turns": 1, "max_new_tokens": 8, "workers": 1,
+              "stream_tasks_per_level": 1}
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([difficulty_curriculum], instance=instance, resources={"storage": storage},
+                                run_config={"ops": {"difficulty_curriculum": {"config": config}}})
+        assert result.success
+        meta = result.asset_materializations_for_node("difficulty_curriculum")[0].metadata
+    written = json.loads((storage.curriculum_dir() / "curriculum.json").read_text())
+    assert len(written["pass_rates"]) == 3 and meta["tasks"].value == 3  # one RL task a level
+    assert set(written["task_stream"]) == {"retry_after_steps", "level_rates"}
+    assert set(written["task_stream"]["level_rates"]) == {"1", "2", "3"}
+    assert meta["task_stream"].value is True and meta["task_stream_drawn"].value == 30
+    assert meta["task_stream_retried"].value == 3 and "| earlier | 8 | 30 (20/10/0) | 12 | 3 | 2 | 0 |" in meta["task_stream_runs"].value
+    cfg = TrainConfig(base_model=str(model), tasks=str(suite), curriculum=str(storage.curriculum_dir() / "curriculum.json"))
+    stream = load_curriculum(cfg, sorted(written["pass_rates"]), tmp_path / "run")
+    assert isinstance(stream, TaskStream) and stream.retry_after_steps == 3
+    assert stream.root == (tmp_path / "run" / "task_stream").resolve()
