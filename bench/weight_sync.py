@@ -68,9 +68,7 @@ def receiver(staging: Path):
         body = req.json()
         return {"success": True, "lora_path": str(shards.commit(body["lora_name"], body["num_shards"], body["adapter_config"]))}
 
-    server = JsonServer({("PUT", "/lora_shards/"): put, ("POST", "/commit_lora_adapter"): commit})
-    threading.Thread(target=server.httpd.serve_forever, daemon=True).start()
-    return server
+    return JsonServer({("PUT", "/lora_shards/"): put, ("POST", "/commit_lora_adapter"): commit}).start()
 
 
 def loopback_s(data: bytes) -> float:
@@ -143,7 +141,7 @@ def main() -> int:
             mib = size / 2**20
             print(f"{rank:>4} {mib:>8.1f} {p:>10.3f} {v:>13.3f} {lb:>11.3f} {p / v:>15.2f} {p / lb:>17.2f} {mib / p:>14.1f}",
                   flush=True)
-        server.httpd.shutdown()
+        server.shutdown()
     return 0
 
 

@@ -35,6 +35,7 @@ import importlib.util
 import itertools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from serving.adapters import ShardAssembler
@@ -130,8 +131,6 @@ class CaptureFront(JsonServer):
         check_generate_sessions(self.capture, requests, req.headers)
         if not isinstance(body["input_ids"][0], list):
             return self.generate_one(requests[0])
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=min(len(requests), 32)) as ex:
             return list(ex.map(self.generate_one, requests))
 

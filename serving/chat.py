@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
+from jinja2 import TemplateError
+
 from serving.capture_store import SESSION_HEADER, SESSION_KEY_HEADER, CaptureStore, new_session_id, session_key
 from serving.chat_template import render_chat
 from serving.client import HttpPool
@@ -420,7 +422,7 @@ class ChatCompletions:
                 if not folder:
                     raise HttpError(502, f"engine {self.engine_url}: /v1/models names no folder (root) for the base "
                                          "model; the chat route renders prompts with the folder's tokenizer")
-                from transformers import AutoTokenizer
+                from transformers import AutoTokenizer  # seconds to import: only a process that serves chat pays
 
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -435,8 +437,6 @@ class ChatCompletions:
 
     def render(self, chat: ChatRequest) -> tuple[list[int], str]:
         """The call's prompt as token ids and as text (:func:`serving.chat_template.render_chat`)."""
-        from jinja2 import TemplateError
-
         try:
             return render_chat(self.tokenizer(), chat.messages, chat.tools)
         except TemplateError as exc:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.http import serve
 from serving.prefix_cache import Block, PrefixCache
 from serving.protocol import BadRequest, GenerateRequest, finish_reason
 from serving.scheduler import KvScheduler
@@ -191,8 +192,6 @@ def parse_replica_spec(spec: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.http import serve
-
     parser = argparse.ArgumentParser(prog="python -m serving.sim", description="a fleet of simulated engines in one process")
     parser.add_argument("--replicas", action="append", default=[], help="COUNTxGPUS, repeatable (default 4x1)")
     parser.add_argument("--host", default="127.0.0.1")

@@ -121,7 +121,7 @@ def test_model_server_unreachable_is_an_infra_error(task, tokenizer):
 
     gone = JsonServer({}, port=0)  # bind a free loopback port, then close it: nothing listens there
     port = gone.port
-    gone.httpd.server_close()
+    gone.shutdown()
     traj = run_episode(task, EngineClient(f"http://127.0.0.1:{port}", timeout_s=5), tokenizer,
                        platform_sandbox_factory("bwrap"), max_turns=1)
     assert traj.stop_reason == "infra_error" and traj.reward is None and "unreachable" in traj.error
