@@ -6,25 +6,40 @@ checkpoint's newest run and shows the spread between repeats; it refreshes on it
 ``deepswe_eval`` partition is materialized (declarative automation, run by the daemon).
 """
 
+import json
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pandas as pd
 
+from assets.checks import (
+    ATTEMPTS_CHECK, DUPLICATES_CHECK, INFRA_CHECK, REPORT_CHECK, check_attempts_recorded, check_infra_share,
+    check_no_duplicates, check_report_complete,
+)
+from assets.harbor_eval import harbor_eval_rows
+from assets.metadata import per_task_table, png_markdown, rounded
 from assets.partitions import checkpoints_partitions
 from assets.resources import PosttrainStorage
-from assets.training import png_markdown, rounded
 from assets.training import checkpoints
-from training.checkpoint import checkpoint_policy
-from training.planner.schema import EvalSection, parse_eval_table
+from evals.evaluate import evaluate_checkpoint, load_eval_tasks, select_tasks
+from evals.flawed import ensure_flawed_lists, load_flawed_lists
+from evals.attempts import write_rows
+from evals.harbor import eval_split, is_harbor_dataset
+from evals.report import (
+    build_report, flagged_mask, flip_counts, graded_rows, headline_markdown, headlines, load_attempt_rows,
+    markdown_tables, newest_runs, parse_key, plot_pass_at_1, plot_pass_at_k, plot_target_scores, repeat_spread,
+    report_rows, run_summary, signal_counts, spread_markdown,
+)
+from evals.sandbox import platform_sandbox_factory
+from training.checkpoint import checkpoint_policy, metrics_dir
+from training.planner.runner import PLAN_FILENAME
+from training.planner.schema import EvalSection, PlanError, parse_eval_table
+from training.progress import plot_curves, rows_from_steps_parquet
 from viewer import links
+from viewer.data import checkpoint_tasks
 
 EVAL_POOL = "eval"  # the instance lets two ops of this pool run at once (dagster_project/instance.py)
-ATTEMPTS_CHECK = "every_attempt_graded_or_infra_error"
-INFRA_CHECK = "infra_error_share_under_threshold"
-DUPLICATES_CHECK = "no_duplicate_attempts"
-REPORT_CHECK = "every_evaluated_checkpoint_present"
-STATUSES = ("graded", "apply_failed", "agent_fault", "infra_error")
 
 
 EVAL_DEFAULTS = EvalSection()  # the run file's [eval] defaults: the config's below are these
@@ -81,11 +96,6 @@ def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
     """The ``[eval]`` of run ``run_name``: its ``resolved-plan.json``'s (the run file's, as planned),
     else the ``eval.json`` that ``posttrain eval --model`` wrote for a model it registered, else the
     defaults. A table that does not validate raises ``PlanError`` naming the file and the key."""
-    import json
-
-    from training.planner.runner import PLAN_FILENAME
-    from training.planner.schema import PlanError
-
     run_dir = storage.run_dir(run_name)
     for path in (run_dir / PLAN_FILENAME, run_dir / EVAL_SETTINGS_FILE):
         if path.is_file():
@@ -98,93 +108,9 @@ def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
     return EVAL_DEFAULTS
 
 
-# columns of the per-task tables (deepswe_eval, eval_report): name -> Dagster column type
-PER_TASK_COLUMNS = {"task_id": "string", "level": "int", "base": "string", "checkpoint": "string",
-                    "base_pass@1": "float", "pass@1": "float", "change": "float", "flip": "string",
-                    "flagged": "int", "flawed": "string", "viewer": "string"}
-
-
-def per_task_table(rows: list[dict[str, Any]], checkpoint: str) -> dg.TableMetadataValue:
-    """The per-task rows of :func:`viewer.data.task_table` as Dagster table metadata: passes out of
-    graded attempts at the base model and at ``checkpoint``, pass@1 of each and the change, the flip
-    (``gained``: solved now and never by the base model; ``lost``: the other way round), flagged
-    attempts, the flawed lists naming the task and the task's page in the viewer. Flips first."""
-    import math
-
-    def number(value: Any) -> float | None:
-        return None if value is None or (isinstance(value, float) and math.isnan(value)) else round(float(value), 4)
-
-    order = {"gained": 0, "lost": 1, "": 2}
-    records = [dg.TableRecord(data={
-        "task_id": r["task_id"], "level": int(r["level"]),
-        "base": f"{r['base_passes']}/{r['base_attempts']}" if r["base_attempts"] is not None else "",
-        "checkpoint": f"{r['passes']}/{r['attempts']}", "base_pass@1": number(r["base_pass@1"]),
-        "pass@1": number(r["pass@1"]), "change": number(r["change"]), "flip": r["flip"], "flagged": int(r["flagged"]),
-        "flawed": ", ".join(r["flawed"]), "viewer": links.url(links.task_path(checkpoint, r["task_id"])),
-    }) for r in sorted(rows, key=lambda r: (order[r["flip"]], r["task_id"]))]
-    return dg.MetadataValue.table(records, dg.TableSchema(columns=[dg.TableColumn(n, t) for n, t in PER_TASK_COLUMNS.items()]))
-
-
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:
     """Where one eval run of ``checkpoint`` keeps its attempt rows."""
     return storage.evals_dir() / "deepswe" / checkpoint / f"{run_id}.parquet"
-
-
-def check_attempts_recorded(frame: Any, task_ids: list[str], attempts: int) -> dg.AssetCheckResult:
-    """Every (task, attempt) of the run has a row whose status is one of :data:`STATUSES`; a graded
-    attempt has a reward and an infra error says what failed."""
-    import pandas as pd
-
-    expected = {(t, a) for t in task_ids for a in range(attempts)}
-    seen = set(zip(frame["task_id"], frame["attempt"].astype(int))) if len(frame) else set()
-    missing = sorted(expected - seen)
-    unknown = frame[~frame["status"].isin(STATUSES)] if len(frame) else frame
-    infra = frame["status"] == "infra_error" if len(frame) else pd.Series(dtype=bool)
-    scored = frame[~infra] if len(frame) else frame
-    unscored = scored[scored["reward"].isna()] if len(scored) else scored
-    silent = frame[infra & frame["detail"].fillna("").eq("")] if len(frame) else frame
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} attempt(s) without a row, e.g. task {missing[0][0]} attempt {missing[0][1]}")
-    if len(unknown):
-        problems.append(f"{len(unknown)} row(s) with status {sorted(set(unknown['status']))[0]!r} "
-                        f"(expected one of {', '.join(STATUSES)})")
-    if len(unscored):
-        problems.append(f"{len(unscored)} graded row(s) without a reward, e.g. task {unscored['task_id'].iloc[0]}")
-    if len(silent):
-        problems.append(f"{len(silent)} infra error(s) that do not say what failed (empty 'detail')")
-    return dg.AssetCheckResult(
-        check_name=ATTEMPTS_CHECK, passed=not problems,
-        metadata={"expected_attempts": len(expected), "rows": len(frame),
-                  "by_status": dg.MetadataValue.json({s: int((frame["status"] == s).sum()) for s in STATUSES}
-                                                     if len(frame) else {}),
-                  **({"problems": "; ".join(problems)} if problems else {})},
-        description="; ".join(problems) or None,
-    )
-
-
-def check_infra_share(frame: Any, threshold: float) -> dg.AssetCheckResult:
-    """The share of attempts lost to the infrastructure is at most ``threshold``."""
-    share = float((frame["status"] == "infra_error").mean()) if len(frame) else 0.0
-    passed = share <= threshold
-    return dg.AssetCheckResult(
-        check_name=INFRA_CHECK, passed=passed, severity=dg.AssetCheckSeverity.WARN,
-        metadata={"infra_error_share": round(share, 4), "threshold": threshold},
-        description=None if passed else f"{share:.1%} of attempts were infra errors (threshold {threshold:.1%}): "
-                                        "the sandboxes or the engine failed, not the model",
-    )
-
-
-def check_no_duplicates(frame: Any) -> dg.AssetCheckResult:
-    """No (task, attempt) appears twice in the run's rows."""
-    dupes = frame[frame.duplicated(["task_id", "attempt"], keep=False)] if len(frame) else frame
-    pairs = sorted(set(zip(dupes["task_id"], dupes["attempt"]))) if len(dupes) else []
-    return dg.AssetCheckResult(
-        check_name=DUPLICATES_CHECK, passed=not pairs,
-        metadata={"duplicated_attempts": len(pairs)},
-        description=f"{len(pairs)} attempt(s) recorded more than once, e.g. task {pairs[0][0]} attempt {pairs[0][1]}"
-        if pairs else None,
-    )
 
 
 @dg.asset(
@@ -214,20 +140,9 @@ def deepswe_eval(
     many carry each one; flagged attempts are scored as graded. ``per_task`` compares each task
     with the run's base model (flips, attempts, flawed marks); ``viewer`` opens every attempt
     (transcript, tests, diff) in the trajectory viewer."""
-    import pandas as pd
-
-    from evals.evaluate import evaluate_checkpoint, load_eval_tasks, write_rows
-    from evals.flawed import ensure_flawed_lists
-    from evals.harbor import eval_split, is_harbor_dataset, select_tasks
-    from viewer.data import checkpoint_tasks
-    from evals.report import flagged_mask, per_task, signal_counts
-    from evals.sandbox import platform_sandbox_factory
-
     key = context.partition_key
     policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
     if is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
-        from assets.harbor_eval import harbor_eval_rows
-
         tasks, rows = harbor_eval_rows(context, config, storage, policy)
     else:
         tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split),
@@ -242,33 +157,20 @@ def deepswe_eval(
     path = write_rows(rows, eval_rows_path(storage, key, context.run_id))
 
     frame = pd.DataFrame(rows)
-    table = per_task(frame, config.attempts)
-    graded = frame[frame["status"] != "infra_error"]
-    k = config.attempts
+    summary = run_summary(frame, config.attempts)
     metadata = {
         "path": dg.MetadataValue.path(str(path)),
         "run_id": context.run_id,
         "tasks": len(tasks),
-        "attempts": len(frame),
-        "infra_errors": int((frame["status"] == "infra_error").sum()),
-        "apply_failed": int((frame["status"] == "apply_failed").sum()),
-        "pass@1": float(table["pass@1"].mean()) if len(table) else float("nan"),
-        f"pass@{k}": float(table[f"pass@{k}"].mean()) if len(table) else float("nan"),
-        "partial": float(graded["partial"].mean()) if len(graded) else float("nan"),
-        "mean_target_score": float(graded["target_score"].mean()) if len(graded) else float("nan"),
-        "mean_strict_target_score": float(graded["strict_target_score"].mean()) if len(graded) else float("nan"),
-        "committed_share": float(frame["committed"].mean()) if len(frame) else 0.0,
-        "flagged_attempts": int(flagged_mask(graded).sum()),
-        "signals": dg.MetadataValue.json(signal_counts(graded)),
+        **summary,
+        "signals": dg.MetadataValue.json(summary["signals"]),
         "adapter_version": policy.adapter_version or "base",
         "viewer": dg.MetadataValue.url(links.url(links.checkpoint_path(key))),
     }
     ensure_flawed_lists(storage.path)
     tasks_table = checkpoint_tasks(storage.path, key, context.run_id)
     metadata["per_task"] = per_task_table(tasks_table["rows"], key)
-    metadata["flips"] = dg.MetadataValue.json({
-        "compared_with": tasks_table["base"], "gained": sum(r["flip"] == "gained" for r in tasks_table["rows"]),
-        "lost": sum(r["flip"] == "lost" for r in tasks_table["rows"])})
+    metadata["flips"] = dg.MetadataValue.json({"compared_with": tasks_table["base"], **flip_counts(tasks_table["rows"])})
     checks = [check_attempts_recorded(frame, [t.id for t in tasks], config.attempts),
               check_infra_share(frame, config.max_infra_error_share), check_no_duplicates(frame)]
     return dg.MaterializeResult(metadata={k: rounded(v) for k, v in metadata.items()}, check_results=checks)
@@ -283,18 +185,6 @@ class EvalReportConfig(dg.Config):
     k: int = 8
     resamples: int = 2000
     exclude_flagged: bool = False
-
-
-def check_report_complete(reported: set[str], evaluated: set[str]) -> dg.AssetCheckResult:
-    """Every checkpoint with a materialized ``deepswe_eval`` partition is in the report."""
-    missing = sorted(evaluated - reported)
-    return dg.AssetCheckResult(
-        check_name=REPORT_CHECK, passed=not missing,
-        metadata={"evaluated": len(evaluated), "reported": len(reported),
-                  **({"missing": dg.MetadataValue.json(missing)} if missing else {})},
-        description=f"evaluated but not in the report: {', '.join(missing)} (their attempt rows are not under "
-                    "evals/deepswe/)" if missing else None,
-    )
 
 
 # Refresh after every deepswe_eval materialization, once no report run is in progress. Evals of other
@@ -336,15 +226,6 @@ def eval_report(
     checkpoint is scored on its newest eval run; ``repeats`` shows pass@1 of every run and the
     spread between them. The plots put every run side by side: pass@1 per step, the training
     curves, pass@k and target scores. Refreshes on its own after every ``deepswe_eval`` materialization."""
-    from evals.flawed import ensure_flawed_lists, load_flawed_lists
-    from evals.report import (
-        build_report, flagged_mask, headline_markdown, headlines, load_attempt_rows, markdown_tables, newest_runs,
-        plot_pass_at_1, plot_pass_at_k,
-        plot_target_scores, parse_key, repeat_spread, report_rows, signal_counts, spread_markdown,
-    )
-    from training.checkpoint import metrics_dir
-    from training.progress import plot_curves, rows_from_steps_parquet
-
     folder = storage.evals_dir() / "deepswe"
     every_run = load_attempt_rows(folder)
     if every_run.empty:
@@ -353,7 +234,7 @@ def eval_report(
     flawed_dir = Path(config.flawed_dir) if config.flawed_dir else ensure_flawed_lists(storage.path)
     lists = load_flawed_lists(flawed_dir)
     report = build_report(rows, lists, k=config.k, resamples=config.resamples, exclude_flagged=config.exclude_flagged)
-    graded = rows[rows["status"] != "infra_error"]
+    graded = graded_rows(rows)
     flagged_attempts = int(flagged_mask(graded).sum())
     if config.exclude_flagged:
         rows = rows[~flagged_mask(rows)]
@@ -398,17 +279,13 @@ def eval_report(
         for name, est in last[-1].estimates.items():
             metadata[f"newest {name}"] = round(est.value, 3)
     # per run, its newest checkpoint task by task against the base model, and every checkpoint's flips
-    from viewer.data import checkpoint_tasks
-
     flips = []
     newest_of_run: dict[str, str] = {}
     for ckpt in sorted(rows["checkpoint"].unique(), key=lambda c: parse_key(c) or (c, -1)):
         table = checkpoint_tasks(storage.path, ckpt)
         flips.append(dg.TableRecord(data={
             "checkpoint": ckpt, "compared_with": table["base"] or "", "tasks": len(table["rows"]),
-            "gained": sum(r["flip"] == "gained" for r in table["rows"]),
-            "lost": sum(r["flip"] == "lost" for r in table["rows"]),
-            "viewer": links.url(links.checkpoint_path(ckpt))}))
+            **flip_counts(table["rows"]), "viewer": links.url(links.checkpoint_path(ckpt))}))
         if table["base"]:
             newest_of_run[parse_key(ckpt)[0]] = ckpt
     metadata["flips per checkpoint"] = dg.MetadataValue.table(flips, dg.TableSchema(columns=[

@@ -4,11 +4,11 @@ tasks): the body of the asset's Harbor branch, kept here so that ``assets/evals.
 The tasks are loaded whole with their repository sources (:func:`evals.tasks.load_harbor`); their
 images are built through the image cache (the store and layer cache the ``image_cache`` asset
 fills: an image it built is found, a missing one is built here with the same progress lines,
-:func:`assets.images.build_harbor_images`); with ``environment_check`` the reference solution runs
+:func:`sandboxes.harbor.build_harbor_images`); with ``environment_check`` the reference solution runs
 once per image (:func:`evals.harbor.check_environments`, recorded under the datasets folder), so
 that strict credit spares the existing tests it fails here; every attempt runs DeepSWE v1.1's
 verifier flow (:func:`evals.harbor.evaluate_harbor_checkpoint`, the checkpoint's model served by a
-replica process). The rows have the bundled path's columns (:data:`evals.evaluate.ROW_COLUMNS`), so
+replica process). The rows are :class:`evals.attempts.AttemptRow` rows, as the bundled path's, so
 ``eval_report``, the flawed views and the asset's checks read them unchanged.
 
 A task the eval names (``task_ids``) that cannot be built, or whose image fails to build, has one
@@ -18,12 +18,20 @@ eval``'s exit status, never scored. The dataset's other unbuildable tasks are su
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import dagster as dg
 
 from assets.resources import PosttrainStorage
+from evals.attempts import INFRA_ERROR
+from evals.harbor import (
+    Verification, attempt_row, check_environments, eval_split, evaluate_harbor_checkpoint, harbor_sandbox_factory,
+    with_environment_records,
+)
+from evals.tasks import load_harbor
+from sandboxes.cache import node_cache
+from sandboxes.harbor import build_harbor_images
+from sandboxes.images import ImageStore
 
 
 def harbor_eval_tasks(context: dg.AssetExecutionContext, dataset: str, sources: str, split: str,
@@ -33,9 +41,6 @@ def harbor_eval_tasks(context: dg.AssetExecutionContext, dataset: str, sources: 
     when set (a task with no split, as DeepSWE's have, counts as held out); the others are logged in
     one line (their reasons at debug level). With ``task_ids``: those tasks, in that order; an id
     that names no task folder of the dataset, or a task outside ``split``, raises ``ValueError``."""
-    from evals.harbor import eval_split
-    from evals.tasks import load_harbor
-
     if not sources:
         raise ValueError(f"deepswe_eval: the Harbor dataset {dataset!r} needs sources (the folder of repository "
                          "sources its images are built from; [eval] sources in the run file)")
@@ -79,21 +84,13 @@ def harbor_eval_rows(context: dg.AssetExecutionContext, config: Any, storage: Po
     that cannot be built has one ``infra_error`` row per attempt saying why (never scored). Each
     attempt's verification (posttrain's grade beside the task's own ``reward.json``) is kept in
     ``evals/harbor/<checkpoint>/<run_id>/<task>/<attempt>/``."""
-    import sandboxes
-    from assets.images import build_harbor_images
-    from evals.grading import INFRA_ERROR
-    from evals.harbor import (
-        Verification, attempt_row, check_environments, evaluate_harbor_checkpoint, harbor_sandbox_factory,
-        with_environment_records,
-    )
-
     key = context.partition_key
     tasks, unbuildable = harbor_eval_tasks(context, config.dataset, config.sources, config.split, list(config.task_ids))
-    store = sandboxes.ImageStore(storage.images_dir())
-    budget = int(float(os.environ.get("POSTTRAIN_SANDBOX_CACHE_GIB", "20")) * 1024**3)
-    cache = sandboxes.LayerCache(storage.path / "sandboxes" / "cache", budget)
+    store = ImageStore(storage.images_dir())
+    cache = node_cache(storage.path)
     recipes = {t.id: (t.metadata["environment"], t.base_commit or "") for t in tasks}
-    built, failures = build_harbor_images(context, recipes, config.sources, store, cache, network=config.network)
+    built, failures = build_harbor_images(recipes, config.sources, store, cache, network=config.network,
+                                          log=context.log.info, warn=context.log.warning, build_log=context.log.debug)
     ready = [t for t in tasks if t.id in built]
     factory = harbor_sandbox_factory(store, cache, runtime=config.sandbox_runtime)
     records = check_environments(ready, factory, storage.path, {i: b.key for i, b in built.items()},

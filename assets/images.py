@@ -1,10 +1,16 @@
 """The ``image_cache`` asset: zstd-compressed task images and the node-local layer cache."""
 
+import json
+import os
 
 import dagster as dg
+import pandas as pd
 
 from assets.resources import PosttrainStorage
 from assets.tasks import task_dataset
+import sandboxes
+from sandboxes.cache import DEFAULT_BUDGET_GIB, node_cache
+from sandboxes.harbor import build_harbor_images
 
 
 class ImageCacheConfig(dg.Config):
@@ -15,7 +21,7 @@ class ImageCacheConfig(dg.Config):
     cutoff)."""
 
     compression: str = "zstd"
-    cache_budget_gib: float = 20.0
+    cache_budget_gib: float = DEFAULT_BUDGET_GIB
     harbor_sources: str = ""
     harbor_network: bool = True
 
@@ -28,10 +34,6 @@ def image_cache(context: dg.AssetExecutionContext, config: ImageCacheConfig, sto
     (repository at its base commit, dependency layer installed with the date cutoff; see
     ``sandboxes.harbor``), one log line per task. Tasks whose image could not be built are listed,
     not dropped; tasks that name a registry image (SWE-bench) are pulled by the cluster, not built here."""
-    import pandas as pd
-
-    import sandboxes
-
     parquet = storage.datasets_dir() / "tasks.parquet"
     if not parquet.is_file():
         raise FileNotFoundError(f"image_cache: {parquet} is missing; materialize task_dataset first")
@@ -43,7 +45,7 @@ def image_cache(context: dg.AssetExecutionContext, config: ImageCacheConfig, sto
     recipes = _harbor_recipes(tasks)
     registry_only = sorted(set(tasks["id"]) - set(repos) - set(recipes))
     store = sandboxes.ImageStore(storage.images_dir())
-    cache = sandboxes.LayerCache(storage.path / "sandboxes" / "cache", int(config.cache_budget_gib * 1024**3))
+    cache = node_cache(storage.path, config.cache_budget_gib)
     report = sandboxes.build_image_cache(repos, store, cache, compression=config.compression)
     harbor = _build_harbor(context, recipes, config, store, cache, report)
     for task_id, why in report["failures"].items():
@@ -72,8 +74,6 @@ def image_cache(context: dg.AssetExecutionContext, config: ImageCacheConfig, sto
 
 def _harbor_recipes(tasks) -> dict[str, tuple[str, str]]:
     """Harbor tasks with an environment recipe: ``task id -> (Dockerfile, base commit)``."""
-    import json
-
     out = {}
     if "metadata" not in tasks.columns:
         return out
@@ -87,47 +87,15 @@ def _harbor_recipes(tasks) -> dict[str, tuple[str, str]]:
     return out
 
 
-def build_harbor_images(context, recipes: dict[str, tuple[str, str]], sources: str, store, cache, *,
-                        network: bool = True, compression: str = "zstd") -> tuple[dict, dict[str, str]]:
-    """Build (or find in ``store``) the image of every Harbor task in ``recipes`` (``task id ->
-    (Dockerfile, base commit)``) from the repository sources in ``sources``, unpack it into the
-    node's ``cache``, and log one progress line per task (``[i/n] task: size, built in s`` or
-    ``cached``). Returns the builds (``task id -> HarborBuild``) and the failures (``task id ->
-    why``): one task that cannot be built does not stop the others."""
-    import time
-
-    from sandboxes.harbor import build_harbor_image, harbor_image_name
-
-    built, failures = {}, {}
-    for i, (task_id, (dockerfile, base)) in enumerate(sorted(recipes.items()), 1):
-        started = time.perf_counter()
-        try:
-            b = build_harbor_image(harbor_image_name(task_id), dockerfile, base, sources, store, network=network,
-                                   compression=compression, log=context.log.debug)
-            lease = cache.acquire(b.image, store)
-            lease.release()
-        except Exception as exc:  # noqa: BLE001 - any failure of one task is reported, the rest build
-            failures[task_id] = str(exc)[-2000:]
-            context.log.warning(f"[{i}/{len(recipes)}] {task_id}: no image: {str(exc)[-500:]}")
-            continue
-        built[task_id] = b
-        seconds = time.perf_counter() - started
-        context.log.info(f"[{i}/{len(recipes)}] {task_id}: {b.image.size_bytes / 1e6:.1f} MB, "
-                         f"{'cached' if b.cached else f'built in {seconds:.1f} s'}")
-    return built, failures
-
-
 def _build_harbor(context, recipes, config: ImageCacheConfig, store, cache, report) -> str:
     """Build every Harbor task's image from its recipe, logging progress; failures join the report's."""
-    import json
-    import os
-
     if recipes and not config.harbor_sources:
         for task_id in recipes:
             report["failures"][task_id] = "a Harbor task: set harbor_sources (the repository sources folder) to build it"
         return ""
-    built, failures = build_harbor_images(context, recipes, config.harbor_sources, store, cache,
-                                          network=config.harbor_network, compression=config.compression)
+    built, failures = build_harbor_images(recipes, config.harbor_sources, store, cache, network=config.harbor_network,
+                                          compression=config.compression, log=context.log.info,
+                                          warn=context.log.warning, build_log=context.log.debug)
     report["failures"].update(failures)
     report["images"] += len(built)
     lines = ["| task | image | size (MB) | build (s) |", "|---|---|---|---|"]

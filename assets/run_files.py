@@ -13,6 +13,8 @@ from typing import Any
 import dagster as dg
 
 from assets.resources import PosttrainStorage
+from evals.bundled import read_suite
+from evals.tasks import demonstration_tasks
 from training.planner.schema import read_run_toml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +49,7 @@ def ensure_embedded_base(context: dg.AssetExecutionContext, data: dict[str, Any]
     of the same settings and data is there (``reuse_any``: any complete build is used as is)."""
     model = Path(data["model"].get("path") or "")
     if data["model"].get("name") == EMBEDDED_MODEL_NAME and not (reuse_any and (model / "build.json").is_file()):
-        from evals.bundled import read_suite
-        from evals.tasks import demonstration_tasks
+        # torch (7 s to import): only the first run of the embedded model builds it
         from training.base_model import BaseModelSpec, build_base_model
 
         tasks = demonstration_tasks(read_suite(data["curriculum"]["tasks"]))

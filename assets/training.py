@@ -6,20 +6,24 @@ checkpoint; the trainer writes the same series as TensorBoard event files in the
 ``checkpoints`` carries two checks: the folder is complete and its adapter loads.
 """
 
-import base64
 import threading
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pandas as pd
+from dagster._core.events import DagsterEvent
+from tabulate import tabulate
 
+from assets.checks import ADAPTER_CHECK, COMPLETE_CHECK, check_adapter_loads, check_checkpoint_complete
 from assets.curriculum import difficulty_curriculum
-from assets.partitions import checkpoints_partitions
+from assets.metadata import png_markdown, rounded
+from assets.partitions import checkpoints_partitions, parse_checkpoint_partition_key
 from assets.resources import PosttrainStorage, WorkloadLauncher
 from assets.run_files import ensure_embedded_base, run_file_dict
-from training.checkpoint import (CheckpointLoadError, adapter_dir, check_checkpoint, list_checkpoints, metrics_dir,
-                                 read_metadata)
+from training.checkpoint import list_checkpoints, metrics_dir, read_metadata
 from training.curriculum import CURRICULUM_FILE
+from training.planner import resolve, write_resolved_plan
 from training.progress import plot_curves, rows_from_steps_parquet, tensorboard_dir
 from viewer import links
 
@@ -37,24 +41,12 @@ class RLRunConfig(dg.Config):
     overrides: dict[str, Any] = {}
 
 
-def rounded(value: Any, digits: int = 4) -> Any:
-    """Floats rounded for display (0.415, not 0.41500000000000004); other values as they are."""
-    return round(float(value), digits) if isinstance(value, float) else value
-
-
 def per_step_table(frame: Any) -> str:
     """The per-step numbers as a Markdown table: counts as integers, the rest to 3 decimals."""
-    from tabulate import tabulate
-
     columns = ["step", "loss", "reward_mean", "solve_rate", "groups", "zero_variance_groups", "discarded_samples",
                "integrity_gated", "policy_age_mean", "policy_age_max", "wait_s", "train_s"]
     records = frame[[c for c in columns if c in frame.columns]].to_dict("records")
     return tabulate(records, headers="keys", tablefmt="pipe", floatfmt=".3f")
-
-
-def png_markdown(path: Path, title: str) -> str:
-    """A PNG inline in Markdown metadata (a data URI), so the UI shows it without a file server."""
-    return f"![{title}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
 
 def run_totals(frame: Any) -> dict[str, float | int]:
@@ -110,8 +102,6 @@ class StepObserver:
                                   title=f"{self.run_name}: steps 1-{step} of {self.of_steps}")
                 metadata["curves"] = dg.MetadataValue.md(png_markdown(png, f"{self.run_name} curves"))
                 metadata["checkpoint"] = step
-        from dagster._core.events import DagsterEvent
-
         # Logged from the Pipes reader's thread straight into the run's event log, so the UI shows
         # the step now rather than when the asset returns.
         DagsterEvent.asset_observation(
@@ -134,10 +124,6 @@ def rl_run(
     integrity gate caught for cheating, in all and per signal: the Events tab),
     and each checkpoint adds a PNG of the curves; TensorBoard event files are in
     ``RUN_DIR/metrics/tensorboard`` (``posttrain ui --tensorboard`` serves them)."""
-    import pandas as pd
-
-    from training.planner import resolve, write_resolved_plan
-
     data, source = run_file_dict(storage, config.run_file)
     if config.run_name:
         data.setdefault("run", {})["name"] = config.run_name
@@ -183,85 +169,6 @@ def rl_run(
     return dg.MaterializeResult(metadata={key: rounded(value) for key, value in metadata.items()})
 
 
-COMPLETE_CHECK = "checkpoint_complete"
-ADAPTER_CHECK = "adapter_loads"
-# files of a checkpoint past step 0 besides metadata.json and the adapter (training.loop.RunState.checkpoint)
-TRAINER_FILES = ("optimizer.pt", "rng.pt", "curriculum.json", "store.sqlite")
-
-
-def check_checkpoint_complete(ckpt: Path, step: int) -> dg.AssetCheckResult:
-    """Every file a checkpoint of ``step`` holds is there and loads (:func:`training.checkpoint.check_checkpoint`).
-    A model ``posttrain eval --model`` registered holds its metadata (and adapter) only: no trainer state."""
-    expected = ["metadata.json", "curriculum.json"] + ([*TRAINER_FILES, "adapter/"] if step else [])
-    try:
-        registered = read_metadata(ckpt).get("registered_model")
-    except (CheckpointLoadError, FileNotFoundError):
-        registered = None
-    if registered:
-        expected = ["metadata.json"] + (["adapter/"] if read_metadata(ckpt).get("adapter") else [])
-    missing = [name for name in expected if not (ckpt / name.rstrip("/")).exists()]
-    problem = f"missing {', '.join(missing)}" if missing else ""
-    if not problem and not registered:
-        try:
-            check_checkpoint(ckpt)
-        except (CheckpointLoadError, FileNotFoundError) as exc:
-            problem = str(exc)
-    return dg.AssetCheckResult(
-        check_name=COMPLETE_CHECK, passed=not problem, severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"path": dg.MetadataValue.path(str(ckpt)), "files_expected": ", ".join(expected),
-                  **({"problem": problem} if problem else {})},
-        description=problem or None,
-    )
-
-
-def check_adapter_loads(ckpt: Path, step: int) -> dg.AssetCheckResult:
-    """The peft adapter of the checkpoint loads: ``adapter_config.json`` parses with a LoRA rank, and
-    its safetensors hold LoRA A/B tensors whose rank is that rank. Step 0 (the base model) has none."""
-    import json
-
-    meta: dict[str, Any] = {}
-    problem = ""
-    try:
-        metadata = read_metadata(ckpt)
-    except (CheckpointLoadError, FileNotFoundError) as exc:
-        metadata, problem = {}, str(exc)
-    if not problem and not metadata.get("adapter"):
-        meta["adapter"] = "none (the base model)"
-        if step:
-            problem = f"step {step} names no adapter in {ckpt / 'metadata.json'} (key 'adapter')"
-    elif not problem:
-        folder = adapter_dir(ckpt)
-        try:
-            config = json.loads((folder / "adapter_config.json").read_text())
-            rank = int(config["r"])
-            from safetensors import safe_open
-
-            ranks, tensors = set(), 0
-            weights = sorted(folder.glob("*.safetensors"))
-            if not weights:
-                raise FileNotFoundError(f"no *.safetensors file in {folder}")
-            for path in weights:
-                with safe_open(str(path), framework="pt") as handle:
-                    for name in handle.keys():
-                        tensors += 1
-                        shape = handle.get_slice(name).get_shape()
-                        if "lora_A" in name:
-                            ranks.add(shape[0])
-                        elif "lora_B" in name:
-                            ranks.add(shape[-1])
-            if not ranks:
-                raise ValueError(f"no lora_A/lora_B tensor among the {tensors} tensors of {folder}")
-            if ranks != {rank}:
-                raise ValueError(f"adapter_config.json says r = {rank}, the tensors have rank(s) {sorted(ranks)}")
-            meta.update({"lora_rank": rank, "tensors": tensors})
-        except Exception as exc:  # json, KeyError, safetensors' own errors: each is a broken adapter
-            problem = f"adapter {folder} does not load: {type(exc).__name__}: {exc}"
-    return dg.AssetCheckResult(
-        check_name=ADAPTER_CHECK, passed=not problem, severity=dg.AssetCheckSeverity.ERROR,
-        metadata={**meta, **({"problem": problem} if problem else {})}, description=problem or None,
-    )
-
-
 @dg.asset(
     group_name="training", deps=[rl_run], partitions_def=checkpoints_partitions,
     check_specs=[
@@ -276,8 +183,6 @@ def check_adapter_loads(ckpt: Path, step: int) -> dg.AssetCheckResult:
 def checkpoints(context: dg.AssetExecutionContext, storage: PosttrainStorage) -> dg.MaterializeResult:
     """One saved checkpoint of a run (adapter, optimizer, RNG, curriculum state, rollout store
     snapshot). Partition ``<run>-step_000000`` is the run's base model."""
-    from assets.partitions import parse_checkpoint_partition_key
-
     ckpt = storage.checkpoint_dir(context.partition_key)
     meta = read_metadata(ckpt, name=context.partition_key)
     step = parse_checkpoint_partition_key(context.partition_key)[1]

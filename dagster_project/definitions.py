@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import curriculum, evals, images, tasks, training
+from assets import checks, curriculum, evals, images, tasks, training
 from assets.resources import PosttrainStorage, WorkloadLauncher
-from dagster_project.checks import checks
 from dagster_project.jobs import jobs
 from dagster_project.sensors import sensors
 
@@ -22,8 +21,8 @@ defs = dg.Definitions.merge(
     curriculum.defs,
     training.defs,
     evals.defs,
+    checks.defs,
     dg.Definitions(
-        asset_checks=checks,
         jobs=jobs,
         sensors=sensors,
         resources={"storage": PosttrainStorage(), "launcher": WorkloadLauncher()},

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from evals.flawed import FlawedList
-from evals.grading import INFRA_ERROR
+from evals.attempts import APPLY_FAILED, INFRA_ERROR, STATUSES
 from evals.metrics import Estimate, bootstrap, paired_attempt_difference, paired_difference, pass_at_k
 from evals.signals import split_signals
 
@@ -90,6 +90,53 @@ def per_task(rows: pd.DataFrame, k: int) -> pd.DataFrame:
     pass_columns = list(dict.fromkeys(["pass@1", f"pass@{k}"]))
     return pd.DataFrame(out, columns=["task_id", "n", "c", *pass_columns, "target_score", "strict_target_score",
                                       "partial"])
+
+
+def graded_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The attempts that were scored: every row but the infrastructure's losses."""
+    return rows[rows["status"] != INFRA_ERROR]
+
+
+def status_counts(rows: pd.DataFrame) -> dict[str, int]:
+    """How many attempts have each status of :data:`evals.attempts.STATUSES` (empty with no rows)."""
+    return {s: int((rows["status"] == s).sum()) for s in STATUSES} if len(rows) else {}
+
+
+def infra_error_share(rows: pd.DataFrame) -> float:
+    """The share of attempts lost to the infrastructure (0 with no rows)."""
+    return float((rows["status"] == INFRA_ERROR).mean()) if len(rows) else 0.0
+
+
+def run_summary(rows: pd.DataFrame, k: int) -> dict[str, Any]:
+    """The headline numbers of one eval run's attempt rows: tasks' mean pass@1 and pass@k
+    (:func:`per_task`), graded attempts' mean partial and target scores, the share of attempts that
+    committed, the counts of infra errors, apply failures and flagged attempts, and ``signals``
+    (:func:`signal_counts`). Means over nothing are NaN."""
+    table = per_task(rows, k)
+    graded = graded_rows(rows)
+
+    def mean(frame: pd.DataFrame, column: str) -> float:
+        return float(frame[column].mean()) if len(frame) else float("nan")
+
+    return {
+        "attempts": len(rows),
+        "infra_errors": int((rows["status"] == INFRA_ERROR).sum()),
+        "apply_failed": int((rows["status"] == APPLY_FAILED).sum()),
+        "pass@1": mean(table, "pass@1"),
+        f"pass@{k}": mean(table, f"pass@{k}"),
+        "partial": mean(graded, "partial"),
+        "mean_target_score": mean(graded, "target_score"),
+        "mean_strict_target_score": mean(graded, "strict_target_score"),
+        "committed_share": float(rows["committed"].mean()) if len(rows) else 0.0,
+        "flagged_attempts": int(flagged_mask(graded).sum()),
+        "signals": signal_counts(graded),
+    }
+
+
+def flip_counts(task_rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many tasks a checkpoint ``gained`` (solved now, never by its base model) and ``lost``, from
+    the per-task rows of :func:`viewer.data.checkpoint_tasks`."""
+    return {flip: sum(r["flip"] == flip for r in task_rows) for flip in ("gained", "lost")}
 
 
 @dataclass
@@ -299,10 +346,7 @@ def report_rows(report: Sequence[CheckpointScores]) -> pd.DataFrame:
 
 def plot_pass_at_1(report: Sequence[CheckpointScores], path: str | Path) -> Path:
     """pass@1 per checkpoint with its interval, one line per run (subset ``all``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = [r for r in report if r.subset == "all" and "pass@1" in r.estimates]
@@ -326,10 +370,7 @@ def plot_pass_at_1(report: Sequence[CheckpointScores], path: str | Path) -> Path
 
 def plot_pass_at_k(rows: pd.DataFrame, path: str | Path, k_max: int = 8) -> Path:
     """pass@k for k = 1..k_max, one curve per checkpoint, over all graded tasks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     graded = rows[rows["status"] != INFRA_ERROR]
@@ -351,10 +392,7 @@ def plot_pass_at_k(rows: pd.DataFrame, path: str | Path, k_max: int = 8) -> Path
 
 def plot_target_scores(report: Sequence[CheckpointScores], path: str | Path) -> Path:
     """Mean target score and strict target score per checkpoint, with intervals (subset ``all``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = [r for r in report if r.subset == "all" and "target_score" in r.estimates]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
@@ -372,9 +410,19 @@ def plot_target_scores(report: Sequence[CheckpointScores], path: str | Path) -> 
     return _save(fig, path)
 
 
-def _save(fig, path: str | Path) -> Path:
+def _pyplot():
+    """matplotlib's pyplot on the file backend. Imported here, not with the module: it takes about a
+    second, and only the plots need it (the viewer and the CLI import this module for its numbers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    plt = _pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")

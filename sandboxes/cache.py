@@ -5,6 +5,10 @@ lower layer under their own writable layer). A sandbox holds a shared ``flock`` 
 layers' lock files while it runs, so eviction never removes a layer in use, across processes.
 The cache keeps its size under ``budget_bytes`` by evicting the least recently used layers that
 no sandbox holds; a layer's last use is the modification time of its ``meta.json``.
+
+A node has one cache, decided here: ``HOME/sandboxes/cache`` (:func:`node_cache`), with the budget
+given by ``$POSTTRAIN_SANDBOX_CACHE_GIB``, else :data:`DEFAULT_BUDGET_GIB` (:func:`cache_budget_bytes`);
+the ``image_cache`` asset, the eval assets and the sandbox runtimes all open it through these.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from typing import Mapping
 
+from sandboxes.home import default_home
 from sandboxes.images import Image, ImageError, ImageStore, Layer, build_images, image_name, unpack_layer
 
 
@@ -58,8 +63,32 @@ class Lease:
         self._fds = []
 
 
+BUDGET_VARIABLE = "POSTTRAIN_SANDBOX_CACHE_GIB"
+DEFAULT_BUDGET_GIB = 20.0
+
+
+def cache_budget_bytes(gib: float | None = None) -> int:
+    """The cache's disk budget: ``gib`` GiB when given, else ``$POSTTRAIN_SANDBOX_CACHE_GIB``, else
+    :data:`DEFAULT_BUDGET_GIB`."""
+    if gib is None:
+        gib = float(os.environ.get(BUDGET_VARIABLE) or DEFAULT_BUDGET_GIB)
+    return int(gib * 1024**3)
+
+
+def node_cache_dir(home: str | Path | None = None) -> Path:
+    """Where the node's cache of unpacked layers lives: ``HOME/sandboxes/cache`` (``home``, default
+    ``$POSTTRAIN_HOME``)."""
+    return Path(home if home is not None else default_home()) / "sandboxes" / "cache"
+
+
+def node_cache(home: str | Path | None = None, budget_gib: float | None = None) -> "LayerCache":
+    """The node's :class:`LayerCache` under ``home`` (:func:`node_cache_dir`), its budget from
+    :func:`cache_budget_bytes`."""
+    return LayerCache(node_cache_dir(home), cache_budget_bytes(budget_gib))
+
+
 class LayerCache:
-    def __init__(self, root: Path | str, budget_bytes: int = 20 * 1024**3):
+    def __init__(self, root: Path | str, budget_bytes: int = int(DEFAULT_BUDGET_GIB * 1024**3)):
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.root = Path(root)

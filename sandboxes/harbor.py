@@ -74,11 +74,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
+from sandboxes.cache import LayerCache
 from sandboxes.images import (
-    NAME_RE, SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, _atomic_write, _tarinfo, tar_directory,
+    NAME_RE, SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, _atomic_write, _tarinfo, image_name, tar_directory,
 )
+from sandboxes.runtimes import Limits
+from sandboxes.toolchain import sandbox_env
 
 DEEPSWE_CUTOFF = "2026-06-14T00:00:00Z"  # DeepSWE v1.1's dependency date
 HARBOR_TMP = "/tmp/harbor"  # where /tests, /solution and /logs point, per sandbox
@@ -645,8 +648,6 @@ def harbor_env(store: ImageStore, name: str) -> dict[str, str]:
     beside the manifest when it was built), its ``PATH`` entries and ``/opt/venv/bin`` before the
     sandbox's own, and pytest's plugin autoloading left on: real tasks need their plugins
     (``pytest -n 4``, reporters), which ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` would switch off."""
-    from sandboxes.toolchain import sandbox_env
-
     path = store.root / "harbor" / f"{name}.json"
     env = dict(json.loads(path.read_text()).get("env", {})) if path.is_file() else {}
     default_path = sandbox_env()["PATH"]
@@ -786,16 +787,42 @@ def harbor_image_runtimes(store: ImageStore, name: str) -> dict:
 
 def harbor_image_name(task_id: str) -> str:
     """The store name of a Harbor task's image (``harbor-<id>``, made a valid image name)."""
-    from sandboxes.images import image_name
-
     return image_name(f"harbor-{task_id}")
 
 
 def harbor_limits(cpus: float, memory_mb: int, storage_mb: int, wall_s: float):
     """:class:`sandboxes.Limits` of a Harbor task from its ``task.toml`` values (DeepSWE: 2 CPUs,
     8 GiB, 20 GiB of disk), with room in ``/tmp`` for the verifier's logs and reports."""
-    from sandboxes.runtimes import Limits
-
     return Limits(cpus=max(float(cpus), 0.01), memory_mib=max(int(memory_mb), 64), pids=4096,
                   disk_mib=max(int(storage_mb), 64), tmp_mib=max(256, min(int(storage_mb) // 4, 4096)),
                   wall_s=max(float(wall_s), 1.0))
+
+
+def build_harbor_images(recipes: Mapping[str, tuple[str, str]], sources: str | Path, store: ImageStore,
+                        cache: LayerCache, *, network: bool = True, compression: str = "zstd",
+                        log: Callable[[str], None] = print, warn: Callable[[str], None] | None = None,
+                        build_log: Callable[[str], None] | None = None) -> tuple[dict[str, HarborBuild], dict[str, str]]:
+    """Build (or find in ``store``) the image of every Harbor task in ``recipes`` (``task id ->
+    (Dockerfile, base commit)``) from the repository sources in ``sources``, unpack it into the
+    node's ``cache``, and ``log`` one progress line per task (``[i/n] task: size, built in s`` or
+    ``cached``; a failure goes to ``warn``, the build steps' own output to ``build_log``). Returns the
+    builds (``task id -> HarborBuild``) and the failures (``task id -> why``): one task that cannot
+    be built does not stop the others."""
+    warn = warn or log
+    built, failures = {}, {}
+    for i, (task_id, (dockerfile, base)) in enumerate(sorted(recipes.items()), 1):
+        started = time.perf_counter()
+        try:
+            b = build_harbor_image(harbor_image_name(task_id), dockerfile, base, sources, store, network=network,
+                                   compression=compression, log=build_log)
+            lease = cache.acquire(b.image, store)
+            lease.release()
+        except Exception as exc:  # noqa: BLE001 - any failure of one task is reported, the rest build
+            failures[task_id] = str(exc)[-2000:]
+            warn(f"[{i}/{len(recipes)}] {task_id}: no image: {str(exc)[-500:]}")
+            continue
+        built[task_id] = b
+        seconds = time.perf_counter() - started
+        log(f"[{i}/{len(recipes)}] {task_id}: {b.image.size_bytes / 1e6:.1f} MB, "
+            f"{'cached' if b.cached else f'built in {seconds:.1f} s'}")
+    return built, failures

@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sandboxes.home import default_home
-from sandboxes.cache import LayerCache, Lease
+from sandboxes.cache import LayerCache, Lease, cache_budget_bytes, node_cache
 from sandboxes.cgroups import Cgroup, remove_empty_cgroups
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
 from sandboxes.errors import SandboxError
@@ -352,10 +352,9 @@ def default_store() -> ImageStore:
 def default_cache() -> LayerCache:
     """``$POSTTRAIN_SANDBOX_DIR/cache``, else ``$POSTTRAIN_HOME/sandboxes/cache``; the budget is
     ``$POSTTRAIN_SANDBOX_CACHE_GIB`` (default 20 GiB)."""
-    budget = int(float(os.environ.get("POSTTRAIN_SANDBOX_CACHE_GIB", "20")) * 1024**3)
     if os.environ.get("POSTTRAIN_SANDBOX_DIR"):
-        return LayerCache(Path(os.environ["POSTTRAIN_SANDBOX_DIR"]) / "cache", budget)
-    return LayerCache(default_home() / "sandboxes" / "cache", budget)
+        return LayerCache(Path(os.environ["POSTTRAIN_SANDBOX_DIR"]) / "cache", cache_budget_bytes())
+    return node_cache()
 
 
 class Sandbox:

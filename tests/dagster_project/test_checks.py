@@ -7,11 +7,12 @@ import dagster as dg
 import pandas as pd
 import pytest
 
-from assets.evals import (check_attempts_recorded, check_infra_share, check_no_duplicates, check_report_complete)
+from assets.checks import (check_adapter_loads, check_attempts_recorded, check_checkpoint_complete, check_infra_share,
+                           check_no_duplicates, check_none_dropped, check_oracles_pass, check_report_complete,
+                           check_splits_disjoint)
 from assets.partitions import checkpoints_partitions
 from assets.resources import PosttrainStorage
-from assets.training import check_adapter_loads, check_checkpoint_complete, checkpoints
-from dagster_project.checks import check_none_dropped, check_oracles_pass, check_splits_disjoint
+from assets.training import checkpoints
 from tests.dagster_project.helpers import write_full_checkpoint
 from training.checkpoint import adapter_dir
 
