@@ -18,8 +18,9 @@ Checks (a tiny random Qwen3 saved as a Hugging Face folder, float32):
 4. ``save_state`` then ``load_state`` restores the adapter after a further step.
 
 ``--throughput SIZE`` then times GRPO steps of a Qwen3-SIZE-shaped model with random bf16 weights
-(rank-32 LoRA) and prints step time, tokens/s and model FLOPs utilisation against a bf16 matmul
-measured in the same run on each GPU.
+(rank-32 LoRA) and prints step time, tokens/s and model FLOPs utilisation as ``bench/mfu.py`` defines
+it (over the GPUs' datasheet dense bf16 peak), beside the share of the bf16 matmul rates measured in
+the same run on each GPU.
 """
 
 from __future__ import annotations
@@ -35,10 +36,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from mfu import describe, device_peak_tflops, matmul_tflops, mfu, mfu_header, percent  # noqa: E402  (bench/mfu.py)
+from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
 from training.grpo import DEFAULT_LOSS, TrainBatch  # noqa: E402
+from training.reference_decoder import DecoderShape  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -53,8 +61,6 @@ def shared_tmpdir() -> Path:
 
 
 def save_tiny_qwen3(path: Path) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -70,9 +76,6 @@ def save_tiny_qwen3(path: Path) -> None:
 
 
 def save_random_adapter(model_dir: Path, adapter_dir: Path, rank: int, alpha: int) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(1)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
@@ -102,11 +105,7 @@ def make_batch(vocab: int, lengths: list[int], seed: int) -> TrainBatch:
 
 
 def checks(device: str, tmp: Path, tensor_parallel_size: int | None = None) -> dict:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from training.backends.megatron import MegatronBackend
-    from training.backends.torch_peft import TorchPeftBackend
+    from training.backends.megatron import MegatronBackend  # megatron-core is the optional gpu extra
 
     model_dir, adapter_dir = tmp / "tiny-qwen3", tmp / "adapter0"
     if dist.get_rank() == 0:
@@ -136,9 +135,6 @@ def checks(device: str, tmp: Path, tensor_parallel_size: int | None = None) -> d
     if dist.get_rank() == 0:
         torch_backend = TorchPeftBackend(model_dir, lora_rank=4, lora_alpha=8, learning_rate=1e-2,
                                          micro_batch_tokens=64, max_grad_norm=0.5)
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
         set_peft_model_state_dict(torch_backend.model, load_file(str(adapter_dir / "adapter_model.safetensors")))
         ref_step = torch_backend.train_step(batch, DEFAULT_LOSS)
         ref_after = torch_backend.adapter_state_dict()
@@ -169,10 +165,6 @@ def checks(device: str, tmp: Path, tensor_parallel_size: int | None = None) -> d
 
 def save_random_qwen3(path: Path, size: str) -> None:
     """A Qwen3-shaped Hugging Face folder with random bf16 weights (256 random rows per matrix, tiled)."""
-    from safetensors.torch import save_file
-
-    from training.reference_decoder import DecoderShape
-
     s = DecoderShape.qwen3(size)
     path.mkdir(parents=True, exist_ok=True)
     config = {
@@ -208,36 +200,19 @@ def save_random_qwen3(path: Path, size: str) -> None:
     save_file(tensors, str(path / "model.safetensors"))
 
 
-def matmul_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
-    samples = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / 5)
-    samples.sort()
-    return 2 * n**3 / samples[len(samples) // 2] / 1e12
-
-
 def throughput(size: str, model_dir: Path, seq_len: int, sequences: int, steps: int) -> None:
-    from training.backends.megatron import MegatronBackend
-    from training.reference_decoder import DecoderShape
+    from training.backends.megatron import MegatronBackend  # megatron-core is the optional gpu extra
 
     if dist.get_rank() == 0 and not (model_dir / "model.safetensors").is_file():
         t0 = time.perf_counter()
         save_random_qwen3(model_dir, size)
         log(f"wrote random Qwen3-{size} folder in {time.perf_counter() - t0:.0f} s")
     dist.barrier()
-    peak = matmul_tflops()
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    log(f"bf16 matmul 8192^3 per GPU: {', '.join(f'{p:.0f}' for p in peaks)} TFLOP/s")
+    matmuls = [None] * dist.get_world_size()
+    dist.all_gather_object(matmuls, matmul_tflops())
+    gpu_name, peak = device_peak_tflops("cuda")
+    log(f"bf16 matmul 8192^3 per GPU: {', '.join(f'{m:.0f}' for m in matmuls)} TFLOP/s")
+    log(describe(gpu_name, peak, min(matmuls)))
     backend = MegatronBackend(model_dir, lora_rank=32, lora_alpha=64, learning_rate=1e-5, device="cuda",
                               dtype="bfloat16", micro_batch_tokens=seq_len)
     log(f"Qwen3-{size} shape, TP={backend.tp}: weights per GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
@@ -257,12 +232,14 @@ def throughput(size: str, model_dir: Path, seq_len: int, sequences: int, steps: 
     step_s = times[len(times) // 2]
     tokens = seq_len * sequences
     flops = tokens * shape.train_flops_per_token(seq_len)
-    mfu = flops / step_s / 1e12 / sum(peaks)
-    log(f"| model | TP | GPUs | tokens/step | step s (median of {steps}) | tokens/s | tokens/s/GPU | MFU | peak GiB (rank 0) |")
-    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    log(f"| Qwen3-{size} shape, random bf16, LoRA r32 | {backend.tp} | {dist.get_world_size()} | {tokens} | {step_s:.3f} | "
-        f"{tokens / step_s:.0f} | {tokens / step_s / dist.get_world_size():.0f} | {mfu:.1%} | "
-        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
+    model_tflops = flops / step_s / 1e12
+    gpus = dist.get_world_size()
+    log(f"| model | TP | GPUs | tokens/step | step s (median of {steps}) | tokens/s | tokens/s/GPU | {mfu_header(peak)} "
+        f"| of measured matmul ({sum(matmuls):.0f} TFLOP/s in all) | peak GiB (rank 0) |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    log(f"| Qwen3-{size} shape, random bf16, LoRA r32 | {backend.tp} | {gpus} | {tokens} | {step_s:.3f} | "
+        f"{tokens / step_s:.0f} | {tokens / step_s / gpus:.0f} | {percent(mfu(model_tflops, peak, gpus))} | "
+        f"{model_tflops / sum(matmuls):.1%} | {torch.cuda.max_memory_allocated() / 2**30:.1f} |")
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ Hopper, flash-attn where installed), the same kernels in every mode. Before timi
 device that the attention kernels match a float32 reference, that
 the three modes give the same adapter gradients on a small model, and that the torch/peft trainer
 backend's ``recompute`` option gives the step of ``recompute="none"`` on a small random Hugging
-Face Qwen3 (bf16, right-padded rows in two micro-batches). It measures the bf16 matrix
-peak with a large random matmul and reports model FLOPs utilisation against it (model FLOPs as
-``DecoderShape.train_flops_per_token`` counts them: recomputation is not counted as useful work).
+Face Qwen3 (bf16, right-padded rows in two micro-batches). It reports model FLOPs utilisation as
+``bench/mfu.py`` defines it (model FLOPs as ``DecoderShape.train_flops_per_token`` counts them, over the
+GPU's datasheet dense bf16 peak), beside the share of a large random bf16 matmul measured in the run.
 ``--probe`` runs one untimed-warmup-free step at a longer context for the recomputing modes to show
 what fits. Results go to stdout (a table last) and, with ``--json``, to a file.
 """
@@ -45,11 +45,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mfu import describe, device_peak_tflops, matmul_tflops, mfu, mfu_header, percent  # noqa: E402  (bench/mfu.py)
 
 from training.grpo import DEFAULT_LOSS, TrainBatch, grpo_loss  # noqa: E402
 from training.attention import chosen_attention_kernels  # noqa: E402
+from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
 from training.recompute import RECOMPUTE_MODES  # noqa: E402
 from training.reference_decoder import DecoderShape, LoRALinear, Qwen3Decoder  # noqa: E402
 
@@ -64,31 +69,6 @@ def sync() -> None:
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def matmul_peak_tflops(n: int = 8192, reps: int = 20, warmup_s: float = 2.0) -> float:
-    """The median rate of an n×n×n bf16 matmul on random data, in TFLOP/s (5 products a sample),
-    after ``warmup_s`` seconds of the same products (a cold GPU runs below its clocks for a while)."""
-    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    sync()
-    t_end = time.perf_counter() + (warmup_s if DEVICE == "cuda" else 0.0)
-    for _ in range(5):
-        a @ b
-    while time.perf_counter() < t_end:
-        for _ in range(10):
-            a @ b
-        sync()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            a @ b
-        sync()
-        times.append((time.perf_counter() - t0) / 5)
-    times.sort()
-    return 2 * n**3 / times[len(times) // 2] / 1e12
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,10 +137,6 @@ def check_modes(kernels, seq_len: int = 2048) -> None:
 
 def check_backend(small: bool) -> None:
     """The torch/peft trainer backend's ``recompute`` modes give the same step on a small random HF Qwen3."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from training.backends.torch_peft import TorchPeftBackend
-
     config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, head_dim=128,
                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
     lengths = [20, 40, 30] if small else [700, 1500, 1100]
@@ -302,8 +278,10 @@ def main() -> None:
             check_backend(small)
         except (Exception, SystemExit) as e:  # noqa: BLE001
             log(f"backend check FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    peak = matmul_peak_tflops(n=512 if small else 8192, reps=3 if small else 20)
-    log(f"measured bf16 matmul peak (8192^3, 2 s warm-up, median of 20 samples of 5): {peak:.0f} TFLOP/s")
+    matmul = matmul_tflops(n=512 if small else 8192, reps=3 if small else 20, device=DEVICE)
+    gpu_name, peak = device_peak_tflops(DEVICE)
+    log(f"measured bf16 matmul (8192^3, 2 s warm-up, median of 20 samples of 5): {matmul:.3g} TFLOP/s")
+    log(describe(gpu_name, peak, matmul))
 
     overrides = {"num_layers": args.layers} if args.layers else {}
     shape = DecoderShape.qwen3(args.model, **overrides)
@@ -340,22 +318,25 @@ def main() -> None:
                 log(f"{seq_len:>7} {mode:>16}: out of memory")
             else:
                 log(f"{seq_len:>7} {mode:>16}: step {r['step_s']:.3f} s (all {', '.join(f'{t:.3f}' for t in r['step_s_all'])}), "
-                    f"peak {r['peak_gib']:.1f} GiB, {r['tokens_per_s']:.0f} tok/s, MFU {r['model_tflops'] / peak:.1%}")
+                    f"peak {r['peak_gib']:.1f} GiB, {r['tokens_per_s']:.0f} tok/s, MFU {percent(mfu(r['model_tflops'], peak))}, "
+                    f"{r['model_tflops'] / matmul:.1%} of the measured matmul")
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": args.model, "shape": shape.__dict__, "peak_tflops": peak,
+        args.json.write_text(json.dumps({"model": args.model, "shape": shape.__dict__, "datasheet_peak_tflops": peak,
+                                         "matmul_tflops": matmul,
                                          "kernels": kernels.name, "device": device_name, "results": results}, indent=1))
     log("")
-    log(f"| context | mode | step s | peak GiB | tokens/s | MFU (of {peak:.0f} TFLOP/s) | step vs full | peak vs full |")
-    log("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    log(f"| context | mode | step s | peak GiB | tokens/s | {mfu_header(peak)} "
+        f"| of measured matmul ({matmul:.3g} TFLOP/s) | step vs full | peak vs full |")
+    log("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     by_key = {(r["seq_len"], r["mode"]): r for r in results}
     for r in results:
         if r.get("skipped") and not r.get("oom"):
-            log(f"| {r['seq_len']} | {r['mode']} | skipped | | | | | |")
+            log(f"| {r['seq_len']} | {r['mode']} | skipped | | | | | | |")
             continue
         if r.get("oom"):
-            log(f"| {r['seq_len']} | {r['mode']} | out of memory | | | | | |")
+            log(f"| {r['seq_len']} | {r['mode']} | out of memory | | | | | | |")
             continue
         # an ablation of the LoRA path is compared with full recomputation on the same path
         full = by_key.get((r["seq_len"], "full+unfused-lora" if "+unfused-lora" in r["mode"] else "full"))
@@ -363,7 +344,7 @@ def main() -> None:
         if full and not full.get("oom") and not full.get("skipped"):
             vs = (f"{r['step_s'] / full['step_s'] - 1:+.1%}", f"{r['peak_gib'] / full['peak_gib']:.2f}x")
         log(f"| {r['seq_len']} | {r['mode']} | {r['step_s']:.3f} | {r['peak_gib']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{r['model_tflops'] / peak:.1%} | {vs[0]} | {vs[1]} |")
+            f"{percent(mfu(r['model_tflops'], peak))} | {r['model_tflops'] / matmul:.1%} | {vs[0]} | {vs[1]} |")
     log(f"total {time.perf_counter() - started:.0f} s")
 
 

@@ -16,7 +16,9 @@ Every figure is printed next to its baseline as a ratio: step time against ``ful
 model in this run, and tokens/s against the backend's figures before the bf16 adapter, fused LoRA
 epilogue, fused RMSNorm, chunked log-probabilities and checked kernels (measured on one H200 with
 the code as it was; constants below). MFU is model FLOPs (recomputation is not useful work) per
-second over the bf16 matmul rate measured at the start of the run; the FLOPs formula is printed.
+second over the GPU's datasheet dense bf16 peak, as ``bench/mfu.py`` defines it for every GPU
+benchmark, printed beside the share of the bf16 matmul rate measured in the run (the larger of the
+rates measured before and after the steps); the FLOPs formula is printed.
 ``--device cpu`` runs the same code paths on a tiny model, as a smoke test without a GPU.
 
 ``--ranks N`` measures data-parallel scaling instead (``training.backends.parallel``):
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -46,11 +47,17 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import recompute as rb  # noqa: E402  (bench/recompute.py: the benchmark decoder's step)
+from mfu import describe, device_peak_tflops, matmul_tflops, mfu, mfu_header, percent  # noqa: E402  (bench/mfu.py)
 from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
 from training.attention import chosen_attention_kernels  # noqa: E402
+from training.backends.parallel import DataParallel  # noqa: E402
 from training.grpo import DEFAULT_LOSS, TrainBatch  # noqa: E402
 from training.recompute import RECOMPUTE_MODES  # noqa: E402
 from training.reference_decoder import DecoderShape, Qwen3Decoder  # noqa: E402
@@ -65,20 +72,11 @@ BEFORE_TOKENS_PER_S = {
 }
 
 
-def load_recompute_bench():
-    spec = importlib.util.spec_from_file_location("bench_recompute", Path(__file__).with_name("recompute.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def log(msg: str) -> None:
     print(msg, flush=True)
 
 
 def qwen3_config(size: str, layers: int | None):
-    from transformers import Qwen3Config
-
     shape = DecoderShape.qwen3(size, lora_rank=32, lora_alpha=64, **({"num_layers": layers} if layers else {}))
     config = Qwen3Config(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
@@ -96,8 +94,6 @@ def tiny_shape() -> DecoderShape:
 
 def build_backend(config, device: str, dtype: torch.dtype, recompute: str, seq_len: int, lora_rank: int,
                   data_parallel=None) -> TorchPeftBackend:
-    from transformers import Qwen3ForCausalLM
-
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -152,8 +148,6 @@ def time_steps(step, device: str, warmup: int, steps: int) -> dict:
 
 def check_backend_modes(device: str, dtype: torch.dtype) -> None:
     """The three modes give the step of ``none`` on a small random Qwen3 on the device (bf16)."""
-    from transformers import Qwen3Config
-
     config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2, head_dim=128,
                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
     batch = batch_of(1024 if device == "cuda" else 48, config.vocab_size, seed=3)
@@ -186,8 +180,6 @@ SCALING_TARGET = 0.9  # N ranks at >= 90% of N times one rank's tokens/s
 
 def scaling_config(args):
     if args.device == "cpu":
-        from transformers import Qwen3Config
-
         shape = tiny_shape()
         return shape, Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                                   intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
@@ -199,10 +191,6 @@ def scaling_config(args):
 def scaling_worker(args) -> None:
     """One rank under torchrun: the backend step on this rank's shard of a batch of ``ranks x
     sequences_per_rank`` sequences, timed from a barrier to the end of the step on every rank."""
-    import torch.distributed as dist
-
-    from training.backends.parallel import DataParallel
-
     device = args.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -338,7 +326,6 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/trainer_throughput.py needs a CUDA device (or --device cpu for a smoke run)")
     started = time.perf_counter()
-    rb = load_recompute_bench()
     rb.DEVICE = device
     dtype = torch.bfloat16
     if device == "cuda":
@@ -356,13 +343,13 @@ def main() -> None:
         + ", ".join(f"{k} {v:.1e}" for k, v in choice.errors.items()) + ")"
         + ("; passed over: " + "; ".join(f"{k}: {v}" for k, v in choice.rejected.items()) if choice.rejected else ""))
     check_backend_modes(device, dtype)
-    peak = rb.matmul_peak_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20)
-    log(f"measured bf16 matmul peak (8192^3, 2 s warm-up, median of 20 samples of 5): {peak:.0f} TFLOP/s")
+    matmul = matmul_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20, device=device)
+    gpu_name, peak = device_peak_tflops(device)
+    log(f"measured bf16 matmul (8192^3, 2 s warm-up, median of 20 samples of 5): {matmul:.3g} TFLOP/s")
+    log(describe(gpu_name, peak, matmul))
 
     if device == "cpu":
         shape = tiny_shape()
-        from transformers import Qwen3Config
-
         config = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                              intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
                              num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
@@ -412,10 +399,12 @@ def main() -> None:
                 r.update(seq_len=seq_len, model=model_kind, mode=mode)
                 if not r["oom"]:
                     r["tokens_per_s"] = seq_len / r["step_s"]
-                    r["mfu"] = seq_len * flops_per_token / r["step_s"] / 1e12 / peak
+                    r["model_tflops"] = seq_len * flops_per_token / r["step_s"] / 1e12
+                    r["mfu"] = mfu(r["model_tflops"], peak)
                     log(f"{seq_len:>6} {model_kind:>7} {mode:>16}: step {r['step_s']:.3f} s "
                         f"(all {', '.join(f'{t:.3f}' for t in r['step_s_all'])}), peak {r['peak_gib']:.1f} GiB, "
-                        f"{r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}")
+                        f"{r['tokens_per_s']:.0f} tok/s, MFU {percent(r['mfu'])}, "
+                        f"{r['model_tflops'] / matmul:.1%} of the measured matmul")
                 else:
                     log(f"{seq_len:>6} {model_kind:>7} {mode:>16}: out of memory")
                 rows.append(r)
@@ -427,21 +416,18 @@ def main() -> None:
                 if device == "cuda":
                     torch.cuda.empty_cache()
 
-    peak_end = rb.matmul_peak_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20)
-    log(f"bf16 matmul peak measured again after the steps: {peak_end:.0f} TFLOP/s; MFU below is of the larger, "
-        f"{max(peak, peak_end):.0f}")
-    if peak_end > peak:
-        for r in rows:
-            if "mfu" in r:
-                r["mfu"] *= peak / peak_end
-        peak = peak_end
+    matmul_end = matmul_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20, device=device)
+    log(f"bf16 matmul measured again after the steps: {matmul_end:.3g} TFLOP/s; the share of the measured matmul "
+        f"below is of the larger, {max(matmul, matmul_end):.3g}")
+    matmul = max(matmul, matmul_end)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"peak_tflops": peak, "kernels": choice.kernels.name, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"datasheet_peak_tflops": peak, "matmul_tflops": matmul,
+                                         "kernels": choice.kernels.name, "rows": rows}, indent=1))
     log("")
-    log(f"| context | model | mode | step s | step vs full | tokens/s | vs before | vs decoder | MFU (of {peak:.0f} TFLOP/s) "
-        "| peak GiB | peak vs full |")
-    log("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    log(f"| context | model | mode | step s | step vs full | tokens/s | vs before | vs decoder | {mfu_header(peak)}"
+        f" | of measured matmul ({matmul:.3g} TFLOP/s) | peak GiB | peak vs full |")
+    log("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     by_key = {(r["seq_len"], r["model"], r["mode"]): r for r in rows}
 
     def ok(r):
@@ -450,7 +436,7 @@ def main() -> None:
     for r in rows:
         if not ok(r):
             log(f"| {r['seq_len']} | {r['model']} | {r['mode']} | {'skipped' if r.get('skipped') else 'out of memory'} "
-                "| | | | | | | |")
+                "| | | | | | | | |")
             continue
         full = by_key.get((r["seq_len"], r["model"], "full"))
         vs_full = (f"{r['step_s'] / full['step_s'] - 1:+.1%}", f"{r['peak_gib'] / full['peak_gib']:.2f}x") if ok(full) else ("", "")
@@ -459,7 +445,8 @@ def main() -> None:
         dec = by_key.get((r["seq_len"], "decoder", r["mode"])) if r["model"] == "backend" else None
         vs_dec = f"{r['tokens_per_s'] / dec['tokens_per_s']:.2f}x" if ok(dec) else ""
         log(f"| {r['seq_len']} | {r['model']} | {r['mode']} | {r['step_s']:.3f} | {vs_full[0]} | {r['tokens_per_s']:.0f} | "
-            f"{vs_before} | {vs_dec} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {vs_full[1]} |")
+            f"{vs_before} | {vs_dec} | {percent(r['mfu'])} | {r['model_tflops'] / matmul:.1%} | {r['peak_gib']:.1f} | "
+            f"{vs_full[1]} |")
     log(f"total {time.perf_counter() - started:.0f} s")
 
 
