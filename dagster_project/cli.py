@@ -2,11 +2,17 @@
 
 Platform commands (``demo``, ``ui``, ``backfill``) live here; each domain package adds its own
 commands through a ``register(subparsers)`` function in its ``cli`` module.
+
+Dagster, the asset definitions and pandas take seconds to import, so the commands that need them
+(``demo``, ``backfill``, ``eval --model``, ``score``) import them in their functions: ``posttrain
+--help``, ``sandbox``, ``tasks`` and ``plan`` start without them. Everything else is imported here.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -17,8 +23,12 @@ import sandboxes.cli
 import serving.cli
 import training.planner.cli
 from dagster_project.instance import ensure_dagster_home
-from training.planner.schema import EvalSection
-from sandboxes.home import HOME_ENV
+from dagster_project.processes import Supervisor
+from evals.flawed import FlawedListError, ensure_flawed_lists, flawed_views, load_flawed_lists, views_markdown
+from evals.tasks import TaskLoadError, load_harbor
+from sandboxes.files import NotARegularFile, open_regular_file
+from sandboxes.home import HOME_ENV, default_home
+from training.planner.schema import EvalSection, PlanError, load_run_file, parse_eval_table
 from viewer.links import DEFAULT_PORT as VIEWER_PORT, URL_ENV as VIEWER_URL_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -36,14 +46,12 @@ def _add_home(parser: argparse.ArgumentParser) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     ensure_dagster_home(args.home)
-    from dagster_project.demo import run_demo
+    from dagster_project.demo import run_demo  # Dagster and every asset module: see the module docstring
 
     return run_demo(args.run_name, seed=args.seed)
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from dagster_project.processes import Supervisor
-
     home = ensure_dagster_home(args.home)
     bin_dir = Path(sys.executable).parent
     supervisor = Supervisor(grace_s=args.grace)
@@ -57,16 +65,12 @@ def cmd_ui(args: argparse.Namespace) -> int:
         "-h", "127.0.0.1", "-p", str(args.port),
     ])
     print(f"Dagster UI on http://127.0.0.1:{args.port} (instance {home}); Ctrl-C stops it", flush=True)
-    from sandboxes.home import default_home as posttrain_home
-
     supervisor.start("viewer", [
-        sys.executable, "-m", "viewer", "--home", str(posttrain_home()), "--port", str(args.viewer_port),
+        sys.executable, "-m", "viewer", "--home", str(default_home()), "--port", str(args.viewer_port),
         "--tensorboard-url", tensorboard_url,
     ])
     print(f"trajectory viewer on http://127.0.0.1:{args.viewer_port} (rollouts and eval attempts)", flush=True)
     if args.tensorboard:
-        from sandboxes.home import default_home
-
         logdir = default_home() / "runs"
         logdir.mkdir(parents=True, exist_ok=True)
         supervisor.start("tensorboard", [
@@ -79,7 +83,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     ensure_dagster_home(args.home)
-    import dagster as dg
+    import dagster as dg  # Dagster and every asset module: see the module docstring
 
     from dagster_project.backfill import launch_backfill, select_partitions, wait_for_backfill
     from dagster_project.definitions import defs
@@ -121,12 +125,10 @@ def eval_section(args: argparse.Namespace, base: dict | None, what: str):
     """The ``[eval]`` settings of a command: ``base`` (a run's, or ``--run-file``'s), overridden by the
     options given; validated once, ``PlanError`` naming the key. Paths are made absolute: the daemon
     that retries an eval does not run in this folder."""
-    from training.planner.schema import load_run_file, parse_eval_table
-
     table = dict(base or {})
     source = what
     if getattr(args, "run_file", None):
-        from assets.evals import eval_config
+        from assets.evals import eval_config  # every asset module: see the module docstring
 
         table = eval_config(load_run_file(args.run_file).eval)
         source = f"{what} over the [eval] of {args.run_file}"
@@ -141,8 +143,6 @@ def eval_section(args: argparse.Namespace, base: dict | None, what: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from training.planner.schema import PlanError
-
     ensure_dagster_home(args.home)
     try:
         section = eval_section(args, None, "posttrain eval")
@@ -160,10 +160,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval_model(args: argparse.Namespace, section) -> int:
     """``posttrain eval --model``: checked here first (a bad folder or task id costs no run), then
     registered and evaluated in the instance (:mod:`dagster_project.model_eval`)."""
-    import json
-
+    # Dagster and the eval's own modules, loaded for this command only: see the module docstring
     from dagster_project.model_eval import RegistrationError, evaluate_model
-    from evals.flawed import FlawedListError, ensure_flawed_lists, flawed_views, load_flawed_lists, views_markdown
+    from evals.evaluate import write_rows
     from evals.harbor import is_harbor_dataset
 
     model = Path(args.model).expanduser().resolve()
@@ -176,8 +175,6 @@ def _eval_model(args: argparse.Namespace, section) -> int:
               file=sys.stderr)
         return 2
     if is_harbor_dataset(section.dataset):
-        from evals.tasks import TaskLoadError, load_harbor
-
         if not section.sources:
             print(f"posttrain eval: {args.dataset}: a Harbor dataset needs --sources (the folder of repository "
                   "sources its images are built from)", file=sys.stderr)
@@ -203,8 +200,6 @@ def _eval_model(args: argparse.Namespace, section) -> int:
         return 2
     rows = done.rows
     if args.out:
-        from evals.evaluate import write_rows
-
         write_rows(rows, args.out)
     views = flawed_views(rows, flawed_lists, k=section.attempts)
     if args.json:
@@ -223,7 +218,7 @@ def backfill_run_config(args: argparse.Namespace, partitions: list[str]) -> dict
     """The run config of a ``deepswe_eval`` backfill: the ``[eval]`` of the partitions' runs (their
     plans, or a registered model's ``eval.json``; they must agree unless ``--run-file`` gives one),
     with the eval options given over it. Other assets take no eval options."""
-    from assets.evals import eval_config, eval_run_config, run_eval_section
+    from assets.evals import eval_config, eval_run_config, run_eval_section  # see the module docstring
     from assets.partitions import parse_checkpoint_partition_key
     from assets.resources import PosttrainStorage
 
@@ -246,18 +241,13 @@ def backfill_run_config(args: argparse.Namespace, partitions: list[str]) -> dict
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    import json
-    import math
-
-    import pandas as pd
+    import pandas as pd  # pandas and the report: see the module docstring
 
     from evals.report import checkpoint_summary, flagged_mask
 
     if args.k < 1:
         print(f"posttrain score: --k {args.k}: expected an integer >= 1", file=sys.stderr)
         return 2
-    from sandboxes.files import NotARegularFile, open_regular_file
-
     frames = []
     for path in args.rows:
         try:
