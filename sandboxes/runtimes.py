@@ -65,6 +65,7 @@ import hashlib
 import json
 import os
 import py_compile
+import select
 import shutil
 import signal
 import subprocess
@@ -90,8 +91,8 @@ from sandboxes.toolchain import (
 
 RUNTIMES = ("bwrap", "gvisor", "unisolated")
 PXD_SOURCE = Path(__file__).with_name("pxd.py")
-PXD_IN_SANDBOX = "/opt/pxd/pxd.py"  # in the image's base layer: what a cluster pod starts
-PXD_COMPILED_IN_SANDBOX = "/opt/pxd/pxd.pyc"  # what the local runtimes bind and start
+PXD_COMPILED_IN_SANDBOX = "/opt/pxd/pxd.pyc"  # what the local runtimes bind and start (a cluster pod starts
+# the image's /opt/pxd/pxd.py: sandboxes.images, sandboxes.k8s)
 _compile_lock = threading.Lock()
 
 
@@ -179,8 +180,6 @@ class Limits:
 
 def _wait_eof(stream, timeout_s: float) -> None:
     """Wait until ``stream`` (a pipe from the runtime) is closed: the runtime has exited."""
-    import select
-
     deadline = time.monotonic() + timeout_s
     fd = stream.fileno()
     while (remaining := deadline - time.monotonic()) > 0:
@@ -582,7 +581,6 @@ def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: 
         path = Path(source).resolve()
         if not path.is_dir():
             raise ImageError(f"{path}: not a folder")
-        import hashlib
         image = build_image("dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16], path, store)
     elif isinstance(source, str):
         image = store.load_image(image_name(source))  # a task id or an image name
