@@ -64,12 +64,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
-from evals.grading import AGENT_FAULT, GRADED, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
+from evals.grading import AGENT_FAULT, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
 from evals.sandbox import AgentFault, InfraError, Sandbox, SandboxFactory
 from evals.tasks import Task
 from serving.chat_template import TemplateText
 from serving.client import EngineClient as HttpClient  # the HTTP ModelClient (replica, sidecar or router)
 from serving.client import EngineError
+from serving.protocol import GenerateRequest, parse_sampling_params
 
 __all__ = ["HttpClient", "InProcessClient", "ModelCall", "ModelClient", "SCAFFOLD_NAMES", "Scaffold", "Step",
            "Trajectory", "check_scaffold", "fail_attempt", "grade_committed", "run_episode"]
@@ -552,13 +553,7 @@ class InProcessClient:
 
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
                  return_logprob: bool = False, lora_path: str | None = None, rid: str | None = None) -> dict[str, Any]:
-        from serving.protocol import GenerateRequest, parse_sampling_params
-
         request = GenerateRequest(list(input_ids), parse_sampling_params(sampling_params or {}), return_logprob,
                                   lora_path, rid)
         return self.engine.generate(request)
 
-
-def graded_ok(traj: Trajectory) -> bool:
-    """True when the trajectory carries a real score (not an infra error, not ungraded)."""
-    return traj.grade is not None and traj.grade.status in (GRADED, "apply_failed", AGENT_FAULT)
