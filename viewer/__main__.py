@@ -12,22 +12,20 @@ import argparse
 import sys
 from pathlib import Path
 
+import uvicorn
+
+from sandboxes.home import default_home
+from viewer.app import create_app
 from viewer.links import DEFAULT_PORT
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sandboxes.home import default_home
-
     parser = argparse.ArgumentParser(prog="python -m viewer", description=__doc__.split("::")[0].strip())
     parser.add_argument("--home", help="the posttrain home (default: $POSTTRAIN_HOME, else ./posttrain-data)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     parser.add_argument("--tensorboard-url", default="", help="where TensorBoard is served, for /tensorboard")
     args = parser.parse_args(argv)
-    import uvicorn
-
-    from viewer.app import create_app
-
     home = Path(args.home).expanduser().resolve() if args.home else default_home()
     if not home.is_dir():
         print(f"python -m viewer: --home {home}: not a folder", file=sys.stderr)

@@ -27,8 +27,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import pandas as pd
+from tokenizers import Tokenizer
+
+from evals.flawed import load_flawed_lists
+from evals.report import attempt_files, base_checkpoint, parse_key
 from training.checkpoint import list_checkpoints, metrics_dir, runs_root, store_path
 from training.progress import plain_advantages
+from training.store import _unpack
 
 PLAN_FILE = "resolved-plan.json"
 READY = "ready"
@@ -104,8 +110,6 @@ def read_steps(run_path: Path) -> list[dict[str, Any]]:
     path = metrics_dir(run_path) / "steps.parquet"
     if not path.is_file():
         return []
-    import pandas as pd
-
     rows = pd.read_parquet(path).sort_values("step").to_dict("records")
     return [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in rows]
 
@@ -343,8 +347,6 @@ def base_model_folder(run_path: Path) -> Path | None:
 
 @lru_cache(maxsize=8)
 def _tokenizer(path: str):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(path)
 
 
@@ -361,8 +363,6 @@ def decoder_for(run_path: Path):
 def rollout_detail(home: Path, run: str, rollout_id: str) -> dict[str, Any]:
     """One rollout with everything stored about it: its row, its group's rewards and its advantage,
     and its tokens split into prompt, actions and observations (:func:`segments`)."""
-    from training.store import _unpack
-
     path = run_dir(home, run)
     with _store(path) as conn:
         row = conn.execute(f"SELECT {_ROW}, input_ids, loss_mask, serving_logprobs, created_s FROM rollouts "
@@ -388,8 +388,6 @@ def evals_folder(home: Path) -> Path:
 def eval_runs(home: Path) -> dict[str, list[tuple[str, Path, float]]]:
     """Per checkpoint, its eval runs ``(run_id, path, written_s)``, newest first, checkpoints in
     (run, step) order."""
-    from evals.report import attempt_files, parse_key
-
     out: dict[str, list[tuple[str, Path, float]]] = {}
     for checkpoint, run_id, path in attempt_files(evals_folder(home)):
         out.setdefault(checkpoint, []).append((run_id, path, path.stat().st_mtime))
@@ -399,8 +397,6 @@ def eval_runs(home: Path) -> dict[str, list[tuple[str, Path, float]]]:
 
 def attempt_rows(home: Path, checkpoint: str, run_id: str = "") -> tuple[str, Any]:
     """``(run_id, frame)``: the attempt rows of one eval run of ``checkpoint`` (its newest by default)."""
-    import pandas as pd
-
     runs = eval_runs(home).get(checkpoint)
     if not runs:
         raise NotFound(f"no eval rows of checkpoint {checkpoint!r} under {evals_folder(home)}")
@@ -412,8 +408,6 @@ def attempt_rows(home: Path, checkpoint: str, run_id: str = "") -> tuple[str, An
 
 def flawed_marks(home: Path) -> dict[str, list[str]]:
     """Task id -> the names of the flawed lists (``HOME/datasets/flawed``) that name it."""
-    from evals.flawed import load_flawed_lists
-
     marks: dict[str, list[str]] = {}
     for fl in load_flawed_lists(Path(home) / "datasets" / "flawed"):
         for task_id in fl.ids:
@@ -476,8 +470,6 @@ def task_table(frame: Any, base_frame: Any, marks: dict[str, list[str]]) -> list
 
 def checkpoint_tasks(home: Path, checkpoint: str, run_id: str = "") -> dict[str, Any]:
     """The per-task table of one checkpoint against its run's base model, with the rows behind it."""
-    from evals.report import base_checkpoint
-
     chosen, frame = attempt_rows(home, checkpoint, run_id)
     base_key = base_checkpoint(checkpoint)
     base_frame, base_run = None, ""
@@ -499,8 +491,6 @@ def decode_json(value: Any, default: Any) -> Any:
 
 def task_attempts(home: Path, checkpoint: str, task_id: str, run_id: str = "") -> dict[str, Any]:
     """Every attempt of one task at ``checkpoint`` (and at its base model), as plain dicts."""
-    from evals.report import base_checkpoint
-
     chosen, frame = attempt_rows(home, checkpoint, run_id)
     mine = frame[frame["task_id"] == task_id]
     if not len(mine):
