@@ -18,8 +18,10 @@ import json
 import sys
 from pathlib import Path
 
+import sandboxes
 from sandboxes.files import read_regular_bytes
 from sandboxes.home import default_suite_dir
+from sandboxes.runtimes import default_cache, default_store
 from sandboxes.toolchain import HOST_TOOLCHAINS
 
 
@@ -52,8 +54,6 @@ def task_repo(suite: Path, task_id: str) -> tuple[Path, dict]:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    import sandboxes
-
     command = list(args.cmd)
     if command and command[0] == "--":
         command = command[1:]
@@ -90,8 +90,6 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_images(args: argparse.Namespace) -> int:
-    from sandboxes.runtimes import default_cache, default_store
-
     store, cache = default_store(), default_cache()
     out = {"store": str(store.root), "images": {}, "cache": str(cache.root), "cache_budget_bytes": cache.budget_bytes,
            "cached_layers": cache.contents()}
