@@ -30,6 +30,10 @@ SANDBOX_RUNTIMES = ("bwrap", "gvisor", "k8s")
 # The agent loop of an episode (evals.scaffolds; the same names as evals.harness.SCAFFOLD_NAMES):
 # builtin is posttrain's own (token ids through /generate), mini-swe-agent talks the OpenAI chat API.
 SCAFFOLDS = ("builtin", "mini-swe-agent")
+# The trainer keys that every backend also takes as keyword arguments of the same name: the run's
+# backend is built with the run's values (TrainConfig.backend_args) and each backend's defaults for
+# them are TrainConfig's.
+BACKEND_KEYS = ("lora_rank", "lora_alpha", "learning_rate", "seed", "recompute")
 # how the policy-gradient loss weighs episodes (training.grpo.batch_from_groups)
 LOSS_WEIGHTINGS = ("token", "sequence")
 # What training does with an attempt that a cheating signal (evals.signals) flagged; the integrity
@@ -56,9 +60,8 @@ def groups_per_step(collection_size: int, group_size: int) -> int:
 @dataclass(frozen=True)
 class TrainConfig:
     """Every trainer key, with its default written here only: the loss settings
-    (training.grpo.LossConfig) and the trainer backends' keyword arguments of the same name
-    (``lora_rank``, ``lora_alpha``, ``learning_rate``, ``seed``, ``recompute``; training.backends)
-    default to these."""
+    (training.grpo.LossConfig) and the trainer backends' keyword arguments named in
+    :data:`BACKEND_KEYS` (training.backends) default to these."""
 
     run_name: str = "demo"
     base_model: str = ""  # a Hugging Face model folder
@@ -198,6 +201,12 @@ class TrainConfig:
         if self.tensor_parallel_size < 0 or (self.tensor_parallel_size > 1 and self.backend != "megatron"):
             raise ValueError(f"{source}: key 'tensor_parallel_size' must be 0 or 1 with backend {self.backend!r} (one "
                              f"process per model replica; only megatron splits a model), got {self.tensor_parallel_size}")
+
+    def backend_args(self) -> dict[str, Any]:
+        """The keyword arguments the run's backend is built with (``training.backends.load_backend``):
+        the base model, the :data:`BACKEND_KEYS` and the placement the config sets."""
+        return {"model_path": self.base_model, **{key: getattr(self, key) for key in BACKEND_KEYS},
+                **self.backend_placement()}
 
     def backend_placement(self) -> dict[str, Any]:
         """The ``device``/``dtype`` (and megatron's ``tensor_parallel_size``) keyword arguments for the

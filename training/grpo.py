@@ -176,7 +176,8 @@ def has_reward_variance(rewards: Sequence[float]) -> bool:
     return bool(group_advantages(torch.tensor([list(rewards)])).kept[0])
 
 
-def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = False, eps: float = 1e-6) -> GroupAdvantages:
+def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = TrainConfig.scale_advantages_by_std,
+                     eps: float = 1e-6) -> GroupAdvantages:
     """Advantages of ``rewards`` shaped ``[groups, samples]``, relative to each group's mean."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards: expected [groups, samples], got shape {tuple(rewards.shape)}")

@@ -80,16 +80,19 @@ def test_backend_settings_that_are_trainer_keys_default_to_the_trainer_config():
     those that are not trainer keys take training.backends' one default, alike in every backend."""
     from training import backends
     from training.backends import backend_class
-    from training.config import BACKENDS, TrainConfig
+    from training.config import BACKEND_KEYS, BACKENDS, TrainConfig
 
     shared = {"target_modules": backends.LORA_TARGET_MODULES, "weight_decay": backends.DEFAULT_WEIGHT_DECAY,
               "max_grad_norm": backends.DEFAULT_MAX_GRAD_NORM, "micro_batch_tokens": backends.DEFAULT_MICRO_BATCH_TOKENS}
     trainer = TrainConfig()
     for name in BACKENDS:
         defaults = {k: p.default for k, p in inspect.signature(backend_class(name)).parameters.items()}
-        for key in ("lora_rank", "lora_alpha", "learning_rate", "seed", "recompute"):
+        for key in BACKEND_KEYS:
             assert defaults[key] == getattr(trainer, key), (name, key)
         assert {k: defaults[k] for k in shared} == shared, name
+    assert TrainConfig(base_model="m", lora_rank=4, seed=3, device="cpu").backend_args() == {
+        "model_path": "m", "lora_rank": 4, "lora_alpha": 32, "learning_rate": 2e-3, "seed": 3, "recompute": "none",
+        "device": "cpu"}
 
 
 def test_the_loss_weighting_key_is_validated_naming_the_key():

@@ -12,10 +12,10 @@ peft LoRA adapter, on the CPU or one GPU per process) and a Megatron-core backen
 trainer started by torchrun (``training.backends.parallel``). :func:`load_backend` picks one by name,
 importing lazily so that the Megatron dependency is only needed when asked for.
 
-A backend's settings that are trainer config keys (``lora_rank``, ``lora_alpha``, ``learning_rate``,
-``seed``, ``recompute``) default to :class:`training.config.TrainConfig`'s; those that are not (the
-LoRA target modules, weight decay, gradient clip, micro-batch size) are written once below, for every
-backend.
+A backend's settings that are trainer config keys (:data:`training.config.BACKEND_KEYS`: ``lora_rank``,
+``lora_alpha``, ``learning_rate``, ``seed``, ``recompute``) default to :class:`training.config.TrainConfig`'s;
+those that are not (the LoRA target modules, weight decay, gradient clip, micro-batch size) are written
+once below, for every backend.
 """
 
 from __future__ import annotations
