@@ -279,11 +279,7 @@ class RunState:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        return load_backend(
-            cfg.backend, model_path=cfg.base_model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            learning_rate=cfg.learning_rate, seed=cfg.seed,
-            recompute=cfg.recompute, **cfg.backend_placement(),
-        )
+        return load_backend(cfg.backend, **cfg.backend_args())
 
     def _resume_newest(self, steps: list[int]) -> None:
         """Resume from the newest of ``steps`` whose checkpoint loads; each one that does not is
