@@ -18,22 +18,21 @@ import sys
 import time
 from pathlib import Path
 
+from dagster_project.demo import run_demo
+from dagster_project.instance import ensure_dagster_home
+from evals.report import headlines, load_attempt_rows, newest_runs
+
 TARGET_POINTS = 8.4  # each run's gain in held-out pass@1
 TARGET_MEAN_POINTS = 10.0
 
 
 def one_run(home: Path, seed: int) -> int:
-    from dagster_project.demo import run_demo
-    from dagster_project.instance import ensure_dagster_home
-
     os.environ.pop("DAGSTER_HOME", None)  # the run's instance lives in its own home
     ensure_dagster_home(str(home))  # what `posttrain demo --home HOME` does first
     return run_demo("demo", seed=seed)
 
 
 def summary(home: Path) -> dict:
-    from evals.report import headlines, load_attempt_rows, newest_runs
-
     rows = newest_runs(load_attempt_rows(home / "evals" / "deepswe"))
     heads = headlines(rows)
     if not heads:

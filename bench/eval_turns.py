@@ -18,6 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pandas as pd  # noqa: E402
+
+from bench.recipe_trial import endings  # noqa: E402
+from dagster_project.demo import DEMO_EVAL  # noqa: E402
+from evals.evaluate import evaluate_checkpoint, load_eval_tasks  # noqa: E402
+from evals.report import base_checkpoint, headlines  # noqa: E402
+from evals.sandbox import platform_sandbox_factory  # noqa: E402
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -25,14 +33,6 @@ def main() -> int:
     parser.add_argument("--run", default="demo", help="the RL run whose final checkpoint is evaluated (default %(default)s)")
     parser.add_argument("--turns", type=int, required=True, help="model turns per episode")
     args = parser.parse_args()
-
-    import pandas as pd
-
-    from bench.recipe_trial import endings
-    from dagster_project.demo import DEMO_EVAL
-    from evals.evaluate import evaluate_checkpoint, load_eval_tasks
-    from evals.report import base_checkpoint, headlines
-    from evals.sandbox import platform_sandbox_factory
 
     run_dir = args.home / "runs" / args.run
     if not (run_dir / "trainer-config.json").is_file():

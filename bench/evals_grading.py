@@ -17,6 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from evals.actions import apply_edits
+from evals.bundled import build_suite
+from evals.grading import committed_patch, grade_patch
+from evals.sandbox import platform_sandbox_factory
+from evals.tasks import load_bundled
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,12 +32,6 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-evals-") as tmp:
         os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(Path(tmp) / "sandboxes"))
-        from evals.actions import apply_edits
-        from evals.bundled import build_suite
-        from evals.grading import committed_patch, grade_patch
-        from evals.sandbox import platform_sandbox_factory
-        from evals.tasks import load_bundled
-
         started = time.perf_counter()
         build_suite(Path(tmp) / "suite", per_level=args.per_level, workers=2)
         build_s = time.perf_counter() - started

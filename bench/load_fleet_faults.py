@@ -42,6 +42,7 @@ from serving.capture_store import trainer_headers  # noqa: E402
 from serving.client import EngineClient  # noqa: E402
 from serving.router.core import Router  # noqa: E402
 from serving.router.server import serve_router  # noqa: E402
+from serving.tiny import build_tiny_lora_adapter, build_tiny_model  # noqa: E402
 
 
 def start_replica(decode_step_ms: float, model_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
@@ -71,8 +72,6 @@ def publish(volume: Path, router: Router, version: str, model_dir: Path | None =
         (tmp / "adapter_config.json").write_text(json.dumps({"r": 4}))
         (tmp / "adapter_model.safetensors").write_bytes(b"\0" * 64)
     else:
-        from serving.tiny import build_tiny_lora_adapter
-
         build_tiny_lora_adapter(model_dir, tmp, seed=int(version.rsplit("_", 1)[1]) + 1)
     tmp.rename(volume / version)
     router.publish_adapter(version, str(volume / version))
@@ -184,8 +183,6 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_dir = None
     if args.tiny_model:
-        from serving.tiny import build_tiny_model
-
         model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="fleet-faults-model-")) / "model")
     r = run(replicas=args.replicas, steps=args.steps, sessions=args.sessions, turns=args.turns, fault_step=args.fault_step,
             decode_step_ms=args.decode_step_ms, model_dir=model_dir, max_new_tokens=args.max_new_tokens)

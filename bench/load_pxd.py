@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import sandboxes  # noqa: E402
 from sandboxes.client import PxdClient  # noqa: E402
 
 
@@ -101,8 +102,6 @@ def run_socket(clients: int = 64, commands: int = 20) -> dict:
 
 
 def run_sandbox(clients: int = 64, commands: int = 20, runtime: str = "bwrap") -> dict:
-    import sandboxes
-
     work = Path(tempfile.mkdtemp(prefix="pxd-load-"))
     repo = work / "repo"
     repo.mkdir()

@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from training.store import RolloutStore  # noqa: E402
+
 WRITER = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -66,8 +68,6 @@ print(json.dumps({"taken": taken, "lat": lat}))
 
 
 def run(*, writers: int = 4, groups: int = 150, size: int = 8, tokens: int = 2048, workdir: Path | None = None) -> dict:
-    from training.store import RolloutStore
-
     db = Path(workdir or tempfile.mkdtemp(prefix="store-load-")) / "rollouts.sqlite"
     RolloutStore(db).close()
     started = time.perf_counter()

@@ -21,6 +21,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
+from serving.local_engine import LocalEngine
+from serving.protocol import GenerateRequest, SamplingParams
+from serving.tiny import build_tiny_model
 from training.base_model import BaseModelSpec
 
 # The embedded default's base model geometry, read from its spec so the preset cannot drift from it.
@@ -33,9 +38,6 @@ ADMISSIONS = (1, 4, 16, 32, 64, 128)
 
 
 def run_once(model_dir: Path, admission: int, threads: int, seed: int) -> tuple[float, int]:
-    from serving.local_engine import LocalEngine
-    from serving.protocol import GenerateRequest, SamplingParams
-
     engine = LocalEngine(model_dir, max_running_requests=admission, max_total_tokens=65536, torch_threads=threads)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, GEOMETRY["vocab_size"]) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
@@ -61,10 +63,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     args = parser.parse_args()
-    from transformers.utils import logging as hf_logging
-
-    from serving.tiny import build_tiny_model
-
     hf_logging.disable_progress_bar()
 
     load_before = os.getloadavg()

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PXD = ROOT / "sandboxes" / "pxd.py"
 sys.path.insert(0, str(ROOT))
 
+from sandboxes.runtimes import compiled_pxd  # noqa: E402
+
 
 def cpu_ms(argv: list[str]) -> float:
     """User + system CPU of one run of ``argv``, in milliseconds."""
@@ -43,8 +45,6 @@ def main() -> int:
     kinds = {"bare interpreter (-c pass)": [args.python, "-I", "-S", "-c", "pass"],
              "pxd.py (this checkout, from source)": [args.python, "-I", "-S", str(PXD), "--help"]}
     if os.path.realpath(args.python) == os.path.realpath(sys.executable):
-        from sandboxes.runtimes import compiled_pxd
-
         kinds["pxd.pyc (this checkout, compiled: as sandboxes start it)"] = [
             args.python, "-I", "-S", str(compiled_pxd()), "--help"]
     if args.other:

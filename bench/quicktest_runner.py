@@ -30,6 +30,9 @@ from evals.actions import apply_edits, failing_summary  # noqa: E402
 from evals.bundled import REPORT, TEST_COMMAND, generate  # noqa: E402
 from evals.grading import parse_junit_bytes  # noqa: E402
 from evals.harness import error_lines  # noqa: E402
+import sandboxes  # noqa: E402
+from sandboxes.cache import LayerCache  # noqa: E402
+from sandboxes.images import ImageStore  # noqa: E402
 
 PYTEST_COMMAND = f"python3 -m pytest -q -p no:cacheprovider --tb=short --junitxml={REPORT} tests"
 
@@ -63,10 +66,6 @@ def run(command: str, repo: Path) -> tuple[int, str, dict, float]:
 
 def sandbox_wall(gens, root: Path, runs: int) -> dict[str, float]:
     """Wall seconds per run of each command inside one bubblewrap sandbox per task."""
-    import sandboxes
-    from sandboxes.images import ImageStore
-    from sandboxes.cache import LayerCache
-
     store, cache = ImageStore(root / "images"), LayerCache(root / "cache")
     walls = {"pytest": [], "quicktest": []}
     for gen in gens[:max(1, runs // 4)]:

@@ -27,6 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pandas as pd  # noqa: E402
+
+from dagster_project.demo import DEMO_EVAL  # noqa: E402
+from evals.evaluate import evaluate_checkpoint, load_eval_tasks  # noqa: E402
+from evals.report import base_checkpoint, headlines, load_attempt_rows, newest_runs  # noqa: E402
+from evals.sandbox import platform_sandbox_factory  # noqa: E402
+from training.checkpoint import metrics_dir  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+
 
 def parse_value(text: str):
     try:
@@ -48,10 +57,6 @@ def training_summary(run_dir: Path) -> str:
     """How the run's training went, from its step metrics: the reward of its first and last quarter
     of steps, the groups without reward variance and those discarded as stale, the sampling policy's
     mean age and the mean truncated importance weight."""
-    import pandas as pd
-
-    from training.checkpoint import metrics_dir
-
     steps = pd.read_parquet(metrics_dir(run_dir) / "steps.parquet").sort_values("step")
     q = max(len(steps) // 4, 1)
     return (f"reward {steps['reward_mean'].head(q).mean():.3f} (first {q} steps) -> {steps['reward_mean'].tail(q).mean():.3f} "
@@ -72,15 +77,6 @@ def main() -> int:
                         help="the engine the trial's RL run samples with (POSTTRAIN_ENGINE for the trainer only; "
                              "the evaluation stays on this process's engine, as the base's did); default: unchanged")
     args = parser.parse_args()
-
-    import pandas as pd
-
-    from evals.evaluate import evaluate_checkpoint, load_eval_tasks
-    from evals.report import base_checkpoint, headlines, load_attempt_rows, newest_runs
-    from evals.sandbox import platform_sandbox_factory
-    from dagster_project.demo import DEMO_EVAL
-    from training.config import TrainConfig
-
     home = args.home
     demo_cfg = home / "runs" / args.demo_run / "trainer-config.json"
     if not demo_cfg.is_file():

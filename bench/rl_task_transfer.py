@@ -20,6 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pandas as pd  # noqa: E402
+
+from dagster_project.demo import DEMO_CURRICULUM  # noqa: E402
+from evals.bundled import read_suite  # noqa: E402
+from evals.evaluate import evaluate_checkpoint  # noqa: E402
+from evals.sandbox import platform_sandbox_factory  # noqa: E402
+from evals.tasks import rl_tasks  # noqa: E402
+from training.checkpoint import list_checkpoints, store_path  # noqa: E402
+from training.curriculum import BASE_ATTEMPTS_FILE, CURRICULUM_FILE  # noqa: E402
+
 DRAWN_BINS = ((0, 0), (1, 2), (3, None))
 
 
@@ -36,17 +46,6 @@ def main() -> int:
     parser.add_argument("--home", required=True, type=Path, help="a finished demo's home (posttrain demo --home DIR)")
     parser.add_argument("--run", default="demo", help="the run in HOME/runs whose final checkpoint is evaluated")
     args = parser.parse_args()
-
-    import pandas as pd
-
-    from dagster_project.demo import DEMO_CURRICULUM
-    from evals.bundled import read_suite
-    from evals.evaluate import evaluate_checkpoint
-    from evals.sandbox import platform_sandbox_factory
-    from evals.tasks import rl_tasks
-    from training.checkpoint import list_checkpoints, store_path
-    from training.curriculum import BASE_ATTEMPTS_FILE, CURRICULUM_FILE
-
     run_dir = args.home / "runs" / args.run
     config_path = run_dir / "trainer-config.json"
     base_path = args.home / "curriculum" / BASE_ATTEMPTS_FILE

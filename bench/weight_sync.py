@@ -29,6 +29,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from serving.adapters import ShardAssembler, publish_to_volume
+from serving.http import JsonServer
+from training.publish import AdapterPublisher
+
 SHAPES = {
     "1.5b": {"layers": 28, "hidden": 1536, "mlp": 8960, "kv": 256},
     "7b": {"layers": 28, "hidden": 3584, "mlp": 18944, "kv": 512},
@@ -55,9 +59,6 @@ def write_adapter(path: Path, shape: dict, rank: int) -> int:
 
 
 def receiver(staging: Path):
-    from serving.adapters import ShardAssembler
-    from serving.http import JsonServer
-
     shards = ShardAssembler(staging)
 
     def put(req):
@@ -110,9 +111,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from serving.adapters import publish_to_volume
-    from training.publish import AdapterPublisher
-
     print(f"shape {args.shape} {SHAPES[args.shape]}, LoRA on 7 projections, bf16, {args.streams} streams, "
           f"median of {args.repeats}")
     print(f"{'rank':>4} {'MiB':>8} {'publish_s':>10} {'volume_w+r_s':>13} {'loopback_s':>11} "
