@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import dagster as dg
+import pandas as pd
 
 from assets.evals import EVAL_SETTINGS_FILE, eval_config, eval_rows_path, eval_run_config
 from assets.partitions import checkpoint_partition_key, checkpoints_partitions
 from assets.resources import PosttrainStorage
+from dagster_project.definitions import defs
 from training.checkpoint import checkpoint_path, read_metadata, write_checkpoint
 from training.planner.runner import PLAN_FILENAME
 from training.planner.schema import EvalSection
@@ -96,10 +98,6 @@ def evaluate_model(model: Path, adapter: Path | None, name: str | None, section:
                    log: Callable[[str], None] = print, log_level: str = "INFO") -> ModelEval:
     """Register the model (:func:`register_model`) and run ``checkpoint_eval`` for it in this process,
     against the instance of ``DAGSTER_HOME`` (``posttrain`` sets it), with ``section``'s settings."""
-    import pandas as pd
-
-    from dagster_project.definitions import defs
-
     storage = PosttrainStorage()
     with dg.DagsterInstance.get() as instance:
         key = register_model(storage, instance, model_name(model, adapter, name), model, adapter, section)
