@@ -160,9 +160,14 @@ def evaluate(tasks: Sequence[Task], verifier: Verifier, *, attempts: int = 8, wo
     attempt, in task order, then attempt order."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+    def one(job: tuple[int, int]) -> AttemptRow:
+        task_index, attempt = job
+        return verifier.attempt(tasks[task_index], task_index, attempt)
+
     jobs = [(ti, a) for ti in range(len(tasks)) for a in range(attempts)]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda job: verifier.attempt(tasks[job[0]], job[0], job[1]), jobs))
+        return list(pool.map(one, jobs))
 
 
 def write_rows(rows: Sequence[AttemptRow | Mapping[str, Any]], path: str | Path) -> Path:

@@ -202,7 +202,7 @@ def union_list(lists: Sequence[FlawedList], name: str = "union") -> FlawedList:
 
 def flawed_views(rows: Sequence[Mapping[str, Any]] | Any, lists: Sequence[FlawedList], *,
                  k: int = 1) -> list[dict[str, Any]]:
-    """Every score of attempt ``rows`` (:data:`evals.evaluate.ROW_COLUMNS`; a list of dicts or a
+    """Every score of attempt ``rows`` (:data:`evals.attempts.ROW_COLUMNS`; a list of dicts or a
     DataFrame) on all tasks, without each list's tasks, and without their union: one dict per view
     with ``view``, ``excluded`` (tasks of the rows the list drops), ``tasks``, ``attempts`` (graded),
     ``infra_errors``, ``pass@1``, ``pass@k`` (when ``k > 1``), ``target_score``,

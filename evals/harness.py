@@ -6,7 +6,7 @@ The episode API (what training's producer and :func:`evals.evaluate.evaluate` ca
         task,                      # evals.tasks.Task
         model,                     # ModelClient: serving.client.EngineClient(url), or InProcessClient(engine)
         tokenizer,                 # a Hugging Face tokenizer (text is encoded as text: serving.chat_template)
-        sandbox_factory,           # evals.sandbox.SandboxFactory: task -> context manager of a Sandbox
+        sandbox_factory,           # evals.sandbox.SandboxFactory: task -> context manager of an EpisodeSandbox
         adapter_version="step_000004",   # LoRA adapter name sent as lora_path (None: base model)
         session_id="run-a/task/3",       # sent as rid, so the serving side's capture is keyed by it
         action_format="compact",   # or "json" (tool calls for real models)
@@ -65,7 +65,7 @@ from typing import Any, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
 from evals.grading import AGENT_FAULT, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
-from evals.sandbox import AgentFault, InfraError, Sandbox, SandboxFactory
+from evals.sandbox import AgentFault, EpisodeSandbox, InfraError, SandboxFactory
 from evals.tasks import Task
 from serving.chat_template import TemplateText
 from serving.client import EngineClient as HttpClient  # the HTTP ModelClient (replica, sidecar or router)
@@ -188,7 +188,7 @@ def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
         return tokenizer.decode(ids)
 
 
-def execute(action: Action, task: Task, sandbox: Sandbox, *, timeout_s: float = 60.0,
+def execute(action: Action, task: Task, sandbox: EpisodeSandbox, *, timeout_s: float = 60.0,
             written: dict[str, bytes] | None = None) -> tuple[str, bool]:
     """Run one action in the sandbox; return ``(observation, committed)``.
 
@@ -251,7 +251,7 @@ def inside_git(path: str) -> bool:
     return ".git" in posixpath.normpath(path.replace("\\", "/")).split("/")
 
 
-def agent_exhaustion(sandbox: Sandbox) -> tuple[str, str] | None:
+def agent_exhaustion(sandbox: EpisodeSandbox) -> tuple[str, str] | None:
     """``(label, explanation)`` when a sandbox that stopped answering during the agent's own command
     was ended by that command, else None (an infrastructure failure).
 
@@ -394,9 +394,9 @@ def run_episode(
     started = time.monotonic()
     try:
         with contextlib.ExitStack() as stack:
-            opened: list[Sandbox] = []
+            opened: list[EpisodeSandbox] = []
 
-            def sandbox() -> Sandbox:
+            def sandbox() -> EpisodeSandbox:
                 # Opened at the first action: an agent that never acts has nothing to run or grade.
                 if not opened:
                     opened.append(stack.enter_context(sandbox_factory(task)))

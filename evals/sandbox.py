@@ -2,7 +2,8 @@
 
 ``sandboxes/`` (the platform's sandbox package: runtimes, images, the in-sandbox ``pxd`` daemon and
 its client) is what runs episodes. evals depends only on this narrow surface, so the harness and the
-grader are written once and work with any runtime that offers it:
+grader are written once and work with any runtime that offers it (:class:`EpisodeSandbox`; its
+answers are :class:`sandboxes.client.ExecResult`):
 
 - ``exec(command, timeout_s, output_cap_bytes, env, results_fd, kill_others)`` runs a shell command
   in the task's repository folder and returns its exit code, merged output (capped) and whether it
@@ -26,10 +27,13 @@ import contextlib
 import inspect
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, Protocol
 
+import sandboxes
 from evals.tasks import Task
+from sandboxes.client import ExecResult, PxdConnectionError, PxdError
+from sandboxes.pool import PoolClient
+from sandboxes.runtimes import SandboxError
 
 
 class InfraError(RuntimeError):
@@ -51,20 +55,7 @@ class AgentFault(Exception):
         self.evidence = evidence
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    """What one command did. ``results`` is what it wrote to its ``results_fd`` (None: none asked)."""
-
-    exit_code: int
-    output: str
-    timed_out: bool = False
-    truncated: bool = False
-    duration_s: float = 0.0
-    results: bytes | None = None
-    results_truncated: bool = False
-
-
-class Sandbox(Protocol):
+class EpisodeSandbox(Protocol):
     """``exec``'s ``env`` adds variables; ``results_fd`` gives the command a pipe at that descriptor
     whose content comes back in ``ExecResult.results``; ``kill_others`` kills every other process of
     the sandbox once the command ends, before the answer. A sandbox offering the last two sets
@@ -79,7 +70,7 @@ class Sandbox(Protocol):
     def write_file(self, path: str, data: bytes) -> None: ...
 
 
-SandboxFactory = Callable[[Task], ContextManager[Sandbox]]
+SandboxFactory = Callable[[Task], ContextManager[EpisodeSandbox]]
 
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "posttrain", "GIT_AUTHOR_EMAIL": "posttrain@localhost",
@@ -89,7 +80,7 @@ GIT_ENV = {
 
 
 class PlatformSandbox:
-    """A :class:`Sandbox` over a running ``sandboxes`` sandbox (pxd inside, reached through its client).
+    """An :class:`EpisodeSandbox` over a running ``sandboxes`` sandbox (pxd inside, reached through its client).
 
     Translates the runtime's failures into the grader's terms: a daemon that is gone or a sandbox
     that cannot start is :class:`InfraError`; a path the daemon reports missing is ``FileNotFoundError``.
@@ -109,8 +100,6 @@ class PlatformSandbox:
     def exec(self, command: str, *, timeout_s: float = 60.0, output_cap_bytes: int = 65536,
              env: dict[str, str] | None = None, results_fd: int | None = None,
              kill_others: bool = False) -> ExecResult:
-        from sandboxes.client import PxdConnectionError, PxdError
-
         kwargs: dict = {"env": env} if env else {}
         if self.supports_results:
             kwargs.update(results_fd=results_fd, kill_others=kill_others)
@@ -120,12 +109,13 @@ class PlatformSandbox:
             raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
         except PxdError as exc:
             raise InfraError(f"sandbox {self.sandbox.id} refused a command: {exc}") from exc
-        return ExecResult(r.exit_code, r.output, r.timed_out, r.truncated, r.duration_s,
-                          getattr(r, "results", None), bool(getattr(r, "results_truncated", False)))
+        if isinstance(r, ExecResult):
+            return r
+        return ExecResult(r.exit_code, r.output, "", r.truncated, r.timed_out, r.duration_s,
+                          results=getattr(r, "results", None),
+                          results_truncated=bool(getattr(r, "results_truncated", False)))
 
     def read_file(self, path: str) -> bytes:
-        from sandboxes.client import PxdConnectionError, PxdError
-
         try:
             return self.sandbox.read_file(path)
         except PxdConnectionError as exc:
@@ -136,8 +126,6 @@ class PlatformSandbox:
             raise ValueError(f"{path}: {exc.message}") from exc
 
     def write_file(self, path: str, data: bytes) -> None:
-        from sandboxes.client import PxdConnectionError, PxdError
-
         try:
             self.sandbox.write_file(path, data)
         except PxdConnectionError as exc:
@@ -161,8 +149,6 @@ def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxF
     """
     pool = None
     if runtime == "k8s":
-        from sandboxes.pool import PoolClient
-
         url = start_kwargs.pop("pool_url", None) or os.environ.get(POOL_URL_VARIABLE)
         if not url:
             raise ValueError(f"sandbox runtime 'k8s' needs the sandbox pool's URL: set {POOL_URL_VARIABLE} "
@@ -171,9 +157,6 @@ def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxF
 
     @contextlib.contextmanager
     def factory(task: Task) -> Iterator[PlatformSandbox]:
-        import sandboxes
-        from sandboxes.runtimes import SandboxError
-
         limits = sandboxes.Limits(
             cpus=max(task.limits.cpus, 0.01), memory_mib=max(task.limits.memory_mb, 64),
             wall_s=task.limits.agent_timeout_s + task.limits.test_timeout_s + 60.0,

@@ -55,7 +55,7 @@ from evals.harness import (  # noqa: E402
     OBSERVATION_CAP_CHARS, SCAFFOLD_ERROR, ModelCall, Step, Trajectory, agent_exhaustion, execute, fail_attempt,
     grade_committed,
 )
-from evals.sandbox import AgentFault, InfraError, Sandbox, SandboxFactory  # noqa: E402
+from evals.sandbox import AgentFault, EpisodeSandbox, InfraError, SandboxFactory  # noqa: E402
 from evals.tasks import Task  # noqa: E402
 from serving.capture_store import session_headers  # noqa: E402
 from serving.chat import BASE_MODEL  # noqa: E402
@@ -81,7 +81,7 @@ class SandboxEnvironment:
     sandbox gone raises :class:`AgentFault` when the agent's own command ended it (its memory or
     wall-time limit, processes killed from inside), else :class:`InfraError`."""
 
-    def __init__(self, sandbox: Sandbox, steps: list[Step], *, deadline: float, timeout_s: float = COMMAND_TIMEOUT_S):
+    def __init__(self, sandbox: EpisodeSandbox, steps: list[Step], *, deadline: float, timeout_s: float = COMMAND_TIMEOUT_S):
         self.sandbox = sandbox
         self.steps = steps
         self.deadline = deadline
