@@ -30,6 +30,9 @@ class TaskDatasetConfig(dg.Config):
     # evaluated on one suite. A run file with `[curriculum] task_stream = true` draws its RL tasks
     # from the task stream instead (a generator of its own), which leaves this suite as it is.
     bundled_rl_per_level: int = 0
+    # Held-out tasks per level generated after the RL ones; 0: five quarters of bundled_per_level
+    # (75 at 60: evals.bundled.default_extra_eval_per_level says why).
+    bundled_extra_eval_per_level: int = 0
 
 
 @dg.asset(group_name="tasks", kinds={"parquet"})
@@ -60,8 +63,12 @@ def task_dataset(
             if config.bundled_rl_per_level < 0:
                 raise ValueError("task_dataset: config key 'bundled_rl_per_level' must be >= 0 (0: as many as the "
                                  f"demonstrations), got {config.bundled_rl_per_level}")
+            if config.bundled_extra_eval_per_level < 0:
+                raise ValueError("task_dataset: config key 'bundled_extra_eval_per_level' must be >= 0 (0: the "
+                                 f"default), got {config.bundled_extra_eval_per_level}")
             path = ensure_suite(out_dir / "bundled", workers=config.build_workers, per_level=config.bundled_per_level,
-                                rl_per_level=config.bundled_rl_per_level or None)
+                                rl_per_level=config.bundled_rl_per_level or None,
+                                extra_eval_per_level=config.bundled_extra_eval_per_level or None)
             loaded = load_bundled(path)
         else:
             loaded = load_tasks(source, sources=config.harbor_sources or None)

@@ -483,7 +483,7 @@ def ensure_suite(path: str | Path | None = None, *, workers: int = 2, per_level:
     """The built suite at ``path`` (default :func:`default_suite_dir`), building it if it is missing
     or was built from a different generator output (another version or other task counts).
 
-    Building validates every task in sandboxes: about two pytest runs per task, so the default 405
+    Building validates every task in sandboxes: about two pytest runs per task, so the default 540
     tasks take a couple of minutes on two idle cores; later calls reuse the build.
     """
     path = Path(path) if path else default_suite_dir()

@@ -26,9 +26,9 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
 
     rl = {"overrides": {"trainer": {"steps": 2, "checkpoint_every": 1},
                         "async": {"group_size": 4, "collection_size": 8, "max_policy_lag": 1}}}
-    # a suite of 8 tasks a level before the RL and extra held-out ones: 72 tasks, 36 held out
+    # a suite of 8 tasks a level before the RL and 4 extra held-out ones: 54 tasks, 18 held out
     assert run_demo("e2e", rl, curriculum_config={"attempts_per_task": 1, "sft_steps": 40},
-                    eval_config={"attempts": 2}, dataset_config={"bundled_per_level": 8}) == 0
+                    eval_config={"attempts": 2}, dataset_config={"bundled_per_level": 8, "bundled_extra_eval_per_level": 4}) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "e2e"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000000", "step_000001", "step_000002"]
@@ -39,7 +39,7 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
     assert (run / "adapters" / "step_000002" / "adapter_model.safetensors").is_file()
     for key in ("e2e-step_000000", "e2e-step_000001", "e2e-step_000002"):  # every checkpoint saved
         rows = pd.concat([pd.read_parquet(p) for p in (tmp_path / "evals" / "deepswe" / key).glob("*.parquet")])
-        assert len(rows) == 72 and rows["task_id"].nunique() == 36  # every held-out task (12 a level), twice
+        assert len(rows) == 36 and rows["task_id"].nunique() == 18  # every held-out task, twice
         assert f"{key}: held-out pass@1" in out
     assert (tmp_path / "curriculum" / "curriculum.json").is_file()
     # Every model call was vLLM's: the curriculum's and the trainer's replicas ran it.

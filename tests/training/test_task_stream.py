@@ -176,6 +176,14 @@ def test_settings_errors_name_the_key(suite, tmp_path):
     (tmp_path / "curriculum.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="missing key 'next_index'"):
         Curriculum.load(tmp_path / "curriculum.json")
+    from training.curriculum import open_task_stream
+
+    with pytest.raises(ValueError, match="key 'task_stream.retry_after' is not a task stream setting"):
+        open_task_stream({"retry_after": 3}, tmp_path, suite)
+    with pytest.raises(ValueError, match="key 'task_stream' needs the bundled suite .*trainer config key 'tasks'"):
+        open_task_stream({}, tmp_path, tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="key 'task_stream' must be an object"):
+        open_task_stream(True, tmp_path, suite)
 
 
 # -- the stream in a trainer run, killed and resumed
