@@ -107,14 +107,17 @@ class _Cut(Exception):
     connection is cut, so the client sees a truncated answer and never a well-framed partial one."""
 
 
-class _QuietCuts(logging.Filter):
-    """uvicorn logs an application error with its traceback; a deliberate cut is not one."""
+class _Quiet(logging.Filter):
+    """uvicorn logs an application error with its traceback, and a warning for each malformed request;
+    a deliberate cut is not an error, and a malformed request is answered with its reason (400)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], _Cut))
+        if record.exc_info and isinstance(record.exc_info[1], _Cut):
+            return False
+        return record.msg != "Invalid HTTP request received."
 
 
-logging.getLogger("uvicorn.error").addFilter(_QuietCuts())
+logging.getLogger("uvicorn.error").addFilter(_Quiet())
 
 
 def _error_body(message: str) -> bytes:
