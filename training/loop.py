@@ -119,6 +119,9 @@ class RunLock:
             self._fd = None
 
 
+CHANGE_WAIT_S = 0.25  # the longest a waiting trainer or producer goes without looking at the store
+
+
 def group_seed(seed: int, group_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{group_id}".encode()).digest()[:4], "little")
 
@@ -154,6 +157,8 @@ class Producer:
         except EpisodeInfraError as exc:
             self._group_lost(task_id, group_id, exc)
             return False
+        finally:
+            self.state.groups_changed()  # a trainer waiting for this group looks again
         return True
 
     def _group_lost(self, task_id: str, group_id: str, exc: EpisodeInfraError) -> None:
@@ -212,13 +217,16 @@ class Producer:
     def _work(self) -> None:
         target = self.cfg.groups_per_step * (self.cfg.max_policy_lag + 1)
         while not self._stop.is_set():
+            seen = self.state.changes()
             with self._cond:
-                if self._inflight + self.state.store.ready_groups() >= target:
-                    self._cond.wait(timeout=0.05)
-                    continue
-                self._inflight += 1
-                self._seq += 1
-                group_id = f"n{self._seq:07d}"
+                full = self._inflight + self.state.store.ready_groups() >= target
+                if not full:
+                    self._inflight += 1
+                    self._seq += 1
+                    group_id = f"n{self._seq:07d}"
+            if full:  # until a group finishes or the trainer takes some
+                self.state.wait_for_change(seen)
+                continue
             try:
                 task = self.state.next_tasks(1)[0]
                 self.produce(task, group_id, self.state.current_adapter())
@@ -228,10 +236,11 @@ class Producer:
             finally:
                 with self._cond:
                     self._inflight -= 1
-                    self._cond.notify_all()
+                self.state.groups_changed()
 
     def stop(self) -> None:
         self._stop.set()
+        self.state.groups_changed()
         for t in self._threads:
             t.join(timeout=600)
 
@@ -259,6 +268,10 @@ class RunState:
         self.store = RolloutStore(store_path(self.run_dir))
         self._lock = threading.Lock()
         self._versions_in_flight: collections.Counter[str] = collections.Counter()
+        # bumped when a group finishes or is dropped and when the trainer takes groups: the trainer
+        # and the producers wait on it rather than polling the store
+        self._changes = 0
+        self._changed = threading.Condition()
         self.publisher = AdapterPublisher(adapters_volume(self.run_dir), receivers, streams=cfg.publish_streams,
                                           in_use=self.versions_in_flight)
         self.curriculum = curriculum
@@ -367,6 +380,21 @@ class RunState:
         with self._lock:
             return set(self._versions_in_flight)
 
+    def changes(self) -> int:
+        with self._changed:
+            return self._changes
+
+    def groups_changed(self) -> None:
+        with self._changed:
+            self._changes += 1
+            self._changed.notify_all()
+
+    def wait_for_change(self, seen: int, timeout_s: float | None = None) -> None:
+        """Until :meth:`groups_changed` is called after :meth:`changes` returned ``seen``, or
+        ``timeout_s`` (default :data:`CHANGE_WAIT_S`: rollouts stored by anything else are seen then)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._changes != seen, timeout=CHANGE_WAIT_S if timeout_s is None else timeout_s)
+
     def next_tasks(self, n: int) -> list[str]:
         with self._lock:
             return self.curriculum.next_tasks(n)
@@ -402,9 +430,12 @@ class RunState:
             wanted = min(self.cfg.groups_per_step - useful, most - len(groups))
             if wanted <= 0:
                 return TakenBatch(groups, discarded, time.perf_counter() - started)
+            seen = self.changes()
             take = self.store.take_groups(wanted, step=step, min_adapter_step=min_adapter_step)
             groups += take.groups
             discarded += take.discarded_groups
+            if take.groups or take.discarded_groups:
+                self.groups_changed()  # the producers refill what was taken
             useful += sum(has_reward_variance(self.gate.rewards(g.rollouts)) for g in take.groups) \
                 if dynamic else len(take.groups)
             if take.groups:
@@ -421,7 +452,7 @@ class RunState:
                     f"adapter step >= {min_adapter_step}; {len(groups)} taken, {self.store.ready_groups()} more "
                     f"complete in the store {self.store.path}; producers alive: {alive} "
                     f"(trainer config key 'take_timeout_s')")
-            time.sleep(0.02)
+            self.wait_for_change(seen)
 
     def build_batch(self, groups: list[Group]) -> tuple[TrainBatch | None, int]:
         """The batch of the groups with reward variance once the integrity gate has decided what each
