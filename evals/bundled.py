@@ -23,9 +23,10 @@ shows a paired 95% interval above zero: :func:`default_extra_eval_per_level`).
 The train split has two parts. The train tasks among the first ``per_level`` of a level are
 *demonstrations* (``metadata.demonstration = true``): the embedded base model is trained on their
 reference solutions (:mod:`training.base_model`). The ``rl_per_level`` tasks generated after them are
-for RL alone (``demonstration = false``): the curriculum and the RL loop draw from those
-(:func:`evals.tasks.rl_tasks`), so RL, as in a production run, trains on tasks the base model has not
-seen solved, where what it learns is what held-out tasks need. No two tasks of a suite share a module.
+for RL alone (``demonstration = false``): the curriculum measures the base model on those, and an RL
+run without the task stream (below) draws from them (:func:`evals.tasks.rl_tasks`), so RL, as in a
+production run, trains on tasks the base model has not seen solved. No two tasks of a suite share a
+module.
 
 :func:`build_suite` writes ``OUT/suite.json`` and ``OUT/tasks/<id>/{repo/, task.json}``. Each task is
 validated by running its tests in a sandbox (the base fails every target test and passes every

@@ -15,6 +15,12 @@ asset, usable without Dagster) and writes ``curriculum.json``, the file a run fi
 
     measured = measure_base_model(model_dir, rl_tasks(read_suite(suite)), out_dir, attempts=4)
     measured.curriculum.tiers()
+
+A run file with ``[curriculum] task_stream = true`` (the embedded default) draws from a
+:class:`TaskStream` instead: tasks generated and validated as the run goes, each new to it, levels
+opening easy to hard, unsolved ones retried later, with the same interface to the loop
+(``next_tasks``, ``record``, ``advance``, ``save``); ``curriculum.json`` then carries the stream's
+settings (key ``task_stream``) and :func:`open_task_stream` opens it under the run directory.
 """
 
 from __future__ import annotations
