@@ -246,7 +246,9 @@ def default_extra_eval_per_level(per_level: int) -> int:
     0.059 after RL), counted once in the spread of the per-task differences and once more by the
     resampling of attempts; the other 0.0585 is how differently RL changes each task. The interval is
     then +-1.96 * sqrt((0.0585 + 0.0975) / n) at 2 attempts: +-4.7 points at n = 270 tasks, so an
-    observed +5 shows an interval above zero (135 tasks: +-6.7). Attempts buy less than tasks: 4
+    observed +5 shows an interval above zero (135 tasks: +-6.7); a true +5 does so about half the
+    time (a simulation with the demos' pass rates: +-5.1, above zero in 50% of runs, against 22% at
+    135 tasks). Attempts buy less than tasks: 4
     attempts on 270 tasks (twice the episodes) give +-4.0; one attempt on 270 gives +-5.2. The extra
     tasks come after every earlier one in their level's random stream, so the 135 held-out tasks of
     the earlier default are among the 270 (docs/benchmarks.md, "Held-out tasks and attempts: how
