@@ -389,9 +389,10 @@ class TaskStream:
 
     # -- serving ----------------------------------------------------------------------------------
 
-    def open_levels(self) -> list[int]:
+    def open_levels(self, ahead_steps: int = 0) -> list[int]:
+        """The levels open at this step (or ``ahead_steps`` later)."""
         opens = {1: 0, 2: self.open_hard_after_steps // 2, 3: self.open_hard_after_steps}
-        return [lv for lv in LEVELS if self.step >= opens[lv]]
+        return [lv for lv in LEVELS if self.step + ahead_steps >= opens[lv]]
 
     def next_tasks(self, n: int) -> list[str]:
         """``n`` task ids for the next groups: due retries (each with probability ``retry_share``)
@@ -524,8 +525,8 @@ class TaskStream:
                             self.validation_s += took
                             self._buffers[lv].append((index, task))
                             self._cond.notify_all()
-                    # the open levels only: a level about to open waits for one validation, once
-                    short = [lv for lv in self.open_levels()
+                    # the levels open or opening within two steps, so none waits when it opens
+                    short = [lv for lv in self.open_levels(ahead_steps=2)
                              if len(self._buffers[lv]) + len(pending[lv]) < self.buffer_per_level]
                     busy = sum(len(p) for p in pending.values())
                     if not short or busy >= self.workers:
