@@ -20,14 +20,18 @@ While a run goes, every process of the trainer's tree is sampled from /proc (psu
   on it), checkpoints, publication and the loop that waits for groups (the loop's own ``train_s``
   per step is printed beside it);
 - **else**: the rest: the replica's HTTP processes (vLLM's API server, posttrain's capture front),
-  the trainer process outside the step (the harness's HTTP calls and parsing, grading glue, rootfs and
-  cgroup set-up, the rollout store, publication, waiting loops) and any other process it starts.
+  the trainer's other threads (the harness's HTTP calls and parsing, grading glue, image, rootfs and
+  cgroup set-up, the rollout store) and any other process it starts.
 
 Only the steady part counts: from the end of step 1 (the engine is up, the pipeline full) to the end
 of step N, so ``groups/s`` is the groups the steps 2..N took over that time. The machine is shared:
-absolute figures move with the load; the shares and the ratio are the figures to read.
+absolute figures move with the load; the CPU a group and the shares carry over best.
 
     .venv/bin/python bench/loop_profile.py --home HOME [--steps 4] [--baseline fdf7a51]
+    .venv/bin/python bench/loop_profile.py --home HOME --only current --set producer_workers=8   # a trial
+
+``--code DIR`` runs the current side from another checkout (a ``git worktree`` of the commit to
+measure, when this one is being edited); ``--set KEY=VALUE`` sets a trainer key on the current side.
 """
 
 from __future__ import annotations
