@@ -78,7 +78,7 @@ def difficulty_curriculum(
 
 def stream_metadata(enabled: bool, summaries: dict[str, dict]) -> dict[str, object]:
     """Whether RL draws from the task stream, and the state of each run's stream (tasks drawn,
-    solved, retried, rejected by validation, validation seconds a task) as of its last checkpoint."""
+    solved, retried, rejected by validation, validation seconds a task) as of its last step."""
     table = "| run | step | drawn (L1/L2/L3) | solved | retried (draws) | retry queue | rejected | validation s/task |\n" \
             "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(
                 f"| {run} | {s.get('step')} | {s.get('drawn')} ({'/'.join(str(v) for v in (s.get('drawn_by_level') or {}).values())}) "

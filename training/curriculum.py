@@ -335,7 +335,8 @@ class TaskStream:
     loaded back by :meth:`Curriculum.load`) and, under ``root`` (``RUN_DIR/task_stream``), the built
     tasks and ``served.jsonl``, one line per task as it is served. A stream restored from a checkpoint
     skips every task that line says was served after it, so a restart serves nothing twice;
-    ``state.json`` is a summary for the assets (drawn, solved, retried, rejected, validation time).
+    ``state.json`` is a summary for the assets (drawn, solved, retried, rejected, validation time),
+    rewritten after every step.
     """
 
     KIND = "task_stream"
@@ -445,6 +446,7 @@ class TaskStream:
 
     def advance(self, step: int) -> None:
         self.step = step
+        self.write_summary()
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -607,6 +609,11 @@ class TaskStream:
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        self.write_summary()
+
+    def write_summary(self) -> None:
+        """``root/state.json``: :meth:`summary`, rewritten after every step and checkpoint (the assets
+        show it)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{STREAM_SUMMARY}.tmp"
         tmp.write_text(json.dumps(self.summary(), indent=1, sort_keys=True) + "\n")
