@@ -46,7 +46,7 @@ def test_task_dataset_builds_the_bundled_suite_with_the_rl_tasks_asked_for(postt
     assert not refused.success
     assert "bundled_rl_per_level" in str(refused.get_step_failure_events()[0].event_specific_data.error)
     assert not (storage.datasets_dir() / "bundled").exists()
-    result = materialize({"bundled_per_level": 2, "bundled_rl_per_level": 3})
+    result = materialize({"bundled_per_level": 2, "bundled_rl_per_level": 3, "bundled_extra_eval_per_level": 1})
     assert result.success
     meta = result.asset_materializations_for_node("task_dataset")[0].metadata
     # per level: 2 (one held out, one demonstration), 3 for RL, 1 more held out
