@@ -113,6 +113,7 @@ class TrainConfig:
     publish_streams: int = 4
     tasks: str = ""  # the bundled suite folder (or any task source evals can load)
     curriculum: str = ""  # curriculum.json from the difficulty_curriculum asset
+    task_stream: bool = False  # RL draws tasks generated as the run goes (training.curriculum.TaskStream)
     environment: str = "harness"  # the group runner: harness (evals agent harness) or a registered name
     replicas: int = 1  # local engine replicas; more than 1 run behind the router, and one that dies is replaced
     engine_max_total_tokens: int = 0  # each local replica's KV token budget (0: the engine's default)

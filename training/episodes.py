@@ -229,8 +229,17 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
 
 def load_curriculum(cfg: TrainConfig, task_ids: list[str], run_dir: Path | None = None) -> Curriculum | TaskStream:
     """The curriculum from ``cfg.curriculum`` (the ``difficulty_curriculum`` asset's file), else every
-    training task at an unknown pass rate (0.5). A file with ``task_stream`` settings gives the run's
-    task stream instead (:class:`training.curriculum.TaskStream`, under ``run_dir``)."""
+    training task at an unknown pass rate (0.5). With ``cfg.task_stream``, or a file with
+    ``task_stream`` settings, it is the run's task stream instead (:class:`training.curriculum.TaskStream`,
+    under ``run_dir``; the file's settings, else its ``settings``, else the stream's defaults)."""
+    from sandboxes.home import default_suite_dir
+
+    def stream(settings: Any, source: str) -> TaskStream:
+        if run_dir is None:
+            raise ValueError(f"{source}: key 'task_stream' needs the run directory")
+        return open_task_stream(settings, run_dir, cfg.tasks or default_suite_dir(), seed=cfg.seed,
+                                sandbox_runtime=cfg.sandbox_runtime, source=source)
+
     if cfg.curriculum:
         path = Path(cfg.curriculum)
         if not path.is_file():
@@ -242,14 +251,11 @@ def load_curriculum(cfg: TrainConfig, task_ids: list[str], run_dir: Path | None 
         unknown = sorted(set(rates) - set(task_ids))
         if unknown:
             raise ValueError(f"curriculum {path}: task {unknown[0]!r} is not a training task of {cfg.tasks}")
-        if "task_stream" in data:  # RL tasks generated and validated as the run goes
-            if run_dir is None:
-                raise ValueError(f"curriculum {path}: key 'task_stream' needs the run directory")
-            from sandboxes.home import default_suite_dir
-
-            return open_task_stream(data["task_stream"], run_dir, cfg.tasks or default_suite_dir(), seed=cfg.seed,
-                                    sandbox_runtime=cfg.sandbox_runtime, source=f"curriculum {path}")
+        if "task_stream" in data or cfg.task_stream:  # RL tasks generated and validated as the run goes
+            return stream(data.get("task_stream", data.get("settings", {})), f"curriculum {path}")
         return Curriculum.from_pass_rates(rates, seed=cfg.seed, **data.get("settings", {}))
+    if cfg.task_stream:
+        return stream({}, "trainer config")
     return Curriculum.from_pass_rates({t: 0.5 for t in task_ids}, seed=cfg.seed)
 
 

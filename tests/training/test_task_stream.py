@@ -300,3 +300,21 @@ def test_the_curriculum_asset_sets_up_the_stream(suite, posttrain_home, tmp_path
     stream = load_curriculum(cfg, sorted(written["pass_rates"]), tmp_path / "run")
     assert isinstance(stream, TaskStream) and stream.retry_after_steps == 3
     assert stream.root == (tmp_path / "run" / "task_stream").resolve()
+
+
+def test_the_run_files_key_reaches_the_trainer_which_opens_the_stream(suite, tmp_path):
+    """``[curriculum] task_stream = true`` in a run file (no curriculum file) resolves to the trainer
+    key ``task_stream``, and the trainer's curriculum is then the run's stream, at its defaults."""
+    from training.config import TrainConfig
+    from training.episodes import load_curriculum
+    from training.planner import resolve, write_resolved_plan
+
+    repo = Path(__file__).resolve().parents[2]
+    run_file = tmp_path / "run.toml"
+    run_file.write_text((repo / "examples" / "embedded.toml").read_text() + f'tasks = "{suite}"\n')
+    cfg = TrainConfig.load(write_resolved_plan(resolve(run_file), tmp_path / "plan"))
+    assert cfg.task_stream is True and cfg.curriculum == ""
+    stream = load_curriculum(cfg, [], tmp_path / "run")
+    assert isinstance(stream, TaskStream) and stream.root == (tmp_path / "run" / "task_stream").resolve()
+    assert stream.open_hard_after_steps == 10 and stream.seed == cfg.seed
+    assert not isinstance(load_curriculum(replace(cfg, task_stream=False), ["a"], tmp_path / "run"), TaskStream)

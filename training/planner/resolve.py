@@ -132,6 +132,8 @@ class Plan:
             table["tasks"] = rf.curriculum.tasks
         if rf.curriculum.curriculum_file:
             table["curriculum"] = rf.curriculum.curriculum_file
+        if rf.curriculum.task_stream:
+            table["task_stream"] = True
         if rf.sandbox.runtime != "auto":  # the trainer's names for the sandbox runtimes
             table["sandbox_runtime"] = {"runsc": "gvisor"}.get(rf.sandbox.runtime, rf.sandbox.runtime)
         if rf.trainer.gpus:  # the trainer's processes train on the GPUs they are given
