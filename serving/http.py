@@ -22,7 +22,7 @@ Bad input is answered 400 with ``{"error": "..."}`` naming the field.
 Every server here (:class:`JsonServer` and its subclasses: the engine server, the capture front, the
 router) is uvicorn (its h11 protocol) on an event loop of its own in a background thread. Handlers
 are plain blocking functions (an engine generating, the router waiting on a replica); each call runs
-on a bounded thread pool (``max_workers``), so the engine still sees every call in flight at once and
+on a bounded pool of threads (``max_workers``) that grows with load and shrinks when idle, so the engine still sees every call in flight at once and
 batches them. ``shutdown`` cuts every open connection, calls in flight included, as a crash would
 (``LocalFleet.kill`` relies on that to crash an in-process replica).
 
@@ -56,10 +56,11 @@ import asyncio
 import functools
 import json
 import logging
+import queue
 import re
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Callable
@@ -100,6 +101,7 @@ _RAW_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*([^\r\n]*?)[ \t]*\r?$")
 _METHODS = ("GET", "POST", "PUT", "DELETE")
 _JSON = b"application/json"
 _CLOSE = (b"connection", b"close")
+_WORKER_IDLE_S = 30.0  # a handler thread with no call for this long ends
 
 
 class _Cut(Exception):
@@ -133,6 +135,77 @@ def _error_answer(status: int, message: str) -> bytes:
         reason = b""
     return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
             % (status, reason, len(body), body))
+
+
+class _Workers(Executor):
+    """The handler threads: at most ``max_workers``, started as calls come, ended after
+    ``_WORKER_IDLE_S`` without one. Daemon threads, unlike a ``ThreadPoolExecutor``'s, so a call
+    stuck in a handler (an engine that never answers) never holds up the process's exit."""
+
+    def __init__(self, max_workers: int, name: str):
+        self._max, self._name = max_workers, name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # workers waiting for a call, less the calls already promised to them
+        self._backlog = 0  # calls queued while every worker was busy: the next to finish takes one
+        self._closed = False
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot run a call after shutdown")
+            self._jobs.put((future, fn, args, kwargs))
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
+            else:
+                self._backlog += 1
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_WORKER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle:  # more workers wait than there are calls: this one goes
+                        self._idle -= 1
+                        self._threads -= 1
+                        return
+                continue  # a call was promised to a waiting worker: take it
+            if job is None:
+                return
+            future, fn, args, kwargs = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            del job, future, fn, args, kwargs
+            with self._lock:
+                if self._backlog:
+                    self._backlog -= 1
+                else:
+                    self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Refuse new calls, cancel the ones not started, and let each worker end after its call."""
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in range(threads):
+            self._jobs.put(None)
 
 
 class _Parser(h11.Connection):
@@ -356,7 +429,7 @@ class JsonServer:
         self._sock = socket.create_server((host, port), backlog=4096)
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self._pool = ThreadPoolExecutor(max_workers=self.limits.max_workers, thread_name_prefix=f"http-{self.port}")
+        self._pool = _Workers(self.limits.max_workers, f"http-{self.port}")
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             self._asgi, http=functools.partial(_Protocol, limits=self.limits), interface="asgi3", lifespan="off",
             ws="none", proxy_headers=False, server_header=False, access_log=False, log_config=None,
