@@ -31,7 +31,9 @@ absolute figures move with the load; the CPU a group and the shares carry over b
     .venv/bin/python bench/loop_profile.py --home HOME --only current --set producer_workers=8   # a trial
 
 ``--code DIR`` runs the current side from another checkout (a ``git worktree`` of the commit to
-measure, when this one is being edited); ``--set KEY=VALUE`` sets a trainer key on the current side.
+measure, when this one is being edited); ``--set KEY=VALUE`` sets a trainer key on the current side,
+``--env NAME=VALUE`` an environment variable of its trainer (``POSTTRAIN_ENGINE=local``: the
+project's engine rather than vLLM).
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def resolved_plan(code: Path, home: Path, steps: int, run_name: str, overrides: 
 
 
 def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, label: str,
-            overrides: dict | None = None) -> dict:
+            overrides: dict | None = None, environ: dict | None = None) -> dict:
     """Run ``steps`` steps of ``code``'s embedded default and return its CPU split and groups/s."""
     run_dir = work / label
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -193,9 +195,10 @@ def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, l
     engine_args = plan["inference"].get("local_engine_args") or []
     settings = {**{k: plan["trainer"].get(k) for k in ("groups_per_step", "producer_workers", "episode_workers")
                    if k in plan["trainer"]},
-                **{k: v for k, v in (overrides or {}).items()},
+                **{k: v for k, v in (overrides or {}).items()}, **(environ or {}),
                 "engine": " ".join(map(str, engine_args))}
-    env = {**os.environ, "PYTHONPATH": str(code), "POSTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(environ or {}), "PYTHONPATH": str(code), "POSTTRAIN_HOME": str(home),
+           "PYTHONUNBUFFERED": "1"}
     log = open(run_dir / "trainer.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "training", "--config", str(run_dir / "plan.json"),
                              "--run-dir", str(run_dir / "run")], cwd=code, env=env, stdout=subprocess.PIPE,
@@ -291,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write both sides' figures here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a trainer key for the current side (JSON value), for trials")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the current side's trainer (POSTTRAIN_ENGINE=local)")
     args = parser.parse_args(argv)
     home = args.home.resolve()
     for need in (home / "models" / "base" / "config.json", home / "datasets" / "bundled" / "suite.json"):
@@ -303,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                                f"baseline {args.baseline}"))
     if args.only != "baseline":
         results.append(profile(args.code.resolve(), home, args.steps, args.interval_s, args.work, "current",
-                               overrides))
+                               overrides, dict(item.split("=", 1) for item in args.env)))
     if len(results) == 2:
         base, cur = results
         print(f"groups/s: {cur['groups_per_s']:.2f} against {base['groups_per_s']:.2f}, "
