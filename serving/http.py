@@ -22,8 +22,8 @@ Bad input is answered 400 with ``{"error": "..."}`` naming the field.
 Every server here (:class:`JsonServer` and its subclasses: the engine server, the capture front, the
 router) is uvicorn (its h11 protocol) on an event loop of its own in a background thread. Handlers
 are plain blocking functions (an engine generating, the router waiting on a replica); each call runs
-on a bounded pool of threads (``max_workers``) that grows with load and shrinks when idle, so the engine still sees every call in flight at once and
-batches them. ``shutdown`` cuts every open connection, calls in flight included, as a crash would
+on a bounded pool of threads (``max_workers``) that grows with load and shrinks when idle, so the
+engine still sees every call in flight at once and batches them. ``shutdown`` cuts every open connection, calls in flight included, as a crash would
 (``LocalFleet.kill`` relies on that to crash an in-process replica).
 
 Connections: a slow, stalled or odd client cannot hold the server or confuse its framing
