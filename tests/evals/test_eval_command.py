@@ -34,7 +34,7 @@ def exported(tmp_path_factory):
     from evals.bundled import build_suite
 
     root = tmp_path_factory.mktemp("eval-command")
-    build_suite(root / "suite", per_level=1, rl_per_level=0, workers=2)
+    build_suite(root / "suite", per_level=1, rl_per_level=0, extra_eval_per_level=0, workers=2)
     export_harbor(list(load_bundled(root / "suite").tasks), root / "dataset")
     return root / "dataset"
 

@@ -32,7 +32,7 @@ def exported(tmp_path_factory):
     from evals.bundled import build_suite
 
     root = tmp_path_factory.mktemp("harbor")
-    build_suite(root / "suite", per_level=1, rl_per_level=0, workers=2)
+    build_suite(root / "suite", per_level=1, rl_per_level=0, extra_eval_per_level=0, workers=2)
     tasks = list(load_bundled(root / "suite").tasks)
     summary = export_harbor(tasks, root / "dataset")
     assert summary["tasks"] == 3

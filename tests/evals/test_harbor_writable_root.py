@@ -25,7 +25,7 @@ def variants(tmp_path_factory):
     from evals.bundled import build_suite
 
     root = tmp_path_factory.mktemp("writable")
-    build_suite(root / "suite", per_level=1, rl_per_level=0, workers=2)
+    build_suite(root / "suite", per_level=1, rl_per_level=0, extra_eval_per_level=0, workers=2)
     task = next(t for t in load_bundled(root / "suite").tasks if t.difficulty == 1)
     export_harbor([task], root / "dataset")
     original = root / "dataset" / "tasks" / task.id

@@ -84,7 +84,7 @@ def suite(tmp_path_factory):
 
     os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(tmp_path_factory.mktemp("sandboxes")))
     out = tmp_path_factory.mktemp("suite") / "bundled"
-    build_suite(out, per_level=1, rl_per_level=1, workers=2)
+    build_suite(out, per_level=1, rl_per_level=1, extra_eval_per_level=0, workers=2)
     return out
 
 
