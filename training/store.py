@@ -108,7 +108,8 @@ def _pack(values: list, code: str) -> bytes:
     return array(code, values).tobytes()
 
 
-def _unpack(blob: bytes, code: str) -> list:
+def unpack_column(blob: bytes, code: str) -> list:
+    """A token column as stored (``array`` bytes of type ``code``: "i" ids, "b" mask, "f" logprobs) -> a list."""
     out = array(code)
     out.frombytes(blob)
     return out.tolist()
@@ -232,7 +233,8 @@ class RolloutStore:
         rollouts = [
             Rollout(
                 rollout_id=r[0], group_id=group_id, task_id=task_id, adapter_step=r[1],
-                input_ids=_unpack(r[2], "i"), loss_mask=_unpack(r[3], "b"), serving_logprobs=_unpack(r[4], "f"),
+                input_ids=unpack_column(r[2], "i"), loss_mask=unpack_column(r[3], "b"),
+                serving_logprobs=unpack_column(r[4], "f"),
                 reward=r[5], info=json.loads(r[6]),
             )
             for r in rows
@@ -354,7 +356,7 @@ def _whole_rollout_row(row: tuple) -> bool:
         return False
     return (status in ("ready", "consumed", "discarded") and isinstance(ids, bytes) and isinstance(mask, bytes)
             and isinstance(logprobs, bytes) and len(ids) == 4 * total and len(mask) == total
-            and len(logprobs) == 4 * total and sum(_unpack(mask, "b")) == generated)
+            and len(logprobs) == 4 * total and sum(unpack_column(mask, "b")) == generated)
 
 
 SCHEMA_COLUMNS = {

@@ -34,7 +34,7 @@ from evals.flawed import load_flawed_lists
 from evals.report import attempt_files, base_checkpoint, parse_key
 from training.checkpoint import list_checkpoints, metrics_dir, runs_root, store_path
 from training.progress import plain_advantages
-from training.store import _unpack
+from training.store import unpack_column
 
 PLAN_FILE = "resolved-plan.json"
 READY = "ready"
@@ -372,7 +372,7 @@ def rollout_detail(home: Path, run: str, rollout_id: str) -> dict[str, Any]:
         mates = conn.execute(f"SELECT {_ROW} FROM rollouts WHERE group_id=? ORDER BY created_s", (row[1],)).fetchall()
     (group,) = with_advantages((_rollout_row(r) for r in mates), scales_by_std(path))
     me = next(r for r in group.rollouts if r.rollout_id == rollout_id)
-    ids, mask, logprobs = _unpack(row[10], "i"), _unpack(row[11], "b"), _unpack(row[12], "f")
+    ids, mask, logprobs = unpack_column(row[10], "i"), unpack_column(row[11], "b"), unpack_column(row[12], "f")
     return {"rollout": me, "group": group, "created_s": row[13],
             "segments": segments(ids, mask, logprobs, decoder_for(path)),
             "trained_tokens": sum(mask), "tokens": len(ids)}
