@@ -227,16 +227,18 @@ class BwrapRuntime:
                 # pxd is the PID namespace's init: no bwrap process inside holds its pipes, and no
                 # signal sent from inside reaches it
                 "--as-pid-1",
-                "--bind", str(root), "/", "--bind", str(sb.rootfs.workspace), WORKDIR]
+                "--bind", str(root), "/", "--bind", str(sb.rootfs.workspace), WORKDIR,
+                # the tmpfs folders before the toolchains: a toolchain under /tmp (a clone's venv) is
+                # bound onto the sandbox's /tmp, not hidden under it
+                "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
+                "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", SANDBOX_HOME]
         for path in host_toolchain(sb.toolchains):
             # mount points made here, in the sandbox's own layer: the sandbox user may not write there
             (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
             argv += ["--ro-bind", reachable_toolchain_source(path), path]
         _pxd_mount_point(root)
         argv += ["--ro-bind", reachable_toolchain_source(str(compiled_pxd())), PXD_COMPILED_IN_SANDBOX,
-                 "--proc", "/proc", "--dev", "/dev",
-                 "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", "/tmp",
-                 "--size", str(sb.limits.tmp_mib * 1024 * 1024), "--tmpfs", SANDBOX_HOME]
+                 "--proc", "/proc", "--dev", "/dev"]
         if not sb.writable_root:
             argv += ["--remount-ro", "/"]
         argv += ["--clearenv"]
