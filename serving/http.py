@@ -58,6 +58,7 @@ import json
 import logging
 import queue
 import re
+import signal
 import socket
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -618,7 +619,14 @@ class JsonServer:
             self._thread.join(timeout=1.0)
 
     def run_in_foreground(self, banner: str) -> int:
-        """Print ``banner``, serve until interrupted, then shut down: the body of a server's ``__main__``."""
+        """Print ``banner``, serve until interrupted, then shut down: the body of a server's ``__main__``.
+
+        SIGTERM (a pod's deletion, a fleet's stop) stops it as Ctrl-C does, even where the process
+        inherited SIGTERM ignored or blocked from whatever started it; a handler the caller set is kept."""
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN):
+                signal.signal(signal.SIGTERM, _stop_as_interrupt)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         print(banner, flush=True)
         try:
             self.serve_until_stopped()
@@ -639,6 +647,11 @@ class JsonServer:
             self._thread.join(timeout=5)
         self._sock.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stop_as_interrupt(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+    raise KeyboardInterrupt
 
 
 async def _disconnected(receive: Callable) -> None:
