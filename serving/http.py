@@ -623,12 +623,12 @@ class JsonServer:
 
         SIGTERM (a pod's deletion, a fleet's stop) stops it as Ctrl-C does, even where the process
         inherited SIGTERM ignored or blocked from whatever started it; a handler the caller set is kept."""
-        if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN):
-                signal.signal(signal.SIGTERM, _stop_as_interrupt)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
-        print(banner, flush=True)
         try:
+            if threading.current_thread() is threading.main_thread():
+                if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN):
+                    signal.signal(signal.SIGTERM, _stop_as_interrupt)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+            print(banner, flush=True)
             self.serve_until_stopped()
         except KeyboardInterrupt:
             pass
