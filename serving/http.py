@@ -626,7 +626,7 @@ class JsonServer:
         try:
             if threading.current_thread() is threading.main_thread():
                 if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN):
-                    signal.signal(signal.SIGTERM, _stop_as_interrupt)
+                    signal.signal(signal.SIGTERM, stop_as_interrupt)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
             print(banner, flush=True)
             self.serve_until_stopped()
@@ -649,8 +649,10 @@ class JsonServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _stop_as_interrupt(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+def stop_as_interrupt(signum, frame) -> None:
+    """A SIGTERM handler: stop as on Ctrl-C. A second SIGTERM (a fleet's shutdown may send two) must
+    not cut the stop, and whatever it cleans up, short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

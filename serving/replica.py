@@ -41,6 +41,7 @@ from serving.adapters import newest_adapter
 from serving.capture import serve_front, upstream_engine
 from serving.capture_store import warn_if_credential_is_private
 from serving.engines.vllm import vllm_command
+from serving.http import stop_as_interrupt
 
 ENGINE_KINDS = ("vllm", "local")
 START_TIMEOUT_S = 600.0
@@ -169,13 +170,6 @@ class EngineProcess:
         shutil.rmtree(self.cwd, ignore_errors=True)
 
 
-def _interrupt(signum, frame) -> None:
-    # Stopping from here on: a second SIGTERM (a fleet's shutdown may send two) must not cut the
-    # engine's stop and the folder's removal short.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINE_KINDS, default="vllm")
     parser.add_argument("--model", required=True, help="a transformers model directory (save_pretrained)")
@@ -238,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     warn_if_credential_is_private("serving.replica")
-    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: the engine is stopped too
+    signal.signal(signal.SIGTERM, stop_as_interrupt)  # stop as on Ctrl-C: the engine is stopped too
     child = EngineProcess(args)
     front = None
     try:
