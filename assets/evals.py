@@ -219,7 +219,7 @@ def eval_report(
     context: dg.AssetExecutionContext, config: EvalReportConfig, storage: PosttrainStorage
 ) -> dg.MaterializeResult:
     """First, each checkpoint's change in held-out pass@1 from its run's base model, paired on the same
-    tasks with a 95% interval (bootstrap over tasks, attempts within tasks), overall and per level.
+    tasks with a 95% interval (paired bootstrap over tasks of their attempt means), overall and per level.
     Per checkpoint: pass@1, pass@k, partial and strict target score with 95% bootstrap intervals,
     and the change from the run's base model (step 0) with a paired 95% interval; every score again
     with each flawed-task list (``datasets/flawed/``) left out and without flagged attempts. Each

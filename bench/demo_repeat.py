@@ -1,6 +1,6 @@
 """N fresh runs of ``posttrain demo``, each in a home of its own with its own trainer seed: each run's
-wall time, the paired change in held-out pass@1 from the base with its 95% interval (bootstrap over
-tasks, attempts within tasks), level 3's change, and the mean over runs against the target.
+wall time, the paired change in held-out pass@1 from the base with its 95% interval (paired bootstrap
+over tasks), level 3's change, and the mean over runs against the target.
 
     .venv/bin/python bench/demo_repeat.py --runs 3 --out /tmp/demo-repeat
 

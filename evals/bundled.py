@@ -238,21 +238,16 @@ def default_extra_eval_per_level(per_level: int) -> int:
     """Held-out tasks per level generated after the RL tasks: five quarters of ``per_level`` (75 of
     60, which with the 15 held out among the first 60 makes 90 a level, 270 in all).
 
-    Why 270: ``eval_report``'s interval on the paired change is a two-level bootstrap (tasks, then
-    attempts within tasks; :func:`evals.metrics.paired_attempt_difference`). In the demo runs of 135
-    held-out tasks and 2 attempts it was +-6.5 to +-6.9 points wide, a variance of about 0.156 per task.
-    Of it, Q/a + Q(1-1/a)/a = 0.0975 is attempt noise: Q = 0.13 is the mean p(1-p) of a task's pass
-    rate p, base plus trained (each checkpoint's pass@2 minus its pass@1: 38.1% -> 45.2% gives 0.071,
-    0.059 after RL), counted once in the spread of the per-task differences and once more by the
-    resampling of attempts; the other 0.0585 is how differently RL changes each task. The interval is
-    then +-1.96 * sqrt((0.0585 + 0.0975) / n) at 2 attempts: +-4.7 points at n = 270 tasks, so an
-    observed +5 shows an interval above zero (135 tasks: +-6.7); a true +5 does so about half the
-    time (a simulation with the demos' pass rates: +-5.1, above zero in 50% of runs, against 22% at
-    135 tasks). Attempts buy less than tasks: 4
-    attempts on 270 tasks (twice the episodes) give +-4.0; one attempt on 270 gives +-5.2. The extra
-    tasks come after every earlier one in their level's random stream, so the 135 held-out tasks of
-    the earlier default are among the 270 (docs/benchmarks.md, "Held-out tasks and attempts: how
-    many for a +5 gain")."""
+    Why 270: ``eval_report``'s interval on the paired change is a bootstrap over tasks of each task's
+    difference of attempt means (:func:`evals.metrics.paired_attempt_difference`), so its width is
+    1.96 * sqrt(V / n) for V the variance of those differences: attempt noise, Q/a with Q = 0.13 the
+    mean p(1-p) of a task's pass rate p, base plus trained (each checkpoint's pass@2 minus its pass@1),
+    plus how differently RL moves each task, about 0.0585 (the demo runs of 135 tasks). At 2 attempts
+    that is +-4.2 points at n = 270 (+-5.9 at 135); a demo run measured V = 0.069, +-3.1. Attempts buy
+    less than tasks: 4 attempts on 270 tasks (twice the episodes) give +-3.6. The extra tasks come
+    after every earlier one in their level's random stream, so the 135 held-out tasks of the earlier
+    default are among the 270 (docs/benchmarks.md, "Held-out tasks and attempts: how many for a +5
+    gain")."""
     return per_level * 5 // 4
 
 

@@ -223,7 +223,7 @@ class Headline:
     base: str
     base_pass_at_1: float
     pass_at_1: float
-    change: Estimate  # new - base, two-level bootstrap (tasks, then attempts within tasks)
+    change: Estimate  # new - base, paired bootstrap over tasks of their attempt means
     levels: list[dict[str, Any]] = field(default_factory=list)  # level, tasks, base, new, change (Estimate)
 
 
@@ -234,7 +234,7 @@ def _attempt_rewards(rows: pd.DataFrame) -> dict[str, list[float]]:
 
 def headlines(rows: pd.DataFrame, *, resamples: int = 2000, seed: int = 0) -> list[Headline]:
     """For every checkpoint with its run's base model (step 0) in ``rows``: held-out pass@1 of both,
-    the paired change with its 95% interval (bootstrap over tasks, attempts within tasks), and the
+    the paired change with its 95% interval (bootstrap over tasks of their attempt means), and the
     same per ``difficulty`` level where rows carry one."""
     out = []
     checkpoints = sorted(rows["checkpoint"].unique(), key=lambda c: (checkpoint_step(c) or 0, c)) if len(rows) else []
@@ -272,7 +272,7 @@ def headline_markdown(heads: Sequence[Headline]) -> str:
         c = h.change
         parts.append(f"**{h.checkpoint}**: held-out pass@1 {100 * h.base_pass_at_1:.1f}% -> {100 * h.pass_at_1:.1f}%, "
                      f"change **{100 * c.value:+.1f} points**, 95% CI [{100 * c.low:+.1f}, {100 * c.high:+.1f}] "
-                     f"(paired over {c.n_tasks} tasks against {h.base}; bootstrap over tasks, attempts within tasks)\n")
+                     f"(paired over {c.n_tasks} tasks against {h.base}; paired bootstrap over tasks)\n")
         if h.levels:
             parts.append("| level | tasks | base pass@1 | pass@1 | change (points) | 95% CI |\n|---|---|---|---|---|---|")
             for lv in h.levels:
