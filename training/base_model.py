@@ -58,8 +58,8 @@ class BaseModelSpec:
     batch_size: int = 16
     # Each batch is cut from a pool of this many batches' worth of shuffled examples sorted by length,
     # the batches then taken in random order: random batches of these demonstrations are half padding
-    # (the longest is 3x the mean), so bucketed ones halve a step's work (docs/benchmarks.md,
-    # "Base model"). 1 draws every batch at random.
+    # (the longest is 3x the mean); bucketed ones take 40% less time to build (docs/benchmarks.md,
+    # "Base model: length-bucketed SFT batches"). 1 draws every batch at random.
     length_pool: int = 8
     augment_copies: int = 4  # renamed variants per demonstration
     # Variants also rename the module file, so file names must be copied from the prompt rather than

@@ -5,6 +5,7 @@ import io
 import time
 
 import dagster as dg
+import pytest
 
 from dagster_project.demo import StepProgress
 
@@ -73,3 +74,15 @@ def test_the_result_is_the_final_change_with_its_interval_level_3_and_the_stream
     assert lines[1] == "result: level 3 35.0% -> 65.0% (+30.0 [+10.0, +50.0], 20 tasks)"
     assert lines[2] == ("task stream: 200 new tasks served (L1/L2/L3 90/70/40), 120 solved, 15 retries of unsolved "
                         "ones, 0 rejected by validation, 0.4 s of validation a task")
+
+
+def test_the_demo_budget_counts_the_set_up_it_is_told_of(monkeypatch) -> None:
+    from dagster_project.demo import _before_demo_s
+
+    monkeypatch.delenv("POSTTRAIN_DEMO_STARTED_AT", raising=False)
+    assert _before_demo_s() == 0.0
+    monkeypatch.setenv("POSTTRAIN_DEMO_STARTED_AT", str(int(time.time()) - 120))
+    assert 119 <= _before_demo_s() < 180
+    monkeypatch.setenv("POSTTRAIN_DEMO_STARTED_AT", "yesterday")
+    with pytest.raises(ValueError, match="POSTTRAIN_DEMO_STARTED_AT='yesterday': expected Unix seconds"):
+        _before_demo_s()
