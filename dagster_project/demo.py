@@ -16,6 +16,7 @@ pass@1 with its 95% interval, level 3's change, and what the task stream served.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -70,8 +71,6 @@ DEMO_BUDGET_S = 20 * 60
 
 def _before_demo_s() -> float:
     """Seconds spent before the demo started (the set-up of scripts/demo.sh), 0 when not told."""
-    import os
-
     raw = os.environ.get("POSTTRAIN_DEMO_STARTED_AT", "")
     try:
         return max(0.0, time.time() - float(raw)) if raw else 0.0

@@ -143,15 +143,16 @@ def masked_lm_loss(model, ids, mask):
 
 def length_bucketed_batches(examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
                             rng: random.Random) -> Iterator[list[int]]:
-    """Endless batches of example indices: each epoch shuffled, cut into pools of ``spec.length_pool``
-    batches, each pool sorted by length and cut into batches, taken in random order."""
+    """Endless batches of example indices: the examples shuffled epoch after epoch and cut into pools
+    of ``spec.length_pool`` batches, each pool sorted by length, cut into batches and those taken in
+    random order. A pool of one batch is the random batch as drawn."""
     size, pool = spec.batch_size, max(1, spec.length_pool) * spec.batch_size
     order: list[int] = []
     while True:
         if len(order) < pool:
             order += rng.sample(range(len(examples)), len(examples))
         chunk, order = order[:pool], order[pool:]
-        if pool > size:  # a pool of one batch is the random batch as drawn
+        if pool > size:
             chunk.sort(key=lambda i: len(examples[i][0]))
         cut = [chunk[i:i + size] for i in range(0, len(chunk), size)]
         rng.shuffle(cut)
