@@ -18,7 +18,7 @@ class TaskDatasetConfig(dg.Config):
     with the reason."""
 
     sources: list[str] = ["bundled"]
-    build_workers: int = 2
+    build_workers: int = 0  # tasks of the bundled suite built at once; 0: four per core, at most 32
     harbor_sources: str = ""
     # The bundled suite's size: demonstration and held-out tasks per level, as many RL tasks as
     # demonstrations, and 75 more held out after them (evals.bundled.generate; 60 gives 540 tasks,
@@ -63,6 +63,9 @@ def task_dataset(
             if config.bundled_rl_per_level < 0:
                 raise ValueError("task_dataset: config key 'bundled_rl_per_level' must be >= 0 (0: as many as the "
                                  f"demonstrations), got {config.bundled_rl_per_level}")
+            if config.build_workers < 0:
+                raise ValueError("task_dataset: config key 'build_workers' must be >= 0 (0: four per core, at most 32), "
+                                 f"got {config.build_workers}")
             if config.bundled_extra_eval_per_level < 0:
                 raise ValueError("task_dataset: config key 'bundled_extra_eval_per_level' must be >= 0 (0: the "
                                  f"default), got {config.bundled_extra_eval_per_level}")

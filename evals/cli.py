@@ -407,7 +407,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     build = tasks_sub.add_parser("build", help="generate and validate the bundled suite",
                                  description="Generate the bundled suite into OUT and validate every task by running its tests.")
     build.add_argument("out", help="output folder")
-    build.add_argument("--workers", type=int, default=2, help="tasks validated in parallel (default: 2)")
+    build.add_argument("--workers", type=int, default=0,
+                       help="tasks written and validated at once (default: 0, four per core, at most 32)")
     build.set_defaults(func=cmd_tasks_build)
 
     export = tasks_sub.add_parser("export-harbor", help="write the bundled suite as Harbor tasks",

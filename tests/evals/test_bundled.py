@@ -78,6 +78,13 @@ def test_invalid_task_fails_the_build_with_its_id(tmp_path, monkeypatch, kind, e
     assert not list(tmp_path.glob(".out.building-*"))  # nothing half-written is left
 
 
+def test_a_negative_worker_count_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match=r"build_suite: workers must be >= 0 .* got -1"):
+        bundled.build_suite(tmp_path / "out", per_level=1, workers=-1)
+    assert list(tmp_path.iterdir()) == []
+    assert 1 <= bundled.default_build_workers() <= 32
+
+
 def test_demonstration_round_trips(small_tasks):
     for task in small_tasks:
         prompt, action_text = demonstration(task)
