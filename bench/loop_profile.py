@@ -23,6 +23,11 @@ While a run goes, every process of the trainer's tree is sampled from /proc (psu
   the trainer's other threads (the harness's HTTP calls and parsing, grading glue, image, rootfs and
   cgroup set-up, the rollout store) and any other process it starts.
 
+The sampler misses a process that starts and ends between two samples, and an episode starts many
+(a sandbox's shell, ``setpriv`` and ``bwrap``, a test run, ``git``): each side also prints the
+machine's own busy CPU over the same window (``/proc/stat``) and the part of it the sampler did not
+see. On a machine running nothing else that line is the loop's whole CPU.
+
 Only the steady part counts: from the end of step 1 (the engine is up, the pipeline full) to the end
 of step N, so ``groups/s`` is the groups the steps 2..N took over that time. The machine is shared:
 absolute figures move with the load; the CPU a group and the shares carry over best.
@@ -70,10 +75,21 @@ print(json.dumps(plan))
 
 @dataclass
 class Sample:
-    """Cumulative CPU seconds per bucket at one moment (the step's from the loop, added later)."""
+    """Cumulative CPU seconds per bucket at one moment (the step's from the loop, added later), and
+    the whole machine's busy CPU seconds then (``/proc/stat``)."""
 
     at: float
     cpu_s: dict[str, float]
+    machine_busy_s: float = 0.0
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of this machine has spent busy since boot (``/proc/stat``: user, nice,
+    system, irq and softirq; not idle, iowait or a hypervisor's steal). The sampler sees only processes alive at a sample; a process that starts and ends
+    between two samples (a sandbox's shell, setpriv and bwrap; a test run; ``git``) is seen here."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = fields[0] + fields[1] + fields[2] + sum(fields[5:7])
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -216,17 +232,20 @@ def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, l
                 with lock:
                     tracker.sample()
                     at = time.monotonic()
-                    steps_done.append((int(m[1]), int(m[2]), float(m[3]), at, Sample(at, tracker.totals())))
+                    steps_done.append((int(m[1]), int(m[2]), float(m[3]), at,
+                                       Sample(at, tracker.totals(), machine_busy_s())))
 
     reader = threading.Thread(target=read_steps, daemon=True)
     reader.start()
     me = psutil.Process()
     profiler_cpu0 = sum(me.cpu_times()[:2])
+    profiling_started = time.monotonic()
     while proc.poll() is None and len(steps_done) < steps:
         with lock:
             tracker.sample()
         time.sleep(interval_s)
     profiler_cpu_s = sum(me.cpu_times()[:2]) - profiler_cpu0
+    profiling_s = time.monotonic() - profiling_started
     if len(steps_done) < max(2, steps):
         proc.wait()
         reader.join(timeout=10)
@@ -245,10 +264,13 @@ def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, l
              "else": cpu["serving"] + cpu["other"] + cpu["trainer"] - step_cpu}
     detail = {"serving HTTP and capture": cpu["serving"], "trainer process outside the step": cpu["trainer"] - step_cpu,
               "other processes": cpu["other"]}
+    machine_s = last[4].machine_busy_s - first[4].machine_busy_s
     result = {"label": label, "code": str(code), "settings": settings, "steps": len(steps_done),
               "window_s": window_s, "groups": groups, "groups_per_s": groups / window_s, "cpu_s": split,
               "else_detail": detail, "train_wall_s": train_s, "cores_busy": sum(split.values()) / window_s,
-              "profiler_cpu_s": profiler_cpu_s}
+              "profiler_cpu_s": profiler_cpu_s, "machine_busy_s": machine_s, "machine_cores": os.cpu_count(),
+              # the profiler's own CPU is spread over the whole call; its share of the window is taken out
+              "unseen_s": max(0.0, machine_s - sum(split.values()) - profiler_cpu_s * window_s / max(profiling_s, 1e-9))}
     print_side(result)
     # the figures are in; the trainer still finishes the groups in flight and stops its engine
     print(f"{label}: waiting for the trainer to stop", file=sys.stderr, flush=True)
@@ -280,6 +302,12 @@ def print_side(result: dict) -> None:
         print(f"  {bucket:20s} {seconds:7.1f} s  {100 * seconds / max(total, 1e-9):5.1f}%  "
               f"{seconds / result['groups']:.2f} s a group")
     print("    else: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in result["else_detail"].items()))
+    if "machine_busy_s" in result:
+        print(f"  machine (/proc/stat)  {result['machine_busy_s']:7.1f} s busy of {result['machine_cores']} cores = "
+              f"{result['machine_busy_s'] / result['window_s']:.2f} cores busy, "
+              f"{result['machine_busy_s'] / result['groups']:.2f} s a group; not seen by the sampler "
+              f"{result['unseen_s']:.1f} s ({result['unseen_s'] / result['groups']:.2f} s a group: processes "
+              "that start and end between samples, mostly sandbox starts and test runs; or other load)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groups/s: {cur['groups_per_s']:.2f} against {base['groups_per_s']:.2f}, "
               f"ratio {cur['groups_per_s'] / base['groups_per_s']:.2f}x; CPU a group "
               f"{sum(cur['cpu_s'].values()) / cur['groups']:.2f} s against "
-              f"{sum(base['cpu_s'].values()) / base['groups']:.2f} s")
+              f"{sum(base['cpu_s'].values()) / base['groups']:.2f} s (sampled); the machine's "
+              f"{cur['machine_busy_s'] / cur['groups']:.2f} s against {base['machine_busy_s'] / base['groups']:.2f} s")
     print(f"profiler's own CPU: {sum(r['profiler_cpu_s'] for r in results):.1f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

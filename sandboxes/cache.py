@@ -4,7 +4,10 @@
 lower layer under their own writable layer). A sandbox holds a shared ``flock`` on each of its
 layers' lock files while it runs, so eviction never removes a layer in use, across processes.
 The cache keeps its size under ``budget_bytes`` by evicting the least recently used layers that
-no sandbox holds; a layer's last use is the modification time of its ``meta.json``.
+no sandbox holds; a layer's last use is the modification time of its ``meta.json``. Measuring the
+cache reads every layer's ``meta.json``: a process measures a cache once, then adds what it unpacks
+to that total and measures again (evicting) only when the total passes the budget. Layers that other
+processes unpack are not in its total; each process evicts for what it adds.
 
 A node has one cache, decided here: ``HOME/sandboxes/cache`` (:func:`node_cache`), with the budget
 given by ``$POSTTRAIN_SANDBOX_CACHE_GIB``, else :data:`DEFAULT_BUDGET_GIB` (:func:`cache_budget_bytes`);
@@ -17,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,6 +30,11 @@ from typing import Mapping
 
 from sandboxes.home import default_home
 from sandboxes.images import Image, ImageError, ImageStore, Layer, build_images, image_name, unpack_layer
+
+
+# A cache's bytes as this process last measured them (evict), plus what it has unpacked since.
+_usage: dict[Path, int] = {}
+_usage_lock = threading.Lock()
 
 
 def _hex(diff_id: str) -> str:
@@ -109,7 +118,7 @@ class LayerCache:
 
     def acquire(self, image: Image, store: ImageStore) -> Lease:
         """Unpack what is missing, mark every layer used, and hold them until the lease is released."""
-        fds, dirs, hits, misses = [], [], 0, 0
+        fds, dirs, hits, misses, added = [], [], 0, 0, 0
         try:
             for layer in image.layers:
                 fds.append(self._lock(layer.diff_id))
@@ -120,18 +129,30 @@ class LayerCache:
                     os.utime(meta)
                 else:
                     misses += 1
-                    self._unpack(layer, store)
+                    added += self._unpack(layer, store)
                 dirs.append(d / "root")
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         lease = Lease(image=image, layer_dirs=dirs, hits=hits, misses=misses, _fds=fds)
-        if misses:
+        if misses and self._over_budget(added):
             self.evict()
         return lease
 
-    def _unpack(self, layer: Layer, store: ImageStore) -> None:
+    def _over_budget(self, added: int) -> bool:
+        """Whether the cache may be over budget once ``added`` bytes were unpacked: True when this
+        process has not measured it yet, or its total passes the budget (see the module docstring)."""
+        with _usage_lock:
+            known = _usage.get(self.root)
+            if known is None:
+                return True
+            _usage[self.root] = known + added
+            return known + added > self.budget_bytes
+
+    def _unpack(self, layer: Layer, store: ImageStore) -> int:
+        """Unpack ``layer`` into the cache; returns the bytes it added (0 where another process
+        unpacked it first)."""
         blob = store.blob_path(layer)
         if not blob.exists():
             raise ImageError(f"layer {layer.digest} is not in the store {store.root}")
@@ -146,6 +167,8 @@ class LayerCache:
             except OSError:
                 if not self.has(layer):  # not a lost race with another process: a real failure
                     raise
+                return 0
+            return size
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -188,6 +211,8 @@ class LayerCache:
                 evicted.append(info["diff_id"])
             finally:
                 os.close(fd)
+        with _usage_lock:
+            _usage[self.root] = used
         return evicted
 
 

@@ -115,6 +115,32 @@ def test_cache_hits_and_lru_eviction_within_budget(tmp_path, store):
     miss.release()
 
 
+def test_a_miss_measures_the_cache_only_when_this_process_may_have_passed_its_budget(tmp_path, store, monkeypatch):
+    images = []
+    for i in range(5):
+        repo = make_repo(tmp_path / f"r{i}", {"blob.txt": f"{i}\n" + "x" * 200_000})
+        images.append(sandboxes.build_image(f"t{i}", repo, store))
+    probe = sandboxes.LayerCache(tmp_path / "probe", budget_bytes=10**9)
+    probe.acquire(images[0], store).release()
+    sizes = {c["diff_id"]: c["size_bytes"] for c in probe.contents()}
+    base, task = images[0].layers[0].diff_id, images[0].layers[1].diff_id
+    scans = []
+    real_contents = sandboxes.LayerCache.contents
+    monkeypatch.setattr(sandboxes.LayerCache, "contents", lambda self: scans.append(1) or real_contents(self))
+    budget = sizes[base] + 2 * sizes[task] + sizes[task] // 2  # the base layer and two task layers
+    root = tmp_path / "cache"
+    for i, image in enumerate(images):
+        # a new LayerCache on the same folder, as each sandbox start opens one
+        sandboxes.LayerCache(root, budget_bytes=budget).acquire(image, store).release()
+        real = sum(c["size_bytes"] for c in real_contents(sandboxes.LayerCache(root)))
+        assert real <= budget, f"after image {i}: {real} bytes in a cache of {budget}"
+    # measured at the first miss, then only when the running total passed the budget (images 2, 3, 4)
+    assert len(scans) == 4
+    held = sandboxes.LayerCache(root, budget_bytes=budget)
+    assert held.acquire(images[4], store).hit  # a hit measures nothing
+    assert len(scans) == 4
+
+
 def test_base_layer_has_the_skeleton(tmp_path, store):
     layer = store.put_layer(base_layer_tar())
     unpack_layer(store.blob_path(layer), "zstd", tmp_path / "root")
