@@ -24,12 +24,7 @@ import time
 from pathlib import Path
 
 from evals.bundled import build_suite, default_build_workers
-
-
-def machine_busy_s() -> float:
-    """Busy CPU seconds of every core since boot: user, nice, system, irq and softirq."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (fields[0] + fields[1] + fields[2] + sum(fields[5:7])) / os.sysconf("SC_CLK_TCK")
+from loop_profile import machine_busy_s  # bench/loop_profile.py (this folder is on sys.path)
 
 
 def timed_build(out: Path, workers: int) -> dict:
