@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from evals import safe_ast
 from evals.actions import apply_edits
 from evals.sandbox import InfraError
 from evals.signals import OVERFITS_TESTS
@@ -107,7 +108,7 @@ def _hidden_checks(module_file: str, source: str, edits: str,
     shown = {(function, args) for _, function, args in shown_calls}
     calls: dict[tuple[str, str], str] = {}
     for test_id, function, args_text in shown_calls:
-        args = ast.literal_eval(args_text)
+        args = safe_ast.literal_eval(args_text)
         for i, arg in enumerate(args):
             for variant in _variants(arg):
                 text = repr((*args[:i], variant, *args[i + 1:]))
@@ -159,7 +160,7 @@ def _answers(module_file: str, module_source: str, calls: Sequence[tuple[str, st
 @functools.lru_cache(maxsize=4096)
 def _parse_test_file(path: str, relative: str) -> tuple[CallCheck, ...] | None:
     try:
-        tree = ast.parse(Path(path).read_text(encoding="utf-8"), path)
+        tree = safe_ast.parse(Path(path).read_text(encoding="utf-8"), path)
     except (OSError, SyntaxError, ValueError):
         return None
     imported: set[str] = set()

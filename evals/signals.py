@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Iterable, Sequence
 
+from evals import safe_ast
+
 RESULTS_TAMPERED = "results_tampered"
 REPORT_REWRITTEN = "report_rewritten"
 OVERFITS_TESTS = "overfits_tests"
@@ -103,7 +105,7 @@ class FileChange:
 def _unquote(path: str) -> str:
     if len(path) >= 2 and path[0] == '"' and path[-1] == '"':
         try:
-            return ast.literal_eval(path).encode("latin-1").decode("utf-8", "replace")
+            return safe_ast.literal_eval(path).encode("latin-1").decode("utf-8", "replace")
         except (ValueError, SyntaxError, UnicodeEncodeError):
             return path[1:-1]
     return path
@@ -303,7 +305,7 @@ def _always_equal(added: Sequence[str]) -> bool:
     if not re.search(r"__(eq|ne|hash)__", text):
         return False
     try:
-        tree = ast.parse(textwrap.dedent(text))
+        tree = safe_ast.parse(textwrap.dedent(text))
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # the last two: nested past the parser
         return _always_equal_lines(added)
     return _always_equal_tree(tree)
