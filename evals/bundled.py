@@ -443,7 +443,8 @@ def build_suite(
             (task_dir / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
         # A task's build mostly waits (git, a sandbox starting, its tests): several at a time keep
-        # the cores busy (bench/suite_build.py). The first failure stops the build.
+        # the cores busy (bench/suite_build.py). The first failure stops the build: map cancels the
+        # tasks not started, those running finish, then the error is raised.
         with ThreadPoolExecutor(max_workers=workers or default_build_workers()) as pool:
             for _ in pool.map(build, gens):
                 pass
@@ -472,7 +473,7 @@ def build_suite(
 
 def default_build_workers() -> int:
     """Tasks written and validated at once by default: four per core, at most 32 (on 2 cores 8 built
-    the suite in 86.9 s against 105.7 s with 2, the machine 1.82 cores busy against 1.50:
+    the suite in 84.1 s against 106.1 s with 2, the machine 1.98 cores busy against 1.62:
     docs/benchmarks.md, "The bundled suite's build")."""
     return max(1, min(32, 4 * (os.cpu_count() or 1)))
 

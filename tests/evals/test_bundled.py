@@ -78,6 +78,20 @@ def test_invalid_task_fails_the_build_with_its_id(tmp_path, monkeypatch, kind, e
     assert not list(tmp_path.glob(".out.building-*"))  # nothing half-written is left
 
 
+def test_the_first_invalid_task_stops_the_build_without_validating_the_rest(tmp_path, monkeypatch):
+    seen = []
+
+    def validate(task, factory):
+        seen.append(task.id)
+        raise bundled.SuiteBuildError(f"task {task.id}: rejected by the test")
+
+    monkeypatch.setattr(bundled, "validate_task", validate)
+    with pytest.raises(bundled.SuiteBuildError, match="rejected by the test"):
+        bundled.build_suite(tmp_path / "out", per_level=2, workers=1)
+    assert len(seen) <= 2  # one worker: the failing task and at most the one it had started next
+    assert list(tmp_path.iterdir()) == []  # nothing half-written is left
+
+
 def test_a_negative_worker_count_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"build_suite: workers must be >= 0 .* got -1"):
         bundled.build_suite(tmp_path / "out", per_level=1, workers=-1)
