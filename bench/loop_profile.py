@@ -85,8 +85,9 @@ class Sample:
 
 def machine_busy_s() -> float:
     """CPU seconds every core of this machine has spent busy since boot (``/proc/stat``: user, nice,
-    system, irq and softirq; not idle, iowait or a hypervisor's steal). The sampler sees only processes alive at a sample; a process that starts and ends
-    between two samples (a sandbox's shell, setpriv and bwrap; a test run; ``git``) is seen here."""
+    system, irq and softirq; not idle, iowait or a hypervisor's steal). The sampler sees only
+    processes alive at a sample; a process that starts and ends between two samples (a sandbox's
+    shell, setpriv and bwrap; a test run; ``git``) is seen here."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     busy = fields[0] + fields[1] + fields[2] + sum(fields[5:7])
     return busy / os.sysconf("SC_CLK_TCK")
