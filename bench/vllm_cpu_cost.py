@@ -1,9 +1,11 @@
 """The CPU a vLLM replica spends per generated token on an agent-like load, setting by setting:
 vLLM's own LoRA ops against the grouped products of ``serving.engines.vllm_server``, and vLLM's
 worker in a process of its own (vLLM's default on CPU) against a worker inside the engine-core
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one compute thread).
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one compute thread), and the adapter merged into the
+model's weights and served with no LoRA layers (``max_loras=0``, :func:`serving.adapters.merge_adapter`:
+how evaluations serve a checkpoint).
 
-    .venv/bin/python bench/vllm_cpu_cost.py [--model DIR] [--clients 16] [--seconds 20] [--rounds 1]
+    .venv/bin/python bench/vllm_cpu_cost.py [--model DIR] [--clients 16] [--seconds 20] [--rounds 1] [--only TEXT]
 
 The load is what an RL step of the embedded default sends: ``--clients`` agents, each asking for
 ``--new-tokens`` tokens under a rank-16 LoRA adapter (all linear layers) on a prompt that shares a
@@ -28,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dagster_project.processes import cpu_seconds, descendants  # noqa: E402
+from serving.adapters import merge_adapter  # noqa: E402
 from serving.client import EngineClient  # noqa: E402
 from serving.engines.vllm_server import LORA_OPS_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
@@ -38,19 +41,22 @@ SETTINGS: dict[str, dict[str, str]] = {
     "grouped LoRA, worker process": {LORA_OPS_ENV: "grouped"},
     "grouped LoRA, in-process worker": {LORA_OPS_ENV: "grouped", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                         "OMP_NUM_THREADS": "1"},
+    "merged adapter, no LoRA layers, in-process worker": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                          "OMP_NUM_THREADS": "1"},
 }
+MERGED = "merged adapter, no LoRA layers, in-process worker"  # served as one model, max_loras=0
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def agent(client: EngineClient, index: int, args: argparse.Namespace, stop: threading.Event,
-          counts: list[int]) -> None:
+          counts: list[int], lora_path: str | None) -> None:
     params = {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}
     prefix = [(j * 31) % 500 + 10 for j in range(args.prompt_tokens)]
     session = 0
     while not stop.is_set():
         context = prefix + [(index * 977 + session * 13 + j) % 500 + 10 for j in range(24)]
         for _ in range(args.turns):
-            out = client.generate(context, params, lora_path="policy", session_id=f"a{index}-{session}")
+            out = client.generate(context, params, lora_path=lora_path, session_id=f"a{index}-{session}")
             counts[index] += len(out["output_ids"])
             context = context + out["output_ids"] + [(index + j) % 500 + 10 for j in range(32)]
             if stop.wait(args.think_s):
@@ -58,12 +64,14 @@ def agent(client: EngineClient, index: int, args: argparse.Namespace, stop: thre
         session += 1
 
 
-def one_setting(model: str, adapter: Path, env: dict[str, str], args: argparse.Namespace,
+def one_setting(model: str, adapter: Path | None, env: dict[str, str], args: argparse.Namespace,
                 log: Path) -> dict[str, float]:
+    """One setting on a fresh replica: ``adapter`` loaded as ``policy`` and asked for, or None for a
+    replica without LoRA layers serving ``model`` (the merged one) alone."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        proc, url = start_engine(model, log, engine="vllm")
+        proc, url = start_engine(model, log, engine="vllm", **({} if adapter else {"max_loras": 0}))
     finally:
         for key, value in saved.items():
             if value is None:
@@ -73,8 +81,10 @@ def one_setting(model: str, adapter: Path, env: dict[str, str], args: argparse.N
     stop, counts = threading.Event(), [0] * args.clients
     try:
         client = EngineClient(url)
-        client.load_lora_adapter("policy", str(adapter))
-        threads = [threading.Thread(target=agent, args=(client, i, args, stop, counts), daemon=True)
+        if adapter is not None:
+            client.load_lora_adapter("policy", str(adapter))
+        threads = [threading.Thread(target=agent, args=(client, i, args, stop, counts, "policy" if adapter else None),
+                                    daemon=True)
                    for i in range(args.clients)]
         for t in threads:
             t.start()
@@ -104,15 +114,22 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=34, help="per turn (a demo RL turn averages about 34)")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--think-s", type=float, default=0.5, help="the agent's sandbox time between turns")
+    parser.add_argument("--only", action="append", default=[],
+                        help="measure only the settings whose name holds TEXT (repeatable; the first kept is the baseline)")
     args = parser.parse_args()
+    settings = {name: env for name, env in SETTINGS.items() if not args.only or any(t in name for t in args.only)}
+    if not settings:
+        parser.error(f"--only {args.only}: no setting matches; the settings are {list(SETTINGS)}")
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
     model = args.model or str(build_tiny_model(root / "model", hidden_size=96, num_layers=3, num_heads=3,
                                                num_kv_heads=3, intermediate_size=288, vocab_size=768))
     adapter = build_tiny_lora_adapter(model, root / "policy", rank=16, alpha=32, target_modules=LORA_TARGETS)
+    merged = merge_adapter(model, adapter, root / "merged") if MERGED in settings else None
     results: dict[str, dict[str, float]] = {}
     for rnd in range(args.rounds):  # settings alternate, so that load from elsewhere falls on all of them
-        for name, env in SETTINGS.items():
-            r = one_setting(model, adapter, env, args, root / f"{rnd}-{len(results)}.log")
+        for name, env in settings.items():
+            r = (one_setting(str(merged), None, env, args, root / f"{rnd}-{len(results)}.log") if name == MERGED
+                 else one_setting(model, adapter, env, args, root / f"{rnd}-{len(results)}.log"))
             print(f"round {rnd} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
             best = results.get(name)
             if best is None or r["CPU ms per generated token"] < best["CPU ms per generated token"]:

@@ -16,8 +16,8 @@ none), and what the attempt did, for the trajectory viewer: ``diff`` (the commit
 with ``status="infra_error"`` and empty scores, and metrics leave it out (never scored as 0).
 :func:`write_rows` stores rows as Parquet (temporary name, then rename).
 
-:func:`evaluate_checkpoint` serves a base model (and an adapter on it) with an engine replica
-process (vLLM by default) and evaluates it; :func:`load_eval_tasks` picks the tasks of a source and split,
+:func:`evaluate_checkpoint` serves a base model (and an adapter, merged into its weights) with an
+engine replica process (vLLM by default) and evaluates it; :func:`load_eval_tasks` picks the tasks of a source and split,
 :func:`select_tasks` the ones an eval names.
 """
 
@@ -37,6 +37,7 @@ from evals.harness import HttpClient, ModelClient, Tokenizer, Trajectory, episod
 from evals.sandbox import SandboxFactory
 from evals.signals import join_signals
 from evals.tasks import Task, load_tasks
+from serving.adapters import merge_adapter
 from serving.client import EngineClient
 from serving.engines.vllm import lora_rank_slot
 from serving.fleet import start_engine, stop_replica
@@ -235,20 +236,40 @@ def evaluate_checkpoint(
 
 @contextlib.contextmanager
 def served_checkpoint(base_model: str | Path, engine_log: str | Path | None = None, *, checkpoint: str,
-                      adapter: str | Path | None = None, adapter_version: str | None = None,
+                      adapter: str | Path | None = None, adapter_version: str | None = None, merge: bool = True,
                       **engine_settings: Any) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
-    """:func:`served_model` with the peft folder ``adapter`` (if any) loaded as ``adapter_version``:
-    the replica's LoRA rank slot is sized from the adapter's rank, and the adapter is loaded before
-    the block runs. Yields what :func:`served_model` yields."""
+    """:func:`served_model` of a checkpoint: the base model alone, or with the peft folder ``adapter``
+    served as ``adapter_version`` (calls name that version, and records carry it).
+
+    ``merge`` (the default) writes the adapter into a copy of the base's weights
+    (:func:`serving.adapters.merge_adapter`, beside ``engine_log``, removed after the block) and serves
+    that with no LoRA layers (``max_loras=0``; the replica answers to ``adapter_version`` for it). A
+    checkpoint's evaluation serves one adapter only, and LoRA applied at run time cost 1.6x the CPU per
+    generated token on the embedded default (``bench/vllm_cpu_cost.py``, docs/benchmarks.md).
+    ``merge=False`` loads the adapter on a LoRA replica instead, its rank slot sized from the adapter.
+    Yields what :func:`served_model` yields."""
     if adapter is not None and not adapter_version:
         raise ValueError(f"checkpoint {checkpoint}: an adapter needs an adapter_version to be served as")
-    if adapter is not None:
+    what = f"checkpoint {checkpoint}"
+    if adapter is None:
+        engine_settings.setdefault("max_loras", 0)
+        with served_model(base_model, engine_log, what=what, **engine_settings) as served:
+            yield served
+    elif merge:
+        engine_settings.setdefault("max_loras", 0)
+        scratch = Path(engine_log).parent if engine_log is not None else None
+        if scratch is not None:
+            scratch.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="posttrain-merged-", dir=scratch) as tmp:
+            merged = merge_adapter(base_model, adapter, Path(tmp) / str(adapter_version))
+            with served_model(merged, engine_log, what=what, merged_version=adapter_version, **engine_settings) as served:
+                yield served
+    else:
         rank = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("r", 16)
         engine_settings.setdefault("max_lora_rank", lora_rank_slot(int(rank)))
-    with served_model(base_model, engine_log, what=f"checkpoint {checkpoint}", **engine_settings) as served:
-        if adapter is not None:
+        with served_model(base_model, engine_log, what=what, **engine_settings) as served:
             EngineClient(served[0]).load_lora_adapter(adapter_version, str(adapter))
-        yield served
+            yield served
 
 
 @contextlib.contextmanager

@@ -64,8 +64,11 @@ class CaptureFront(JsonServer):
     """Posttrain's engine API over one protocol engine (see the module docstring)."""
 
     def __init__(self, engine: UpstreamEngine, host: str = "127.0.0.1", port: int = 0, *, staging_dir=None,
-                 limits: HttpLimits | None = None, model_name: str = "posttrain"):
+                 limits: HttpLimits | None = None, model_name: str = "posttrain", merged_version: str | None = None):
         self.engine = engine
+        # An adapter version merged into the weights the engine serves (serving.adapters.merge_adapter):
+        # calls asking for it go to the engine's base model and are recorded under its name.
+        self.merged_version = merged_version
         self.capture = CaptureStore()
         self.shards = ShardAssembler(staging_dir)
         self.model_name = model_name
@@ -103,8 +106,8 @@ class CaptureFront(JsonServer):
         request_id = self.request_id(request.rid)
         started_at = time.time()
         t0 = time.perf_counter()
-        gen = self.engine.generate(request.input_ids, request.sampling_params, adapter=request.lora_path,
-                                   request_id=request_id)
+        adapter = None if request.lora_path == self.merged_version else request.lora_path
+        gen = self.engine.generate(request.input_ids, request.sampling_params, adapter=adapter, request_id=request_id)
         latency_s = time.perf_counter() - t0
         meta: dict[str, Any] = {
             "id": request_id, "session_id": request.rid, "prompt_tokens": gen.prompt_tokens,
@@ -179,7 +182,7 @@ class CaptureFront(JsonServer):
     def _server_info(self, req: Request) -> Any:
         m = self.engine.metrics()
         return {"engine": self.engine.kind, "engine_url": self.engine.url, "loaded_adapters": self._loaded(),
-                "max_total_num_tokens": int(m.max_total_tokens), "weight_version": BASE_WEIGHT_VERSION,
+                "max_total_num_tokens": int(m.max_total_tokens), "weight_version": self.merged_version or BASE_WEIGHT_VERSION,
                 "enable_lora": True}
 
     def _metrics(self, req: Request) -> Any:
@@ -187,8 +190,8 @@ class CaptureFront(JsonServer):
 
 
 def serve_front(engine: UpstreamEngine, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
-                limits: HttpLimits | None = None) -> CaptureFront:
-    return CaptureFront(engine, host, port, staging_dir=staging_dir, limits=limits).start()
+                limits: HttpLimits | None = None, merged_version: str | None = None) -> CaptureFront:
+    return CaptureFront(engine, host, port, staging_dir=staging_dir, limits=limits, merged_version=merged_version).start()
 
 
 def upstream_engine(kind: str, url: str) -> UpstreamEngine:

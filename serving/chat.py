@@ -385,11 +385,14 @@ class ChatCompletions:
     ``engine_url`` is the engine's own server (vLLM's OpenAI server); ``replica`` is how capture
     records name this replica; ``engine_model`` is the engine's name for the base model and
     ``tokenizer`` the model folder's tokenizer with its chat template (both found from the engine's
-    ``/v1/models`` when not given: the base model's ``id`` and the folder it serves, ``root``)."""
+    ``/v1/models`` when not given: the base model's ``id`` and the folder it serves, ``root``);
+    ``merged_version`` is an adapter version merged into that base model's weights, asked for by name."""
 
     def __init__(self, engine_url: str, capture: CaptureStore, replica: str, *, engine_model: str | None = None,
-                 tokenizer: Any = None, timeout_s: float = 600.0, pool: HttpPool | None = None):
+                 tokenizer: Any = None, timeout_s: float = 600.0, pool: HttpPool | None = None,
+                 merged_version: str | None = None):
         self.engine_url = engine_url.rstrip("/")
+        self.merged_version = merged_version  # served by the engine's base model (the front's merged_version)
         self.capture = capture
         self.replica = replica
         self.timeout_s = timeout_s
@@ -452,7 +455,7 @@ class ChatCompletions:
         body = req.json()
         chat = parse_chat_request(body, req.headers)
         session_id, headers = self.open_session(chat.session_id, req.headers)
-        engine_model = self.engine_model() if chat.adapter is None else chat.adapter
+        engine_model = self.engine_model() if chat.adapter in (None, self.merged_version) else chat.adapter
         request_id = f"{session_id}-{uuid.uuid4().hex[:12]}"  # unique per call: engines require it
         prompt_ids, prompt_text = self.render(chat)
         payload = json.dumps(chat.engine_body(engine_model, request_id, prompt_ids)).encode()
@@ -619,5 +622,6 @@ def chat_completions(front: Any, req: Request) -> Reply | Stream:
     with _HANDLERS_LOCK:
         handler = _HANDLERS.get(front)
         if handler is None:
-            handler = _HANDLERS[front] = ChatCompletions(front.engine.url, front.capture, front.url)
+            handler = _HANDLERS[front] = ChatCompletions(front.engine.url, front.capture, front.url,
+                                                         merged_version=getattr(front, "merged_version", None))
     return handler(req)

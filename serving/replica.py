@@ -181,8 +181,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shut down when the process that started this one dies (local replicas of a trainer)")
     parser.add_argument("--staging-dir", default=None, help="where sharded adapter uploads are assembled")
     parser.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S)
+    parser.add_argument("--merged-version", default=None,
+                        help="the adapter version merged into --model's weights (serving.adapters.merge_adapter): "
+                             "calls asking for it are served by the model itself and recorded under its name")
     vllm = parser.add_argument_group("vllm")
-    vllm.add_argument("--max-loras", type=int, default=4, help="adapters batched together (vLLM --max-loras)")
+    vllm.add_argument("--max-loras", type=int, default=4, help="adapters batched together (vLLM --max-loras); 0 serves the base model alone, without LoRA layers")
     vllm.add_argument("--max-lora-rank", type=int, default=16)
     vllm.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of the CPU build, whole GiB")
     vllm.add_argument("--max-model-len", type=int, default=None)
@@ -200,7 +203,7 @@ REPLICA_FLAGS = {  # start_engine / LocalFleet settings -> replica flags
     "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank", "kv_cache_gib": "--kv-cache-gib",
     "max_model_len": "--max-model-len", "cpu_cores": "--cpu-cores", "tool_call_parser": "--tool-call-parser",
     "max_running_requests": "--max-running-requests", "max_total_tokens": "--max-total-tokens",
-    "block_size": "--block-size", "torch_threads": "--torch-threads",
+    "block_size": "--block-size", "torch_threads": "--torch-threads", "merged_version": "--merged-version",
 }
 
 
@@ -240,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         # Uploaded adapters are assembled in the replica's own folder unless told otherwise: removed
         # with it on stop, as the engine's sockets are.
         front = serve_front(child.engine, host=args.host, port=args.port,
-                            staging_dir=args.staging_dir or Path(child.cwd) / "adapters")
+                            staging_dir=args.staging_dir or Path(child.cwd) / "adapters", merged_version=args.merged_version)
         if args.adapters_dir:
             newest = newest_adapter(args.adapters_dir)
             if newest is not None:

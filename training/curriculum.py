@@ -202,7 +202,7 @@ def measure_base_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = dict(settings or {})
-    proc, url = start_engine(str(model), out_dir / "engine.log")
+    proc, url = start_engine(str(model), out_dir / "engine.log", max_loras=0)  # the base model alone: no LoRA layers
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
         log(f"base model on {len(tasks)} RL tasks x {attempts} attempts")

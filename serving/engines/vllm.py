@@ -81,19 +81,23 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
     worker process that the engine core feeds through spinning shared-memory queues, and an OpenMP
     pool as wide as the machine: on the embedded default's agent load that halved the replica's CPU
     per generated token (``bench/vllm_cpu_cost.py``, docs/benchmarks.md). Set it False for vLLM's own layout.
+    ``max_loras=0`` serves the base model alone, without vLLM's LoRA layers (``--enable-lora`` off):
+    an engine that never serves an adapter (a base model's evaluation, a merged checkpoint's) does not
+    pay for them on every layer and step; loading an adapter on it is refused by vLLM.
     ``vllm serve`` is not used: the CPU build's package metadata is not named ``vllm``."""
-    if max_loras < 1:
-        raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
+        raise ValueError(f"max_loras must be a whole number >= 0 (0: no adapters, the base model alone), got {max_loras!r}")
     if max_lora_rank not in LORA_RANK_SLOTS:
         raise ValueError(f"max_lora_rank must be one of {LORA_RANK_SLOTS} (vLLM's choices), got {max_lora_rank}; "
                          f"lora_rank_slot({max_lora_rank}) gives the one to use")
     if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
         raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 1 (the CPU build reads an integer), got {kv_cache_gib!r}")
     argv = [python, "-m", "serving.engines.vllm_server", "--model", str(model),
-            "--served-model-name", SERVED_MODEL_NAME, "--enable-lora", "--max-lora-rank", str(max_lora_rank),
-            "--max-loras", str(max_loras), "--enable-prefix-caching", "--block-size", str(block_size),
+            "--served-model-name", SERVED_MODEL_NAME, "--enable-prefix-caching", "--block-size", str(block_size),
             "--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--enable-prompt-tokens-details",
             "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
+    if max_loras:
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras)]
     if max_model_len:
         argv += ["--max-model-len", str(max_model_len)]
     if max_num_seqs:

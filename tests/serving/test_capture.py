@@ -101,6 +101,63 @@ def test_sharded_upload_loads_the_same_adapter(tiny_model, adapters, tmp_path):
         server.shutdown()
 
 
+def test_a_merged_adapter_is_the_adapter_and_the_front_serves_it_under_its_name(tiny_model, adapters, tmp_path):
+    """merge_adapter's model computes what the base with the adapter computes; a front told the
+    version it holds merged answers to that name from the engine's base weights and records it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from serving.adapters import merge_adapter
+    from serving.capture import serve_front, upstream_engine
+
+    merged = merge_adapter(tiny_model, adapters["v000001"], tmp_path / "merged")
+    assert (merged / "tokenizer.json").is_file() or (merged / "tokenizer_config.json").is_file()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(adapters["v000001"]))(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model)(ids).logits
+    assert (got - want).abs().max() < 1e-3 < (base - want).abs().max()  # float32 rounding of one sum
+
+    lora_side = serve(LocalEngine(tiny_model, torch_threads=1), port=0)
+    merged_side = serve(LocalEngine(merged, torch_threads=1), port=0)
+    front = serve_front(upstream_engine("local", merged_side.url), port=0, merged_version="step_000001")
+    try:
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        EngineClient(lora_side.url).load_lora_adapter("v1", str(adapters["v000001"]))
+        a = EngineClient(lora_side.url).generate(PROMPT, params, lora_path="v1")["output_ids"]
+        out = EngineClient(front.url).generate(PROMPT, params, lora_path="step_000001", session_id="m1")
+        assert out["output_ids"] == a and out["meta_info"]["weight_version"] == "step_000001"
+        assert [c["weight_version"] for c in EngineClient(front.url).session("m1")] == ["step_000001"]
+        assert EngineClient(front.url).server_info()["weight_version"] == "step_000001"
+    finally:
+        front.shutdown()
+        merged_side.shutdown()
+        lora_side.shutdown()
+
+
+def test_merge_adapter_refuses_bad_input_and_leaves_nothing_half_written(tiny_model, adapters, tmp_path):
+    import pytest
+
+    from serving.adapters import merge_adapter
+
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        merge_adapter(tiny_model, tmp_path, tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        merge_adapter(tmp_path, adapters["v000001"], tmp_path / "out")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="taken"):
+        merge_adapter(tiny_model, adapters["v000001"], tmp_path / "taken")
+    # A failure while writing removes the temporary copy: no out, no dot-folder beside it.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((Path(adapters["v000001"]) / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(Exception):
+        merge_adapter(tiny_model, broken, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "taken"]
+
+
 def test_volume_publication_and_newest_version(adapters, tmp_path):
     volume = tmp_path / "adapters"
     assert newest_adapter(volume) is None

@@ -89,6 +89,38 @@ def test_a_rollout_finishes_on_its_version_while_new_ones_start_on_the_newest(st
     assert max(abs(a - b) for a, b in zip(wrong, old_calls[0]["output_logprobs"])) > 1e-2
 
 
+def test_a_merged_checkpoint_is_served_without_lora_layers_under_its_version_name(stack, tiny_model, adapters, tmp_path):
+    """How evaluations serve a checkpoint: the adapter merged into the weights, a replica with no LoRA
+    layers (``max_loras=0``) answering to the version's name. It samples what the LoRA replica
+    samples for that adapter, its logprobs are the adapter's, and its records name the version."""
+    from serving.adapters import merge_adapter
+    from serving.fleet import start_engine, stop_replica
+
+    merged = merge_adapter(tiny_model, adapters["v000001"], tmp_path / "merged")
+    greedy = {**PARAMS, "temperature": 0.0}
+    EngineClient(stack["url"]).load_lora_adapter("merge-probe", str(adapters["v000001"]))
+    want = EngineClient(stack["url"]).generate(PROMPT, greedy, lora_path="merge-probe", session_id="lora-side")
+    proc, url = start_engine(str(merged), tmp_path / "merged.log", engine="vllm", max_loras=0,
+                             merged_version="step_000001")
+    try:
+        client = EngineClient(url)
+        assert client.server_info()["weight_version"] == "step_000001"
+        got = client.generate(PROMPT, greedy, lora_path="step_000001", session_id="merged-side", return_logprob=True)
+        assert got["output_ids"] == want["output_ids"]
+        (call,) = client.session("merged-side")
+        assert call["weight_version"] == got["meta_info"]["weight_version"] == "step_000001"
+        recomputed = _recompute(tiny_model, adapters["v000001"], call)
+        assert max(abs(a - b) for a, b in zip(recomputed, call["output_logprobs"])) < 1e-3
+        # The base model's weights are gone from this replica, and no other adapter can be asked for.
+        with pytest.raises(EngineError) as err:
+            client.generate(PROMPT, greedy, lora_path="step_000002", session_id="merged-other")
+        assert err.value.status == 400 and "step_000002" in err.value.message
+        (args,) = [line for line in (tmp_path / "merged.log").read_text().splitlines() if "non-default args" in line]
+        assert "'enable_lora': True" not in args and "'enable_lora': True" in stack["log"].read_text()
+    finally:
+        stop_replica(proc)
+
+
 def test_each_call_of_a_session_has_its_own_request_id(stack):
     client = stack["client"]
     context = list(PROMPT)
@@ -254,6 +286,13 @@ def test_launch_command():
     assert vllm_command("/m", 1)[1]["OMP_NUM_THREADS"] == "1"
     with pytest.raises(ValueError, match="cpu_cores"):
         vllm_command("/m", 1, cpu_cores="first")
+    # max_loras=0: the base model alone, vLLM's LoRA layers off
+    bare = vllm_command("/m", 1, max_loras=0)[0]
+    assert not {"--enable-lora", "--max-loras", "--max-lora-rank"} & set(bare) and "--enable-prefix-caching" in bare
+    assert "--enable-lora" in argv
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_loras"):
+            vllm_command("/m", 1, max_loras=bad)
 
 
 def test_the_cpu_build_serves_with_chunked_prefill_off_through_vllms_own_parser():
