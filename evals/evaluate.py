@@ -217,16 +217,18 @@ def evaluate_checkpoint(
     attempts: int = 8,
     log: Callable[[str], None] | None = None,
     engine_log: str | Path | None = None,
+    merge: bool = True,
     **settings: Any,
 ) -> list[dict[str, Any]]:
     """:func:`evaluate` a checkpoint: ``base_model`` (a Hugging Face folder) with the peft folder
-    ``adapter`` loaded as ``adapter_version`` (none: the base model alone), served by an engine
+    ``adapter`` served as ``adapter_version`` (none: the base model alone), by an engine
     replica process (:func:`serving.fleet.start_engine`: vLLM unless ``POSTTRAIN_ENGINE`` says
     otherwise; its output in ``engine_log``, else a temporary file) for the length of the call.
     ``settings`` are :func:`evaluate`'s other keywords (``max_turns``, ``seed``, ...); the model's
-    end-of-sequence tokens stop each turn, and its context bounds each episode's."""
+    end-of-sequence tokens stop each turn, and its context bounds each episode's. ``merge``: see
+    :func:`served_checkpoint` (the adapter merged into the weights, the default, or LoRA at run time)."""
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
-                           adapter_version=adapter_version) as (url, tokenizer, eos_ids):
+                           adapter_version=adapter_version, merge=merge) as (url, tokenizer, eos_ids):
         if log is not None:
             log(f"evaluating {checkpoint} (adapter {adapter_version}) on {len(tasks)} tasks x {attempts} attempts")
         return evaluate(tasks, HttpClient(url), tokenizer, sandbox_factory, checkpoint=checkpoint,

@@ -393,9 +393,10 @@ def evaluate_harbor_checkpoint(tasks: Sequence[Task], base_model: str | Path, fa
                                record_dir: str | Path | None = None, engine_log: str | Path | None = None,
                                log: Callable[[str], None] | None = None, **episode_kwargs: Any) -> list[dict[str, Any]]:
     """:func:`evaluate_harbor` of a checkpoint with the built-in agent loop: ``base_model`` (a Hugging
-    Face folder) with the peft folder ``adapter`` loaded as ``adapter_version`` (none: the base model
-    alone), served by an engine replica process for the length of the call
-    (:func:`evals.evaluate.served_model`: vLLM unless ``POSTTRAIN_ENGINE`` says otherwise). The
+    Face folder) with the peft folder ``adapter`` served as ``adapter_version`` (none: the base model
+    alone), by an engine replica process for the length of the call
+    (:func:`evals.evaluate.served_checkpoint`: the adapter merged into the weights; vLLM unless
+    ``POSTTRAIN_ENGINE`` says otherwise). The
     model's end-of-sequence tokens stop each turn, and its context (:func:`evals.harness.episode_context`)
     bounds each episode's; ``episode_kwargs`` go to the episodes (``max_turns``, ``max_new_tokens``,
     ``temperature``, ``seed``, ``action_format``, ...). The ``deepswe_eval`` asset calls this on a
