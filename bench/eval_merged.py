@@ -16,7 +16,6 @@ minutes on 2 cores; run nothing else meanwhile.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pandas as pd  # noqa: E402
 
+from bench.eval_turns import finished_run  # noqa: E402
 from bench.loop_profile import machine_busy_s  # noqa: E402
 from dagster_project.demo import DEMO_EVAL  # noqa: E402
-from evals.evaluate import evaluate_checkpoint, load_eval_tasks  # noqa: E402
+from evals.evaluate import evaluate_checkpoint  # noqa: E402
 from evals.sandbox import platform_sandbox_factory  # noqa: E402
 
 
@@ -38,12 +38,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="times each way is measured, alternating")
     args = parser.parse_args()
 
-    run_dir = args.home / "runs" / args.run
-    if not (run_dir / "trainer-config.json").is_file():
-        raise SystemExit(f"{run_dir}/trainer-config.json: not found; --home must be a finished demo's home")
-    cfg = json.loads((run_dir / "trainer-config.json").read_text())
-    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    tasks = load_eval_tasks("bundled", "eval", bundled_dir=args.home / "datasets" / "bundled")
+    cfg, final, tasks = finished_run(args.home, args.run)
     print(f"{args.run}-{final.name} on {len(tasks)} held-out tasks x {DEMO_EVAL['attempts']} attempts, "
           f"{DEMO_EVAL['max_turns']} turns, {DEMO_EVAL['workers']} workers", flush=True)
     results: dict[str, list[dict[str, float]]] = {"LoRA at run time": [], "merged": []}

@@ -27,6 +27,17 @@ from evals.report import base_checkpoint, headlines  # noqa: E402
 from evals.sandbox import platform_sandbox_factory  # noqa: E402
 
 
+def finished_run(home: Path, run: str) -> tuple[dict, Path, list]:
+    """A finished demo home's run: its trainer config, its final checkpoint's folder, and the home's
+    held-out tasks; exits naming the file when ``home`` is not one."""
+    run_dir = home / "runs" / run
+    if not (run_dir / "trainer-config.json").is_file():
+        raise SystemExit(f"{run_dir}/trainer-config.json: not found; --home must be a finished demo's home")
+    cfg = json.loads((run_dir / "trainer-config.json").read_text())
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return cfg, final, load_eval_tasks("bundled", "eval", bundled_dir=home / "datasets" / "bundled")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--home", required=True, type=Path, help="a finished demo's home (posttrain demo --home DIR)")
@@ -34,12 +45,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, required=True, help="model turns per episode")
     args = parser.parse_args()
 
-    run_dir = args.home / "runs" / args.run
-    if not (run_dir / "trainer-config.json").is_file():
-        raise SystemExit(f"{run_dir}/trainer-config.json: not found; --home must be a finished demo's home")
-    cfg = json.loads((run_dir / "trainer-config.json").read_text())
-    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    tasks = load_eval_tasks("bundled", "eval", bundled_dir=args.home / "datasets" / "bundled")
+    cfg, final, tasks = finished_run(args.home, args.run)
     key = f"{args.run}-{final.name}"
     frames = {}
     for name, adapter, version in ((base_checkpoint(key), None, None), (key, final / "adapter", final.name)):

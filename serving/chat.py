@@ -455,6 +455,9 @@ class ChatCompletions:
         body = req.json()
         chat = parse_chat_request(body, req.headers)
         session_id, headers = self.open_session(chat.session_id, req.headers)
+        if self.merged_version is not None and chat.adapter is None:
+            raise BadRequest(f"model: this replica serves {self.merged_version!r} merged into its weights, not "
+                             f"{BASE_MODEL!r}: ask for {self.merged_version!r}")
         engine_model = self.engine_model() if chat.adapter in (None, self.merged_version) else chat.adapter
         request_id = f"{session_id}-{uuid.uuid4().hex[:12]}"  # unique per call: engines require it
         prompt_ids, prompt_text = self.render(chat)

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from serving.adapters import newest_adapter, publish_to_volume, push_adapter
@@ -130,6 +131,10 @@ def test_a_merged_adapter_is_the_adapter_and_the_front_serves_it_under_its_name(
         assert out["output_ids"] == a and out["meta_info"]["weight_version"] == "step_000001"
         assert [c["weight_version"] for c in EngineClient(front.url).session("m1")] == ["step_000001"]
         assert EngineClient(front.url).server_info()["weight_version"] == "step_000001"
+        # The base model is not what this replica serves: a call for it is refused, not mislabelled.
+        with pytest.raises(EngineError) as err:
+            EngineClient(front.url).generate(PROMPT, params, session_id="m2")
+        assert err.value.status == 400 and "step_000001" in err.value.message
     finally:
         front.shutdown()
         merged_side.shutdown()
@@ -137,8 +142,6 @@ def test_a_merged_adapter_is_the_adapter_and_the_front_serves_it_under_its_name(
 
 
 def test_merge_adapter_refuses_bad_input_and_leaves_nothing_half_written(tiny_model, adapters, tmp_path):
-    import pytest
-
     from serving.adapters import merge_adapter
 
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):

@@ -292,3 +292,31 @@ def test_engine_refusals_pass_through_with_their_status(stack):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=60)
     assert info.value.code == 400 and "step_999999" in json.loads(info.value.read())["error"]
+
+
+def test_a_merged_checkpoint_answers_chat_under_its_version_and_refuses_the_base(stack, tmp_path):
+    """A replica serving the adapter merged into the weights (how evaluations serve a checkpoint)
+    answers a scaffold's chat calls for the version as the LoRA replica does, records them under the
+    version, and refuses a call for the base model it no longer holds."""
+    from serving.adapters import merge_adapter
+    from serving.fleet import start_engine
+
+    merged = merge_adapter(stack["model_dir"], stack["adapter_dir"], tmp_path / "merged")
+    body = {"model": ADAPTER, "messages": SCRIPT[:2], "tools": [BASH], "temperature": 0, "max_tokens": 120}
+    want, _ = chat(stack["front"], body)
+    proc, url = start_engine(str(merged), tmp_path / "replica.log", engine="vllm", tool_call_parser="hermes",
+                             max_loras=0, merged_version=ADAPTER)
+    try:
+        got, sid = chat(url, body)
+        def said(answer):
+            message = answer["choices"][0]["message"]
+            return message.get("content"), [(c["function"]["name"], c["function"]["arguments"])
+                                            for c in message.get("tool_calls") or []]
+        assert said(got) == said(want) and said(got)[1] and got["model"] == ADAPTER
+        (call,) = fetch_session(url, sid)
+        assert call["lora_path"] == call["weight_version"] == ADAPTER
+        with pytest.raises(urllib.error.HTTPError) as info:
+            chat(url, {**body, "model": "base"})
+        assert info.value.code == 400 and ADAPTER in json.loads(info.value.read())["error"]
+    finally:
+        stop_replica(proc)
