@@ -246,8 +246,9 @@ def served_checkpoint(base_model: str | Path, engine_log: str | Path | None = No
     ``merge`` (the default) writes the adapter into a copy of the base's weights
     (:func:`serving.adapters.merge_adapter`, beside ``engine_log``, removed after the block) and serves
     that with no LoRA layers (``max_loras=0``; the replica answers to ``adapter_version`` for it). A
-    checkpoint's evaluation serves one adapter only, and LoRA applied at run time cost 1.6x the CPU per
-    generated token on the embedded default (``bench/vllm_cpu_cost.py``, docs/benchmarks.md).
+    checkpoint's evaluation serves one adapter only, and LoRA applied at run time cost about 1.5x the
+    engine's CPU per generated token on the embedded default, a whole evaluation 1.2x its wall and CPU
+    (``bench/vllm_cpu_cost.py``, ``bench/eval_merged.py``; docs/benchmarks.md).
     ``merge=False`` loads the adapter on a LoRA replica instead, its rank slot sized from the adapter.
     Yields what :func:`served_model` yields."""
     if adapter is not None and not adapter_version:
