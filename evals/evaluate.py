@@ -264,7 +264,7 @@ def served_checkpoint(base_model: str | Path, engine_log: str | Path | None = No
         if scratch is not None:
             scratch.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="posttrain-merged-", dir=scratch) as tmp:
-            merged = merge_adapter(base_model, adapter, Path(tmp) / str(adapter_version))
+            merged = merge_adapter(base_model, adapter, Path(tmp) / "model")
             with served_model(merged, engine_log, what=what, merged_version=adapter_version, **engine_settings) as served:
                 yield served
     else:
