@@ -36,15 +36,14 @@ from serving.engines.vllm_server import LORA_OPS_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
 from serving.tiny import build_tiny_lora_adapter, build_tiny_model  # noqa: E402
 
+MERGED = "merged adapter, no LoRA layers, in-process worker"  # served as one model, max_loras=0
 SETTINGS: dict[str, dict[str, str]] = {
     "vLLM's LoRA ops, worker process": {LORA_OPS_ENV: "vllm"},
     "grouped LoRA, worker process": {LORA_OPS_ENV: "grouped"},
     "grouped LoRA, in-process worker": {LORA_OPS_ENV: "grouped", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                         "OMP_NUM_THREADS": "1"},
-    "merged adapter, no LoRA layers, in-process worker": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                                          "OMP_NUM_THREADS": "1"},
+    MERGED: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
 }
-MERGED = "merged adapter, no LoRA layers, in-process worker"  # served as one model, max_loras=0
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -128,8 +127,8 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {}
     for rnd in range(args.rounds):  # settings alternate, so that load from elsewhere falls on all of them
         for name, env in settings.items():
-            r = (one_setting(str(merged), None, env, args, root / f"{rnd}-{len(results)}.log") if name == MERGED
-                 else one_setting(model, adapter, env, args, root / f"{rnd}-{len(results)}.log"))
+            served, loaded = (str(merged), None) if name == MERGED else (model, adapter)
+            r = one_setting(served, loaded, env, args, root / f"{rnd}-{len(results)}.log")
             print(f"round {rnd} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
             best = results.get(name)
             if best is None or r["CPU ms per generated token"] < best["CPU ms per generated token"]:

@@ -45,8 +45,8 @@ from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
 from serving.http import (EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, check_generate_sessions,
                           session_routes)
-from serving.protocol import (BASE_WEIGHT_VERSION, BadRequest, GenerateRequest, parse_adapter_load, parse_adapter_name,
-                              parse_generate, render_metrics)
+from serving.protocol import (BASE_WEIGHT_VERSION, GenerateRequest, engine_adapter, parse_adapter_load,
+                              parse_adapter_name, parse_generate, render_metrics)
 
 
 def sglang_metrics(m: EngineMetrics) -> dict[str, float]:
@@ -103,13 +103,10 @@ class CaptureFront(JsonServer):
         """Run one call on the engine, record it, and answer in SGLang's ``/generate`` shape."""
         if request.lora_path is not None and request.lora_path == BASE_WEIGHT_VERSION:
             request.lora_path = None
+        adapter = engine_adapter(request.lora_path, self.merged_version, "lora_path")
         request_id = self.request_id(request.rid)
         started_at = time.time()
         t0 = time.perf_counter()
-        if self.merged_version is not None and request.lora_path is None:
-            raise BadRequest(f"this replica serves adapter version {self.merged_version!r} merged into its weights, "
-                             "not the base model: ask for that version")
-        adapter = None if request.lora_path == self.merged_version else request.lora_path
         gen = self.engine.generate(request.input_ids, request.sampling_params, adapter=adapter, request_id=request_id)
         latency_s = time.perf_counter() - t0
         meta: dict[str, Any] = {

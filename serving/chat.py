@@ -62,7 +62,7 @@ from serving.capture_store import SESSION_HEADER, SESSION_KEY_HEADER, CaptureSto
 from serving.chat_template import render_chat
 from serving.client import HttpPool
 from serving.http import HttpError, Reply, Request, Stream, check_session_access
-from serving.protocol import BadRequest
+from serving.protocol import BadRequest, engine_adapter
 
 BASE_MODEL = "base"
 ROLES = ("system", "user", "assistant", "tool")
@@ -455,10 +455,8 @@ class ChatCompletions:
         body = req.json()
         chat = parse_chat_request(body, req.headers)
         session_id, headers = self.open_session(chat.session_id, req.headers)
-        if self.merged_version is not None and chat.adapter is None:
-            raise BadRequest(f"model: this replica serves {self.merged_version!r} merged into its weights, not "
-                             f"{BASE_MODEL!r}: ask for {self.merged_version!r}")
-        engine_model = self.engine_model() if chat.adapter in (None, self.merged_version) else chat.adapter
+        adapter = engine_adapter(chat.adapter, self.merged_version, "model")
+        engine_model = self.engine_model() if adapter is None else adapter
         request_id = f"{session_id}-{uuid.uuid4().hex[:12]}"  # unique per call: engines require it
         prompt_ids, prompt_text = self.render(chat)
         payload = json.dumps(chat.engine_body(engine_model, request_id, prompt_ids)).encode()
@@ -621,10 +619,11 @@ _HANDLERS_LOCK = threading.Lock()
 
 def chat_completions(front: Any, req: Request) -> Reply | Stream:
     """The route as a replica's capture front mounts it: ``front.engine.url`` is the engine's own
-    server, ``front.capture`` its capture store, ``front.url`` the replica's name in the records."""
+    server, ``front.capture`` its capture store, ``front.url`` the replica's name in the records,
+    ``front.merged_version`` the adapter version merged into the engine's weights (None: none)."""
     with _HANDLERS_LOCK:
         handler = _HANDLERS.get(front)
         if handler is None:
             handler = _HANDLERS[front] = ChatCompletions(front.engine.url, front.capture, front.url,
-                                                         merged_version=getattr(front, "merged_version", None))
+                                                         merged_version=front.merged_version)
     return handler(req)

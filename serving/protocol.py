@@ -19,6 +19,19 @@ class BadRequest(ValueError):
     """Invalid input from a caller; the HTTP layer answers 400 with this message."""
 
 
+def engine_adapter(requested: str | None, merged_version: str | None, field: str) -> str | None:
+    """The adapter the engine is asked for when a call names ``requested`` (None: the base model) on
+    a replica whose weights have ``merged_version`` merged in (None: plain base weights): that version
+    is the engine's own weights, and the base model is not served there, so asking for it is a
+    ``BadRequest`` naming ``field`` rather than an answer from the checkpoint's weights."""
+    if merged_version is None:
+        return requested
+    if requested is None:
+        raise BadRequest(f"{field}: this replica serves adapter version {merged_version!r} merged into its "
+                         f"weights, not the base model: ask for {merged_version!r}")
+    return None if requested == merged_version else requested
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128

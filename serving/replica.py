@@ -185,7 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the adapter version merged into --model's weights (serving.adapters.merge_adapter): "
                              "calls asking for it are served by the model itself and recorded under its name")
     vllm = parser.add_argument_group("vllm")
-    vllm.add_argument("--max-loras", type=int, default=4, help="adapters batched together (vLLM --max-loras); 0 serves the base model alone, without LoRA layers")
+    vllm.add_argument("--max-loras", type=int, default=4,
+                      help="adapters batched together (vLLM --max-loras); 0 serves the model alone, without LoRA layers")
     vllm.add_argument("--max-lora-rank", type=int, default=16)
     vllm.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of the CPU build, whole GiB")
     vllm.add_argument("--max-model-len", type=int, default=None)
