@@ -62,6 +62,11 @@ class BaseModelSpec:
     # 32.8% of 180 held-out tasks against 37.5% for random batches (docs/benchmarks.md, "Base model:
     # length-bucketed SFT batches"), so the default stays random.
     length_pool: int = 1
+    # Each batch's examples computed in micro-batches of similar length (:func:`micro_batches`), their
+    # gradients summed into the batch's: the same step as the padded batch (to float rounding), with
+    # fewer padded positions computed. Random batches of 16 are half padding; the build took 0.51x as
+    # long in micro-batches (docs/benchmarks.md, "Base model: length-bucketed SFT batches").
+    micro_batches: bool = True
     augment_copies: int = 4  # renamed variants per demonstration
     # Variants also rename the module file, so file names must be copied from the prompt rather than
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
@@ -128,8 +133,9 @@ def sft_examples(tokenizer, demos: Sequence[tuple[str, Any]]) -> list[tuple[list
     return out
 
 
-def masked_lm_loss(model, ids, mask):
-    """Mean next-token loss of a right-padded batch on the positions ``mask`` marks.
+def masked_lm_loss(model, ids, mask, denominator=None):
+    """Mean next-token loss of a right-padded batch on the positions ``mask`` marks (the sum of their
+    losses divided by ``denominator`` where given: a micro-batch's share of its batch's mean).
 
     No attention mask is passed: the padding is on the right, so under the causal mask no real
     position sees it, and the loss mask drops the padded positions. Loss and gradients are those of
@@ -138,7 +144,40 @@ def masked_lm_loss(model, ids, mask):
     """
     logits = model(input_ids=ids).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
-    return (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+    return (nll * mask[:, 1:].reshape(-1)).sum() / (mask[:, 1:].sum() if denominator is None else denominator)
+
+
+# A micro-batch's fixed cost in padded positions: the per-operation work of a forward and backward
+# of the embedded base model on the CPU, about what 250 more positions cost (at 250, random batches
+# of 16 of the demo's examples split into 3.4 micro-batches on average and stepped fastest of the
+# splits tried: fixed sizes 2, 4, 8, 16 and this cost at 250 to 2000).
+MICRO_BATCH_COST = 250
+
+
+def micro_batches(lengths: Sequence[int], cost: int = MICRO_BATCH_COST) -> list[list[int]]:
+    """Indices of ``lengths`` cut into micro-batches: sorted by length and cut so that the positions
+    computed (each micro-batch padded to its longest) plus ``cost`` per micro-batch are fewest (exact,
+    by dynamic programming over the sorted lengths). Every index appears once."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        for start in range(end):
+            work = best[start] + (end - start) * lengths[order[end - 1]] + cost
+            if work < best[end]:
+                best[end], cut[end] = work, start
+    parts, end = [], len(order)
+    while end:
+        parts.append(order[cut[end]:end])
+        end = cut[end]
+    return parts[::-1]
+
+
+def _padded(examples: Sequence[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and loss mask of ``examples``, right-padded to the longest."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in examples], device=device)
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in examples], dtype=torch.float32, device=device)
+    return ids, mask
 
 
 def length_bucketed_batches(examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
@@ -159,6 +198,21 @@ def length_bucketed_batches(examples: list[tuple[list[int], list[int]]], spec: B
         yield from cut
 
 
+def batch_backward(model, batch: Sequence[tuple[list[int], list[int]]], micro: bool = True,
+                   cost: int = MICRO_BATCH_COST) -> float:
+    """Adds to ``model``'s gradients those of ``batch``'s mean loss over its action tokens, computed
+    in :func:`micro_batches` (``micro``, at ``cost``) or padded to its longest example; returns that loss."""
+    parts = micro_batches([len(ids) for ids, _ in batch], cost) if micro else [list(range(len(batch)))]
+    tokens = sum(sum(mask[1:]) for _, mask in batch)
+    loss = 0.0
+    for part in parts:
+        ids, mask = _padded([batch[i] for i in part], model.device)
+        share = masked_lm_loss(model, ids, mask, denominator=tokens)  # this micro-batch's share of the mean
+        share.backward()
+        loss += float(share.detach())
+    return loss
+
+
 def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec, log_every: int = 25) -> list[dict]:
     """Supervised steps on the action tokens; returns the loss curve."""
     rng = random.Random(spec.seed)
@@ -170,19 +224,14 @@ def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
     model.train()
     batches = length_bucketed_batches(examples, spec, rng)
     for step in range(1, spec.sft_steps + 1):
-        idx = next(batches)
-        width = max(len(examples[i][0]) for i in idx)
-        ids = torch.tensor([examples[i][0] + [0] * (width - len(examples[i][0])) for i in idx], device=model.device)
-        mask = torch.tensor([examples[i][1] + [0] * (width - len(examples[i][1])) for i in idx], dtype=torch.float32, device=model.device)
-        loss = masked_lm_loss(model, ids, mask)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = batch_backward(model, [examples[i] for i in next(batches)], spec.micro_batches)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         if step % log_every == 0 or step == spec.sft_steps:
-            curve.append({"step": step, "loss": float(loss.detach())})
-            print(f"sft step {step}/{spec.sft_steps} loss {float(loss.detach()):.4f}", flush=True)
+            curve.append({"step": step, "loss": loss})
+            print(f"sft step {step}/{spec.sft_steps} loss {loss:.4f}", flush=True)
     model.eval()
     return curve
 
@@ -283,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--length-pool", type=int, default=BaseModelSpec.length_pool,
                         help="batches are cut from this many batches' worth of examples sorted by length; 1: random "
                              "batches (default %(default)s)")
+    parser.add_argument("--no-micro-batches", dest="micro_batches", action="store_false",
+                        help="compute each batch padded to its longest example, not in micro-batches of similar length")
     parser.add_argument("--augment-copies", type=int, default=BaseModelSpec.augment_copies,
                         help="renamed variants per demonstration (default %(default)s)")
     parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too")
@@ -297,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     tasks = demonstration_tasks(read_suite(args.tasks))
     spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, length_pool=args.length_pool,
-                         augment_copies=args.augment_copies,
+                         micro_batches=args.micro_batches, augment_copies=args.augment_copies,
                          rename_modules=args.rename_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)
     print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))
