@@ -2,8 +2,9 @@
 micro-batches of similar length (the default), and optionally length-bucketed batches, in one run.
 
 Builds the embedded base model from the same suite's demonstrations, in one process, one build after
-the other: random batches padded whole (``micro_batches=False``, the baseline), the same random
-batches in micro-batches (``training.base_model.micro_batches``: the same steps to float rounding),
+the other: random batches padded whole (``micro_batch_tokens=0``, the baseline), the same random
+batches in micro-batches of similar length (the default ``micro_batch_tokens``: the same steps to
+float rounding),
 and with ``--pool N`` batches cut from N batches' worth of examples sorted by length. Prints each
 build's seconds (``build.json``'s ``build_s``), its last SFT loss and its loss on the demonstrations
 after reloading, and each build's time as a ratio of the baseline's. Held-out accuracy is not
@@ -38,8 +39,8 @@ def main() -> int:
     tasks = demonstration_tasks(read_suite(args.tasks))
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    builds = {"random batches, padded": BaseModelSpec(micro_batches=False),
-              "random batches, micro-batches": BaseModelSpec(micro_batches=True)}
+    builds = {"random batches, padded": BaseModelSpec(micro_batch_tokens=0),
+              "random batches, micro-batches": BaseModelSpec()}
     if args.pool > 1:
         builds[f"length_pool {args.pool}, micro-batches"] = BaseModelSpec(length_pool=args.pool)
     baseline_s = None

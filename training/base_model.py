@@ -35,6 +35,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from training.backends.batch import micro_batches
 from training.demonstrations import ANSWER, OBSERVATION, augment, demonstrations, segments, styled
 
 # End of text, and ChatML's turn markers: the model folder carries a chat template
@@ -62,11 +63,13 @@ class BaseModelSpec:
     # 32.8% of 180 held-out tasks against 37.5% for random batches (docs/benchmarks.md, "Base model:
     # length-bucketed SFT batches"), so the default stays random.
     length_pool: int = 1
-    # Each batch's examples computed in micro-batches of similar length (:func:`micro_batches`), their
+    # Each batch's examples computed in micro-batches of similar length, at most this many padded
+    # positions each (the trainer's rule, :func:`training.backends.batch.micro_batches`), their
     # gradients summed into the batch's: the same step as the padded batch (to float rounding), with
-    # fewer padded positions computed. Random batches of 16 are half padding; the build took 0.51x as
-    # long in micro-batches (docs/benchmarks.md, "Base model: length-bucketed SFT batches").
-    micro_batches: bool = True
+    # fewer padded positions computed. 0: the batch padded whole. Random batches of 16 are half
+    # padding; the build took 0.54x as long in micro-batches (docs/benchmarks.md, "Base model:
+    # length-bucketed SFT batches").
+    micro_batch_tokens: int = 1024
     augment_copies: int = 4  # renamed variants per demonstration
     # Variants also rename the module file, so file names must be copied from the prompt rather than
     # recalled: better held-out accuracy, but only with far more SFT than the CPU demo affords
@@ -147,31 +150,6 @@ def masked_lm_loss(model, ids, mask, denominator=None):
     return (nll * mask[:, 1:].reshape(-1)).sum() / (mask[:, 1:].sum() if denominator is None else denominator)
 
 
-# A micro-batch's fixed cost in padded positions: the per-operation work of a forward and backward
-# of the embedded base model on the CPU, about what 250 more positions cost (at 250, random batches
-# of 16 of the demo's examples split into 3.4 micro-batches on average and stepped fastest of the
-# splits tried: fixed sizes 2, 4, 8, 16 and this cost at 250 to 2000).
-MICRO_BATCH_COST = 250
-
-
-def micro_batches(lengths: Sequence[int], cost: int = MICRO_BATCH_COST) -> list[list[int]]:
-    """Indices of ``lengths`` cut into micro-batches: sorted by length and cut so that the positions
-    computed (each micro-batch padded to its longest) plus ``cost`` per micro-batch are fewest (exact,
-    by dynamic programming over the sorted lengths). Every index appears once."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
-        for start in range(end):
-            work = best[start] + (end - start) * lengths[order[end - 1]] + cost
-            if work < best[end]:
-                best[end], cut[end] = work, start
-    parts, end = [], len(order)
-    while end:
-        parts.append(order[cut[end]:end])
-        end = cut[end]
-    return parts[::-1]
-
-
 def _padded(examples: Sequence[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and loss mask of ``examples``, right-padded to the longest."""
     width = max(len(ids) for ids, _ in examples)
@@ -198,11 +176,12 @@ def length_bucketed_batches(examples: list[tuple[list[int], list[int]]], spec: B
         yield from cut
 
 
-def batch_backward(model, batch: Sequence[tuple[list[int], list[int]]], micro: bool = True,
-                   cost: int = MICRO_BATCH_COST) -> float:
-    """Adds to ``model``'s gradients those of ``batch``'s mean loss over its action tokens, computed
-    in :func:`micro_batches` (``micro``, at ``cost``) or padded to its longest example; returns that loss."""
-    parts = micro_batches([len(ids) for ids, _ in batch], cost) if micro else [list(range(len(batch)))]
+def batch_backward(model, batch: Sequence[tuple[list[int], list[int]]], micro_batch_tokens: int) -> float:
+    """Adds to ``model``'s gradients those of ``batch``'s mean loss over its action tokens, computed in
+    micro-batches of at most ``micro_batch_tokens`` padded positions (0: the batch padded whole);
+    returns that loss."""
+    parts = (micro_batches([ids for ids, _ in batch], micro_batch_tokens) if micro_batch_tokens > 0
+             else [list(range(len(batch)))])
     tokens = sum(sum(mask[1:]) for _, mask in batch)
     loss = 0.0
     for part in parts:
@@ -225,7 +204,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
     batches = length_bucketed_batches(examples, spec, rng)
     for step in range(1, spec.sft_steps + 1):
         opt.zero_grad(set_to_none=True)
-        loss = batch_backward(model, [examples[i] for i in next(batches)], spec.micro_batches)
+        loss = batch_backward(model, [examples[i] for i in next(batches)], spec.micro_batch_tokens)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -332,8 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--length-pool", type=int, default=BaseModelSpec.length_pool,
                         help="batches are cut from this many batches' worth of examples sorted by length; 1: random "
                              "batches (default %(default)s)")
-    parser.add_argument("--no-micro-batches", dest="micro_batches", action="store_false",
-                        help="compute each batch padded to its longest example, not in micro-batches of similar length")
+    parser.add_argument("--micro-batch-tokens", type=int, default=BaseModelSpec.micro_batch_tokens,
+                        help="each batch computed in micro-batches of similar length, at most this many padded "
+                             "positions each; 0: the batch padded whole (default %(default)s)")
     parser.add_argument("--augment-copies", type=int, default=BaseModelSpec.augment_copies,
                         help="renamed variants per demonstration (default %(default)s)")
     parser.add_argument("--rename-modules", action="store_true", help="variants rename the module file too")
@@ -348,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     tasks = demonstration_tasks(read_suite(args.tasks))
     spec = BaseModelSpec(sft_steps=args.sft_steps, batch_size=args.batch_size, length_pool=args.length_pool,
-                         micro_batches=args.micro_batches, augment_copies=args.augment_copies,
+                         micro_batch_tokens=args.micro_batch_tokens, augment_copies=args.augment_copies,
                          rename_modules=args.rename_modules, seed=args.seed, verify_share=args.verify_share, retry_share=args.retry_share)
     path = build_base_model(args.out, tasks, spec, device=args.device)
     print(json.dumps({k: v for k, v in json.loads((path / "build.json").read_text()).items() if k != "sft_curve"}))

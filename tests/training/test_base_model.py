@@ -205,35 +205,12 @@ def test_the_sft_loss_without_an_attention_mask_is_the_padded_masks() -> None:
         assert torch.allclose(got, expected, atol=1e-6)
 
 
-def test_micro_batches_take_every_example_once_and_minimize_padded_work() -> None:
-    import itertools
-
-    from training.base_model import micro_batches
-
-    rng = random.Random(5)
-    for _ in range(20):
-        lengths = [rng.randint(5, 700) for _ in range(rng.randint(1, 9))]
-        parts = micro_batches(lengths, cost=250)
-        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
-        assert all(lengths[a] <= lengths[b] for p in parts for a, b in zip(p, p[1:]))
-
-        def work(cut: list[list[int]]) -> int:
-            return sum(len(p) * max(lengths[i] for i in p) + 250 for p in cut)
-
-        # no split of the sorted order into consecutive runs computes fewer positions
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        splits = [[order[a:b] for a, b in zip((0, *ends), (*ends, len(order)))]
-                  for k in range(len(order)) for ends in itertools.combinations(range(1, len(order)), k)]
-        assert work(parts) == min(work(c) for c in splits)
-    assert micro_batches([700, 10, 12, 690], cost=250) == [[1, 2], [3, 0]]
-    assert micro_batches([700, 10], cost=10_000) == [[1, 0]]
-
-
 def test_a_batch_in_micro_batches_has_the_padded_batchs_loss_and_gradients() -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from training.base_model import batch_backward, micro_batches
+    from training.backends.batch import micro_batches
+    from training.base_model import batch_backward
 
     rng = random.Random(0)
     batch = []
@@ -246,13 +223,13 @@ def test_a_batch_in_micro_batches_has_the_padded_batchs_loss_and_gradients() -> 
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
         num_key_value_heads=1, max_position_embeddings=64))
     got = {}
-    for micro in (False, True):
+    for micro_batch_tokens in (0, 64):
         model.zero_grad(set_to_none=True)
-        loss = batch_backward(model, batch, micro, cost=4)
-        got[micro] = loss, [p.grad.clone() for p in model.parameters()]
-    assert len(micro_batches([len(ids) for ids, _ in batch], 4)) > 2
-    assert got[True][0] == pytest.approx(got[False][0], abs=1e-6)
-    for micro_grad, padded_grad in zip(got[True][1], got[False][1]):
+        loss = batch_backward(model, batch, micro_batch_tokens)
+        got[micro_batch_tokens] = loss, [p.grad.clone() for p in model.parameters()]
+    assert len(micro_batches([ids for ids, _ in batch], 64)) > 2
+    assert got[64][0] == pytest.approx(got[0][0], abs=1e-6)
+    for micro_grad, padded_grad in zip(got[64][1], got[0][1]):
         assert torch.allclose(micro_grad, padded_grad, atol=1e-6)
 
 
