@@ -132,7 +132,8 @@ def deepswe_eval(
 ) -> dg.MaterializeResult:
     """DeepSWE-style evaluation of one checkpoint on the held-out tasks: several attempts per task,
     only committed work graded, per-attempt rows (reward, f2p, p2p, partial, target scores) in Parquet,
-    one file per eval run (``evals/deepswe/<checkpoint>/<run_id>.parquet``), so repeats are kept.
+    one file per eval run (``evals/deepswe/<checkpoint>/<run_id>.parquet``, the engine's output beside
+    it in ``<run_id>.engine.log``), so repeats are kept.
     The checkpoint's base model (and adapter, if any) is served by a local engine; episodes run in
     sandboxes; attempts lost to sandbox failures are retried, never scored. A failed run is retried
     (2 more tries, 30 s then 60 s later), and the checkpoint sensor asks again after a run that failed
@@ -142,9 +143,11 @@ def deepswe_eval(
     (transcript, tests, diff) in the trajectory viewer."""
     key = context.partition_key
     policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
+    engine_log = None
     if is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
         tasks, rows = harbor_eval_rows(context, config, storage, policy)
     else:
+        engine_log = eval_rows_path(storage, key, context.run_id).with_suffix(".engine.log")
         tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split),
                                              bundled_dir=storage.datasets_dir() / "bundled"),
                              config.task_ids, config.dataset)
@@ -152,7 +155,7 @@ def deepswe_eval(
             tasks, policy.base_model, platform_sandbox_factory(config.sandbox_runtime), checkpoint=key,
             adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
             max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-            seed=config.seed, workers=config.workers, log=context.log.info,
+            seed=config.seed, workers=config.workers, log=context.log.info, engine_log=engine_log,
         )
     path = write_rows(rows, eval_rows_path(storage, key, context.run_id))
 
@@ -160,6 +163,7 @@ def deepswe_eval(
     summary = run_summary(frame, config.attempts)
     metadata = {
         "path": dg.MetadataValue.path(str(path)),
+        **({"engine_log": dg.MetadataValue.path(str(engine_log))} if engine_log else {}),
         "run_id": context.run_id,
         "tasks": len(tasks),
         **summary,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,9 +281,9 @@ def served_model(base_model: str | Path, engine_log: str | Path | None = None, *
                  **engine_settings: Any) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
     """``base_model`` (a Hugging Face folder) served by an engine replica process for the length of
     the block (:func:`serving.fleet.start_engine`: vLLM unless ``POSTTRAIN_ENGINE`` says otherwise;
-    its output in ``engine_log``, else a temporary file): yields the replica's URL, the model's
-    tokenizer and its end-of-sequence token ids. ``engine_settings`` go to the replica
-    (``max_lora_rank``, ``tool_call_parser``, ...)."""
+    its output in ``engine_log``, else a temporary file, removed after a block that ended without an
+    error): yields the replica's URL, the model's tokenizer and its end-of-sequence token ids.
+    ``engine_settings`` go to the replica (``max_lora_rank``, ``tool_call_parser``, ...)."""
     from transformers import AutoConfig, AutoTokenizer  # heavy: only serving a model needs it
 
     try:
@@ -291,10 +292,14 @@ def served_model(base_model: str | Path, engine_log: str | Path | None = None, *
         raise FileNotFoundError(f"{what}: base model {base_model} has no tokenizer: {exc}") from None
     eos = AutoConfig.from_pretrained(str(base_model)).eos_token_id
     eos_ids = tuple(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])))
+    scratch = None
     if engine_log is None:
-        engine_log = Path(tempfile.mkdtemp(prefix="posttrain-eval-")) / "engine.log"
+        scratch = Path(tempfile.mkdtemp(prefix="posttrain-eval-"))
+        engine_log = scratch / "engine.log"
     proc, url = start_engine(str(base_model), Path(engine_log), **engine_settings)
     try:
         yield url, tokenizer, eos_ids
     finally:
         stop_replica(proc)
+    if scratch is not None:  # kept where anything failed (a failed start names the log in its error)
+        shutil.rmtree(scratch, ignore_errors=True)

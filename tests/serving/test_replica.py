@@ -142,3 +142,22 @@ def test_sigterms_in_a_row_stop_a_replica_cleanly(tiny_model):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_model_served_without_a_log_path_leaves_its_log_only_where_something_failed(tiny_model, tmp_path, monkeypatch):
+    """evals.evaluate.served_model with no engine_log writes the replica's output in a temporary
+    folder: removed after a block that ended cleanly, kept after one that raised."""
+    import tempfile
+
+    from evals.evaluate import served_model
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with served_model(tiny_model, engine="local") as (url, _tokenizer, _eos):
+        [log] = tmp_path.glob("posttrain-eval-*/engine.log")
+        assert EngineClient(url).health()
+    assert not log.exists() and not list(tmp_path.glob("posttrain-eval-*"))
+    with pytest.raises(RuntimeError, match="the block failed"):
+        with served_model(tiny_model, engine="local"):
+            raise RuntimeError("the block failed")
+    [kept] = tmp_path.glob("posttrain-eval-*/engine.log")
+    assert kept.stat().st_size > 0
