@@ -98,11 +98,12 @@ def harbor_eval_rows(context: dg.AssetExecutionContext, config: Any, storage: Po
     ready = with_environment_records(ready, records)
     rows: list[dict[str, Any]] = []
     if ready:
+        record_dir = storage.evals_dir() / "harbor" / key / context.run_id
         rows = evaluate_harbor_checkpoint(
             ready, policy.base_model, factory,
             checkpoint=key, adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
-            workers=config.workers, record_dir=storage.evals_dir() / "harbor" / key / context.run_id,
-            engine_log=storage.evals_dir() / "harbor" / key / context.run_id / "engine.log", log=context.log.info, max_turns=config.max_turns, max_new_tokens=config.max_new_tokens,
+            workers=config.workers, record_dir=record_dir, engine_log=record_dir / "engine.log",
+            log=context.log.info, max_turns=config.max_turns, max_new_tokens=config.max_new_tokens,
             # JSON tool calls: the compact format's prompt is made from a bundled task's own metadata
             temperature=config.temperature, seed=config.seed, action_format="json",
         )

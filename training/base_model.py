@@ -241,6 +241,10 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     out = Path(out)
     if spec.answer_form not in ANSWER_FORMS:
         raise ValueError(f"answer_form {spec.answer_form!r}: expected one of {', '.join(ANSWER_FORMS)}")
+    micro = spec.micro_batch_tokens
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
+        raise ValueError(f"micro_batch_tokens {micro!r}: expected a whole number of padded positions, 0 for batches "
+                         "padded whole")
     started = time.perf_counter()
     demos = demonstrations(tasks, by_line=spec.answer_form == "replace")
     augmented = styled(augment(demos, spec.augment_copies, spec.seed, spec.rename_modules),

@@ -153,9 +153,13 @@ def test_edit_transcripts_fail_with_the_harness_observations() -> None:
     assert seen == {"missing", "wrong fix"}
 
 
-def test_an_unknown_answer_form_is_refused_before_anything_is_built(tmp_path) -> None:
+def test_an_unknown_answer_form_or_micro_batch_size_is_refused_before_anything_is_built(tmp_path) -> None:
     with pytest.raises(ValueError, match="answer_form 'diff': expected one of edit, replace"):
         build_base_model(tmp_path / "base", [], BaseModelSpec(answer_form="diff"))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="micro_batch_tokens"):
+            build_base_model(tmp_path / "base", [], BaseModelSpec(micro_batch_tokens=bad))
+    assert not (tmp_path / "base").exists()
     assert not list(tmp_path.iterdir())
 
 
