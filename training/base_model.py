@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from training.backends.batch import micro_batches
+from training.backends.batch import micro_batches, pad_rows
 from training.demonstrations import ANSWER, OBSERVATION, augment, demonstrations, segments, styled
 
 # End of text, and ChatML's turn markers: the model folder carries a chat template
@@ -150,14 +150,6 @@ def masked_lm_loss(model, ids, mask, denominator=None):
     return (nll * mask[:, 1:].reshape(-1)).sum() / (mask[:, 1:].sum() if denominator is None else denominator)
 
 
-def _padded(examples: Sequence[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and loss mask of ``examples``, right-padded to the longest."""
-    width = max(len(ids) for ids, _ in examples)
-    ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in examples], device=device)
-    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in examples], dtype=torch.float32, device=device)
-    return ids, mask
-
-
 def length_bucketed_batches(examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
                             rng: random.Random) -> Iterator[list[int]]:
     """Endless batches of example indices: the examples shuffled epoch after epoch and cut into pools
@@ -185,7 +177,8 @@ def batch_backward(model, batch: Sequence[tuple[list[int], list[int]]], micro_ba
     tokens = sum(sum(mask[1:]) for _, mask in batch)
     loss = 0.0
     for part in parts:
-        ids, mask = _padded([batch[i] for i in part], model.device)
+        ids = pad_rows([batch[i][0] for i in part], 0, torch.long, model.device)
+        mask = pad_rows([batch[i][1] for i in part], 0, torch.float32, model.device)
         share = masked_lm_loss(model, ids, mask, denominator=tokens)  # this micro-batch's share of the mean
         share.backward()
         loss += float(share.detach())
