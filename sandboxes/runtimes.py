@@ -227,6 +227,9 @@ class BwrapRuntime:
                 # pxd is the PID namespace's init: no bwrap process inside holds its pipes, and no
                 # signal sent from inside reaches it
                 "--as-pid-1",
+                # and it dies with bwrap: a pxd whose bwrap was killed would otherwise live on,
+                # re-parented to the host's init, answering on the sandbox's pipes
+                "--die-with-parent",
                 "--bind", str(root), "/", "--bind", str(sb.rootfs.workspace), WORKDIR,
                 # the tmpfs folders before the toolchains: a toolchain under /tmp (a clone's venv) is
                 # bound onto the sandbox's /tmp, not hidden under it

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,22 @@ def test_bwrap_user_has_no_capabilities_and_limits_are_a_cgroup(repo, store, cac
         assert int((memory[0] / limit_file).read_text()) == 300 * 1024 * 1024
         paths = list(cg.paths)
     assert not any(p.exists() for p in paths)
+
+
+def test_pxd_dies_with_its_bwrap(repo, store, cache):
+    """bwrap killed from the host takes pxd with it: no process of the sandbox lives on, re-parented
+    to the host's init and answering on the sandbox's pipes; the next call names the runtime's exit."""
+    with sandboxes.start(repo, runtime="bwrap", store=store, cache=cache) as sb:
+        assert sb.exec("echo up").output == "up\n"
+        assert len(sb.cgroup.pids()) == 2  # bwrap and pxd
+        os.kill(sb.proc.pid, signal.SIGKILL)
+        sb.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while sb.cgroup.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sb.cgroup.pids() == []
+        with pytest.raises(sandboxes.PxdConnectionError, match="the bwrap runtime exited with code -9"):
+            sb.exec("echo again", timeout_s=10)
 
 
 def test_wall_time_limit_ends_the_sandbox(repo, store, cache):
