@@ -220,6 +220,7 @@ def result_lines(rows: Any, final: str, run_dir: Any) -> list[str]:
         levels = "/".join(str(v) for v in (s.get("drawn_by_level") or {}).values())
         out.append(f"task stream: {s['drawn']} new tasks served (L1/L2/L3 {levels}), {s['solved']} solved, "
                    f"{s['retried']} retries of unsolved ones, {s['rejected']} rejected by validation, "
+                   f"{s.get('passed_over', 0)} passed over as unlikely to teach, "
                    f"{s['validation_s_per_task']} s of validation a task")
     return out
 

@@ -153,6 +153,7 @@ class GeneratedTask:
     reference_edits: tuple[tuple[str, int, str], ...]  # (file, 1-based line, correct text)
     instruction_head: str
     demonstration: bool = False  # a train task the embedded base model learns from (RL draws the others)
+    bug_kinds: tuple[str, ...] = ()  # the Kind.stem of each bug, in reference_edits' order
 
 
 def _fill(line: str, name: str, k: int, w: str) -> str:
@@ -222,7 +223,7 @@ def _draw(level: int, index: int, rng: random.Random) -> GeneratedTask:
         head = f"Two tests of {module}.py fail. Fix both bugs in {module}.py."
     return GeneratedTask(
         id=task_id, difficulty=level, split=split, module=module, functions=tuple(names),
-        buggy_functions=bug_names,
+        buggy_functions=bug_names, bug_kinds=tuple(kinds[i].stem for i in buggy),
         files={f"{module}.py": source, f"tests/test_{module}.py": test_source, RUNNER_PATH: _runner_source(),
                ".gitignore": f"__pycache__/\n{REPORT}\n"},
         reference_edits=tuple(edits), instruction_head=head,

@@ -67,13 +67,13 @@ def test_the_result_is_the_final_change_with_its_interval_level_3_and_the_stream
     (tmp_path / "task_stream").mkdir()
     (tmp_path / "task_stream" / "state.json").write_text(json.dumps({
         "drawn": 200, "drawn_by_level": {"1": 90, "2": 70, "3": 40}, "solved": 120, "retried": 15, "rejected": 0,
-        "validation_s_per_task": 0.4}))
+        "validation_s_per_task": 0.4, "passed_over": 31}))
     lines = result_lines(rows, "demo-step_000044", tmp_path)
     assert lines[0].startswith("result: demo-step_000044 held-out pass@1 33.3% -> 66.7%, change +33.3 points, 95% CI [+")
     assert "(above zero; paired over 60 tasks)" in lines[0]
     assert lines[1] == "result: level 3 35.0% -> 65.0% (+30.0 [+10.0, +50.0], 20 tasks)"
     assert lines[2] == ("task stream: 200 new tasks served (L1/L2/L3 90/70/40), 120 solved, 15 retries of unsolved "
-                        "ones, 0 rejected by validation, 0.4 s of validation a task")
+                        "ones, 0 rejected by validation, 31 passed over as unlikely to teach, 0.4 s of validation a task")
 
 
 def test_the_demo_budget_counts_the_set_up_it_is_told_of(monkeypatch) -> None:

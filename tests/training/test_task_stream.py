@@ -41,8 +41,10 @@ def folder_digest(root: Path) -> str:
 
 
 def stream(root: Path, suite: Path, **kwargs) -> TaskStream:
-    """Level 1 only (the others open at step 1000), so few tasks are validated."""
+    """Level 1 only (the others open at step 1000), so few tasks are validated; every task kept
+    (``by_kind`` off) unless the test says otherwise, so the stream's order is the generator's."""
     kwargs.setdefault("open_hard_after_steps", 1000)
+    kwargs.setdefault("by_kind", False)
     kwargs.setdefault("buffer_per_level", 2)
     return TaskStream(root, suite, sandbox_factory=bundled.default_sandbox_factory(), **kwargs)
 
@@ -107,8 +109,7 @@ def broken(kind: str):
 
 @pytest.mark.parametrize("kind, bad", [("unfixed-passes", 1), ("oracle-fails", 2)])
 def test_a_task_that_fails_validation_is_never_served(suite, tmp_path, kind, bad):
-    s = TaskStream(tmp_path / "run", suite, open_hard_after_steps=1000, buffer_per_level=1,
-                   generate=broken(kind), sandbox_factory=bundled.default_sandbox_factory())
+    s = stream(tmp_path / "run", suite, buffer_per_level=1, generate=broken(kind))
     served = s.next_tasks(3)
     s.close()
     assert [int(t.split("-")[2]) for t in served] == [i for i in range(4) if i != bad]
@@ -119,6 +120,35 @@ def test_a_task_that_fails_validation_is_never_served(suite, tmp_path, kind, bad
     summary = s.summary()
     assert summary["rejected"] == 1 and summary["drawn"] == 3 and summary["validated"] >= 3
     assert 0 < summary["validation_s_per_task"] < 30
+
+
+def test_tasks_whose_groups_would_all_score_alike_are_passed_over(suite, tmp_path):
+    """With ``by_kind`` a new task is kept by the chance that a group at its bug kinds' running mean
+    reward holds both outcomes: with every level-1 kind known to be always solved or never, but
+    one kind that half the attempts solve, the stream serves that kind's tasks (and validates no
+    other), and each finished group moves its kinds' estimates."""
+    s = stream(tmp_path / "run", suite, by_kind=True, min_accept=0.0, group_size=8)
+    for i, kind in enumerate(bundled.KINDS):
+        s.kind_estimates[f"1:{kind.stem}"] = 0.5 if kind.stem == "area" else float(i % 2)
+    assert s.teach_chance(1, ["area"]) == pytest.approx(1 - 2 * 0.5 ** 8)
+    assert s.teach_chance(1, ["scale"]) in (0.0, pytest.approx(0.0))
+    served = s.next_tasks(2)
+    assert [s.task_kinds[t] for t in served] == [["area"], ["area"]]
+    for task_id in served:  # the kind really is the one the task's bug comes from
+        assert "def area_" in s.tasks[task_id].metadata["source_text"]
+    s.record(served[0], [1.0] * 8)
+    s.close()
+    assert s.kind_estimates["1:area"] == pytest.approx(0.75)  # ema 0.5 of 0.5 and 1.0
+    summary = s.summary()
+    assert summary["passed_over"] > 0 and summary["kind_mean_rewards"]["1:area"] == 0.75
+    assert summary["validated"] <= 2 + s.buffer_per_level  # the passed over were never validated
+    kept = s.to_json()
+    assert kept["task_kinds"][served[0]] == ["area"] and kept["by_kind"] is True
+    assert TaskStream.from_json(kept).kind_estimates == s.kind_estimates
+    with pytest.raises(ValueError, match="'min_accept'"):
+        TaskStream(tmp_path, suite, min_accept=1.5)
+    with pytest.raises(ValueError, match="'by_kind'"):
+        TaskStream(tmp_path, suite, by_kind="yes")
 
 
 def test_only_unsolved_tasks_come_back(suite, tmp_path):
