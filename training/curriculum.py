@@ -246,7 +246,7 @@ def level_rates(pass_rates: Mapping[str, float], tasks: Sequence[Any]) -> dict[s
 
 
 def open_task_stream(settings: Mapping[str, Any], run_dir: str | Path, suite: str | Path, *, seed: int = 0,
-                     sandbox_runtime: str = "bwrap", group_size: int = 8, source: str = "curriculum.json") -> TaskStream:
+                     sandbox_runtime: str = "bwrap", source: str = "curriculum.json") -> TaskStream:
     """The task stream of the run in ``run_dir`` from ``settings`` (``curriculum.json``'s
     ``task_stream`` object: :class:`TaskStream`'s keyword settings and ``level_rates``), drawing
     apart from the bundled suite at ``suite``; an unknown key or a suite that is not a built bundled
@@ -254,7 +254,7 @@ def open_task_stream(settings: Mapping[str, Any], run_dir: str | Path, suite: st
     if not isinstance(settings, Mapping):
         raise ValueError(f"{source}: key 'task_stream' must be an object, got {type(settings).__name__}")
     allowed = {"level_rates", "open_hard_after_steps", "retry_after_steps", "max_retries", "retry_share",
-               "buffer_per_level", "workers", "floor", "ema", "by_kind", "min_accept"}
+               "buffer_per_level", "workers", "floor", "ema", "by_kind", "min_accept", "kind_ema"}
     unknown = sorted(set(settings) - allowed)
     if unknown:
         raise ValueError(f"{source}: key 'task_stream.{unknown[0]}' is not a task stream setting "
@@ -262,8 +262,7 @@ def open_task_stream(settings: Mapping[str, Any], run_dir: str | Path, suite: st
     if not (Path(suite) / "suite.json").is_file():
         raise ValueError(f"{source}: key 'task_stream' needs the bundled suite as the task source "
                          f"(trainer config key 'tasks'), and {suite} is not a built bundled suite")
-    return TaskStream(Path(run_dir) / STREAM_DIR, suite, seed=seed, sandbox_runtime=sandbox_runtime,
-                      group_size=group_size, **settings)
+    return TaskStream(Path(run_dir) / STREAM_DIR, suite, seed=seed, sandbox_runtime=sandbox_runtime, **settings)
 
 
 def _from_state(state: Any) -> Any:
@@ -315,6 +314,9 @@ class StreamTasks(Mapping[str, Any]):
         return sum(1 for _ in self)
 
 
+UNSEEN_KIND_TEACHES = 0.5  # the share of groups that teach assumed for a bug kind not yet seen
+
+
 class TaskStream:
     """RL tasks generated, validated and served on the fly, each new to the run.
 
@@ -332,17 +334,19 @@ class TaskStream:
     attempt comes back ``retry_after_steps`` later (at most ``max_retries`` times); a draw takes a
     due retry with probability ``retry_share``. Nothing else is ever served twice.
 
-    Which tasks teach (``by_kind``, on by default): a group teaches only if its ``group_size``
-    rewards are not all equal, and whether the policy solves a bundled task is set mostly by its bug
-    kinds (:data:`evals.bundled.KINDS`): in a demo run a level's kinds were solved 0-12% or 82-96%
-    of the time, with a few in between, and 57% of the groups were all failed or all solved, which
-    cost their episodes and moved nothing (docs/benchmarks.md, "Tasks that teach"). So the stream
-    keeps a running mean reward per level and bug kind (``kind_estimates``, the group's mean reward
-    folded in at rate ``ema``; a kind not yet seen starts at its level's rate), and a new task,
-    before it is validated, is kept with probability ``max(min_accept, 1 - p^g - (1-p)^g)``: the
-    chance that a group of ``g`` attempts at success rate ``p`` (the mean estimate of its kinds)
-    holds both outcomes. A task passed over is never served (nor validated); the draw is a random
-    number of (seed, level, index), so the same estimates pass over the same tasks.
+    Which tasks teach (``by_kind``, on by default): GRPO learns from a group only if its rewards are
+    not all equal, and whether a bundled task's group is all failed, all solved or mixed is set
+    mostly by its bug kinds (:data:`evals.bundled.KINDS`): in a demo run of the stream without this,
+    60% of the groups were all failed or all solved, a level's kinds taught in 6-91% of their groups,
+    and those that were never solved stayed so (docs/benchmarks.md, "Groups that teach"). So the
+    stream keeps, per level and bug kind, the share of recent groups that held both outcomes
+    (``kind_estimates``: each finished group of a task folds 1 or 0 into each of its kinds at rate
+    ``kind_ema``; a kind not yet seen starts at 0.5), and a new task, before it is validated, is
+    kept with probability ``max(min_accept, mean of its kinds' shares)``. A task passed over is
+    never served (nor validated); the draw is a random number of (seed, level, index), so the same
+    estimates pass over the same tasks. A due retry is served by the same chance, and otherwise
+    dropped (``retries_dropped``). ``min_accept`` keeps every kind in the stream, so a kind the
+    policy learns to solve (or stops failing) is noticed.
 
     State: the plain JSON of :meth:`to_json` (saved in every checkpoint as ``curriculum.json``,
     loaded back by :meth:`Curriculum.load`) and, under ``root`` (``RUN_DIR/task_stream``), the built
@@ -358,16 +362,16 @@ class TaskStream:
                  level_rates: Mapping[Any, float] | None = None, open_hard_after_steps: int = 10,
                  retry_after_steps: int = 8, max_retries: int = 2, retry_share: float = 0.25,
                  buffer_per_level: int = 4, workers: int = 2, floor: float = 0.05, ema: float = 0.5,
-                 sandbox_runtime: str = "bwrap", group_size: int = 8, by_kind: bool = True,
-                 min_accept: float = 0.1,
+                 sandbox_runtime: str = "bwrap", by_kind: bool = True, min_accept: float = 0.1,
+                 kind_ema: float = 0.25,
                  generate: Callable[..., Any] | None = None, sandbox_factory: Any = None) -> None:
         for name, value, low in (("open_hard_after_steps", open_hard_after_steps, 0),
                                  ("retry_after_steps", retry_after_steps, 1), ("max_retries", max_retries, 0),
-                                 ("buffer_per_level", buffer_per_level, 1), ("workers", workers, 1),
-                                 ("group_size", group_size, 1)):
+                                 ("buffer_per_level", buffer_per_level, 1), ("workers", workers, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"task stream: key {name!r} must be an integer >= {low}, got {value!r}")
-        for name, value in (("retry_share", retry_share), ("floor", floor), ("ema", ema), ("min_accept", min_accept)):
+        for name, value in (("retry_share", retry_share), ("floor", floor), ("ema", ema), ("min_accept", min_accept),
+                            ("kind_ema", kind_ema)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"task stream: key {name!r} must lie in 0..1, got {value!r}")
         if not isinstance(by_kind, bool):
@@ -379,7 +383,8 @@ class TaskStream:
         self.max_retries, self.retry_share, self.buffer_per_level = max_retries, float(retry_share), buffer_per_level
         self.workers = workers
         self.floor, self.ema, self.sandbox_runtime = float(floor), float(ema), sandbox_runtime
-        self.group_size, self.by_kind, self.min_accept = group_size, by_kind, float(min_accept)
+        self.by_kind, self.min_accept = by_kind, float(min_accept)
+        self.kind_ema = float(kind_ema)
         rates = {int(k): float(v) for k, v in (level_rates or {}).items()}
         for level, rate in rates.items():
             if level not in LEVELS or not 0.0 <= rate <= 1.0:
@@ -393,9 +398,10 @@ class TaskStream:
         self.retry_due: dict[str, int] = {}
         self.rejected: list[str] = []  # failed validation, never served
         self.skipped: list[str] = []  # served after the checkpoint this stream was restored from
-        self.kind_estimates: dict[str, float] = {}  # "<level>:<kind>" -> running mean reward
+        self.kind_estimates: dict[str, float] = {}  # "<level>:<kind>" -> running share of groups that teach
         self.task_kinds: dict[str, list[str]] = {}  # a kept task's bug kinds, by id
         self.passed_over = 0  # new tasks not kept: their groups would likely all score alike
+        self.retries_dropped = 0  # due retries not served, for the same reason
         self.validated = 0
         self.validation_s = 0.0
         self.step = 0
@@ -428,9 +434,11 @@ class TaskStream:
             if due and rng.random() < self.retry_share:
                 task = due[0][1]
                 del self.retry_due[task]
-                self.retries[task] = self.retries.get(task, 0) + 1
-                chosen.append(task)
-                continue
+                if self._keeps_retry(task, rng):
+                    self.retries[task] = self.retries.get(task, 0) + 1
+                    chosen.append(task)
+                    continue
+                self.retries_dropped += 1
             levels = self.open_levels()
             weights = [self.level_estimates[lv] * (1 - self.level_estimates[lv]) + self.floor for lv in levels]
             chosen.append(self._serve(rng.choices(levels, weights=weights, k=1)[0]))
@@ -456,12 +464,12 @@ class TaskStream:
         queue: a group with no solved attempt brings its task back later."""
         level = level_of(task_id)
         rate = sum(1.0 for r in rewards if r >= 1.0) / max(len(rewards), 1)
-        mean = sum(rewards) / max(len(rewards), 1)
+        teaches = 1.0 if len(set(rewards)) > 1 else 0.0
         with self._cond:  # the generator thread reads the kind estimates
             for kind in self.task_kinds.get(task_id, ()):
                 key = f"{level}:{kind}"
-                before = self.kind_estimates.get(key, self.level_estimates[level])
-                self.kind_estimates[key] = (1 - self.ema) * before + self.ema * mean
+                before = self.kind_estimates.get(key, UNSEEN_KIND_TEACHES)
+                self.kind_estimates[key] = (1 - self.kind_ema) * before + self.kind_ema * teaches
         self.level_estimates[level] = (1 - self.ema) * self.level_estimates[level] + self.ema * rate
         if rate > 0:
             self.solved.add(task_id)
@@ -476,12 +484,19 @@ class TaskStream:
         self.write_summary()
 
     def teach_chance(self, level: int, kinds: Sequence[str]) -> float:
-        """The chance that a group of ``group_size`` attempts at a task of ``level`` with bug ``kinds``
-        holds both outcomes, from the kinds' running mean rewards (a kind not seen yet: its level's
-        solve rate)."""
-        rates = [self.kind_estimates.get(f"{level}:{kind}", self.level_estimates[level]) for kind in kinds]
-        p = sum(rates) / len(rates) if rates else self.level_estimates[level]
-        return 1.0 - p ** self.group_size - (1.0 - p) ** self.group_size
+        """The estimated chance that a group of a task of ``level`` with bug ``kinds`` holds both
+        outcomes: the mean of its kinds' running shares (a kind not seen yet: 0.5)."""
+        shares = [self.kind_estimates.get(f"{level}:{kind}", UNSEEN_KIND_TEACHES) for kind in kinds]
+        return sum(shares) / len(shares) if shares else UNSEEN_KIND_TEACHES
+
+    def _keeps_retry(self, task_id: str, rng: random.Random) -> bool:
+        """Whether a due retry is served, by the same chance as a new task of its kinds."""
+        kinds = self.task_kinds.get(task_id)
+        if not self.by_kind or not kinds:
+            return True
+        with self._cond:
+            chance = max(self.min_accept, self.teach_chance(level_of(task_id), kinds))
+        return rng.random() < chance
 
     def keeps(self, level: int, index: int, kinds: Sequence[str]) -> bool:
         """Whether the stream's ``index``-th task of ``level`` is kept (see the class docstring)."""
@@ -622,8 +637,8 @@ class TaskStream:
             "validated": self.validated,
             "validation_s_per_task": round(self.validation_s / self.validated, 3) if self.validated else None,
             "level_solve_rates": {str(lv): round(r, 4) for lv, r in self.level_estimates.items()},
-            "passed_over": self.passed_over,
-            "kind_mean_rewards": {k: round(v, 4) for k, v in sorted(self.kind_estimates.items())},
+            "passed_over": self.passed_over, "retries_dropped": self.retries_dropped,
+            "kind_teach_shares": {k: round(v, 4) for k, v in sorted(self.kind_estimates.items())},
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -632,9 +647,9 @@ class TaskStream:
             "open_hard_after_steps": self.open_hard_after_steps, "retry_after_steps": self.retry_after_steps,
             "max_retries": self.max_retries, "retry_share": self.retry_share, "buffer_per_level": self.buffer_per_level,
             "workers": self.workers, "floor": self.floor, "ema": self.ema, "sandbox_runtime": self.sandbox_runtime,
-            "group_size": self.group_size, "by_kind": self.by_kind, "min_accept": self.min_accept,
-            "kind_estimates": dict(self.kind_estimates), "task_kinds": dict(self.task_kinds),
-            "passed_over": self.passed_over,
+            "by_kind": self.by_kind, "min_accept": self.min_accept,
+            "kind_ema": self.kind_ema, "kind_estimates": dict(self.kind_estimates), "task_kinds": dict(self.task_kinds),
+            "passed_over": self.passed_over, "retries_dropped": self.retries_dropped,
             "level_estimates": {str(k): v for k, v in self.level_estimates.items()},
             "next_index": {str(k): v for k, v in self.next_index.items()}, "served": list(self.served),
             "solved": sorted(self.solved), "retries": dict(self.retries), "retry_due": dict(self.retry_due),
@@ -650,12 +665,14 @@ class TaskStream:
                          retry_after_steps=int(data["retry_after_steps"]), max_retries=int(data["max_retries"]),
                          retry_share=float(data["retry_share"]), buffer_per_level=int(data["buffer_per_level"]),
                          workers=int(data.get("workers", 2)), floor=float(data["floor"]), ema=float(data["ema"]),
-                         sandbox_runtime=data["sandbox_runtime"], group_size=int(data.get("group_size", 8)),
+                         sandbox_runtime=data["sandbox_runtime"],
                          # a state saved before kinds were weighed resumes as it ran
-                         by_kind=bool(data.get("by_kind", False)), min_accept=float(data.get("min_accept", 0.1)))
+                         by_kind=bool(data.get("by_kind", False)), min_accept=float(data.get("min_accept", 0.1)),
+                         kind_ema=float(data.get("kind_ema", 0.25)))
             stream.kind_estimates = {str(k): float(v) for k, v in data.get("kind_estimates", {}).items()}
             stream.task_kinds = {str(k): [str(x) for x in v] for k, v in data.get("task_kinds", {}).items()}
             stream.passed_over = int(data.get("passed_over", 0))
+            stream.retries_dropped = int(data.get("retries_dropped", 0))
             stream.next_index = {int(k): int(v) for k, v in data["next_index"].items()}
             stream.served = list(data["served"])
             stream.solved = set(data["solved"])

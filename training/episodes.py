@@ -238,7 +238,7 @@ def load_curriculum(cfg: TrainConfig, task_ids: list[str], run_dir: Path | None 
         if run_dir is None:
             raise ValueError(f"{source}: key 'task_stream' needs the run directory")
         return open_task_stream(settings, run_dir, cfg.tasks or default_suite_dir(), seed=cfg.seed,
-                                sandbox_runtime=cfg.sandbox_runtime, group_size=cfg.group_size, source=source)
+                                sandbox_runtime=cfg.sandbox_runtime, source=source)
 
     if cfg.curriculum:
         path = Path(cfg.curriculum)

@@ -123,28 +123,37 @@ def test_a_task_that_fails_validation_is_never_served(suite, tmp_path, kind, bad
 
 
 def test_tasks_whose_groups_would_all_score_alike_are_passed_over(suite, tmp_path):
-    """With ``by_kind`` a new task is kept by the chance that a group at its bug kinds' running mean
-    reward holds both outcomes: with every level-1 kind known to be always solved or never, but
-    one kind that half the attempts solve, the stream serves that kind's tasks (and validates no
-    other), and each finished group moves its kinds' estimates."""
-    s = stream(tmp_path / "run", suite, by_kind=True, min_accept=0.0, group_size=8)
-    for i, kind in enumerate(bundled.KINDS):
-        s.kind_estimates[f"1:{kind.stem}"] = 0.5 if kind.stem == "area" else float(i % 2)
-    assert s.teach_chance(1, ["area"]) == pytest.approx(1 - 2 * 0.5 ** 8)
-    assert s.teach_chance(1, ["scale"]) in (0.0, pytest.approx(0.0))
+    """With ``by_kind`` a new task is kept by its bug kinds' running share of groups that held both
+    outcomes: with every level-1 kind known never to teach but one that always does, the stream
+    serves that kind's tasks (and validates no other); each finished group moves its kinds' shares,
+    and a due retry of a kind that no longer teaches is dropped."""
+    s = stream(tmp_path / "run", suite, by_kind=True, min_accept=0.0, retry_share=1.0, retry_after_steps=1)
+    s.kind_estimates.update({f"1:{kind.stem}": 1.0 if kind.stem == "area" else 0.0 for kind in bundled.KINDS})
+    assert s.teach_chance(1, ["area"]) == 1.0 and s.teach_chance(1, ["scale"]) == 0.0
+    assert s.teach_chance(2, ["area"]) == 0.5  # not seen at that level yet
     served = s.next_tasks(2)
     assert [s.task_kinds[t] for t in served] == [["area"], ["area"]]
     for task_id in served:  # the kind really is the one the task's bug comes from
         assert "def area_" in s.tasks[task_id].metadata["source_text"]
-    s.record(served[0], [1.0] * 8)
+    s.record(served[0], [1.0] * 8)  # all solved: taught nothing
+    assert s.kind_estimates["1:area"] == pytest.approx(0.75)  # kind_ema 0.25 of 1.0 and 0
+    s.record(served[0], [1.0, 0.0] * 4)
+    assert s.kind_estimates["1:area"] == pytest.approx(0.8125)
+    # an unsolved task comes back only by the same chance: not once its kind no longer teaches
+    s.record(served[1], [0.0] * 8)
+    s.kind_estimates.update({"1:area": 0.0, "1:total": 1.0})
+    s.advance(1)
+    later = s.next_tasks(1)
     s.close()
-    assert s.kind_estimates["1:area"] == pytest.approx(0.75)  # ema 0.5 of 0.5 and 1.0
+    # a new task instead (from the buffer, kept while area taught, or a total one)
+    assert later != [served[1]] and s.task_kinds[later[0]] in (["area"], ["total"]) and s.retries_dropped == 1
     summary = s.summary()
-    assert summary["passed_over"] > 0 and summary["kind_mean_rewards"]["1:area"] == 0.75
-    assert summary["validated"] <= 2 + s.buffer_per_level  # the passed over were never validated
+    assert summary["passed_over"] > 0 and summary["kind_teach_shares"]["1:area"] == 0.0
+    assert summary["validated"] <= 3 + 2 * s.buffer_per_level  # the passed over were never validated
     kept = s.to_json()
     assert kept["task_kinds"][served[0]] == ["area"] and kept["by_kind"] is True
-    assert TaskStream.from_json(kept).kind_estimates == s.kind_estimates
+    restored = TaskStream.from_json(kept)
+    assert restored.kind_estimates == s.kind_estimates and restored.retries_dropped == 1
     with pytest.raises(ValueError, match="'min_accept'"):
         TaskStream(tmp_path, suite, min_accept=1.5)
     with pytest.raises(ValueError, match="'by_kind'"):
