@@ -156,7 +156,11 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
       first starts with ``reset``),
       then ``reset``, the answer and ``test``, ``all tests pass`` and ``commit``. The wrong attempts
       are not trained on (role ``TRIED``): the model learns what to do after a failure, not the
-      failure.
+      failure. A wrong attempt of an answer with several ``edit`` s spoils one of them, and its
+      test lists only the failing asserts of that edit's function, as the harness would; the last
+      such attempt is then repaired in place, without ``reset``: the one edit that fixes what it
+      spoiled (the missed edit again, or the wrong text edited into the right one), ``test``,
+      ``all tests pass`` and ``commit``. A reset there would undo the edits that were right.
 
     A transcript is a tuple of ``(text, role)`` segments: ``ANSWER`` and ``TRIED`` are model turns
     (each ends with the end-of-text token), ``OBSERVATION`` is what the harness appends.
@@ -180,10 +184,13 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
     listed = [m.group(1) for m in numbered if m.group(2).strip()]  # line numbers a wrong replace may pick
     listing = "\n".join(m.group(2) for m in numbered)  # the module's text, where an edit's old text is looked up
     module_file = f"{modules[0]}.py" if modules else "the file"
+    several = len(edits) > 1 and all(a.tool == "str_replace" for a in edits)
     out: list[tuple[str, str]] = []
+    repair: str | None = None
     for attempt in range(rng.randint(1, max_failures)):
         wrong, results = (["reset"], ["ok"]) if attempt else ([], [])
         spoiled = rng.randrange(len(edits))
+        current, repair = listing, None  # the module as this attempt leaves it (each starts from the base)
         for i, action in enumerate(edits):
             if action.tool == "str_replace":  # a wrong fix, or text that is not in the module
                 old, new = action.args["old"], action.args["new"]
@@ -194,10 +201,13 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
                     new = _wrong_text(new, rng)
                 wrong.append(f"edit {old} => {new}")
                 try:
-                    replace_once(listing, old, "", module_file)
+                    current = replace_once(current, old, new, module_file)
                     results.append("ok")
                 except ValueError as exc:  # the harness's observation of the same edit
                     results.append(f"error: {exc}")
+                if mistake:  # what repairs it: the missed edit itself, or the wrong text made right
+                    repair = f"edit {action.args['old']} => {action.args['new']}" if mistake == "old" \
+                        else f"edit {new} => {action.args['new']}"
                 continue
             path, number, text = action.args["path"], str(action.args["line"]), action.args["text"]
             mistake = rng.choice(("text", "text", "file", "line")) if i == spoiled else ""
@@ -209,9 +219,35 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
                 text = _wrong_text(text, rng)
             wrong.append(f"replace {path}:{number} {text}")
             results.append(f"error: {path}" if mistake == "file" else "ok")
-        out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [fails]), OBSERVATION)]
+        seen = _fails_of(fails, listing, edits[spoiled].args.get("old", "")) if several else fails
+        out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [seen]), OBSERVATION)]
+    if several and repair is not None and _applies(current, repair, module_file):
+        fixed = compact_observation(["ok", "all tests pass"])
+        return tuple(out) + ((repair + "\ntest\n", ANSWER), (fixed, OBSERVATION), ("commit\n", ANSWER))
     passed = compact_observation(["ok"] * (len(edits) + 1) + ["all tests pass"])
     return tuple(out) + (("reset\n" + answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
+
+
+def _fails_of(fails: str, listing: str, old: str) -> str:
+    """The lines of ``fails`` (failing asserts) that call the function of ``listing`` holding the
+    text ``old``: what a test run shows when only that function is still wrong (all of ``fails``
+    when that cannot be told)."""
+    at = listing.find(old) if old else -1
+    names = re.findall(r"\bdef (\w+)\(", listing[:at]) if at >= 0 else []
+    mine = [line for line in fails.split("\n") if names and f"{names[-1]}(" in line]
+    return "\n".join(mine) or fails
+
+
+def _applies(text: str, edit: str, module_file: str) -> bool:
+    """Whether the compact ``edit OLD => NEW`` finds its old text exactly once in ``text``."""
+    from evals.harness import replace_once
+
+    old = edit[len("edit "):].split(" => ", 1)[0]
+    try:
+        replace_once(text, old, "", module_file)
+    except ValueError:
+        return False
+    return True
 
 
 def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0,

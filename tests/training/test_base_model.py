@@ -153,6 +153,59 @@ def test_edit_transcripts_fail_with_the_harness_observations() -> None:
     assert seen == {"missing", "wrong fix"}
 
 
+TWO_BUGS = (
+    "Two tests of garden.py fail. Fix both bugs in garden.py.\n"
+    "garden.py:\n"
+    "1 def scale_price(x):\n"
+    "2     return x + 4\n"
+    "3 \n"
+    "4 def first_row(items):\n"
+    "5     return items[-1] if items else None\n"
+    "fail: assert scale_price(2) == 8 -> assert 6 == 8\n"
+    "fail: assert first_row([5, 2, 9]) == 5 -> assert 9 == 5\n"
+    ">"
+)
+TWO_FIXES = "edit return x + 4 => return x * 4\nedit return items[-1] if => return items[0] if\ncommit\n"
+
+
+def test_a_two_edit_retry_shows_the_one_failing_function_and_repairs_it_without_reset() -> None:
+    """A wrong attempt at a two-bug task spoils one edit: its test lists that function's failing
+    assert only (the other edit was right), and the demonstration then fixes the spoiled edit in
+    place, without ``reset`` (which would undo the right one); done on the harness's own text, the
+    repaired module is the reference solution."""
+    from evals.harness import replace_once
+    from training.demonstrations import ANSWER, TRIED, transcript
+
+    base = "\n".join(re.findall(r"^\d+ (.*)$", TWO_BUGS, flags=re.M))
+    solved = base.replace("return x + 4", "return x * 4").replace("return items[-1] if", "return items[0] if")
+    endings = collections.Counter()
+    for seed in range(40):
+        segments = transcript(TWO_BUGS, TWO_FIXES, "retry", random.Random(seed))
+        tried, observation = segments[-5][0], segments[-4][0]
+        assert segments[-5][1] == TRIED and segments[-1] == ("commit\n", ANSWER)
+        fails = [line for line in observation.split("\n") if line.startswith("assert ")]
+        assert len(fails) == 1  # only the spoiled function's test fails
+        text = base  # the last wrong attempt, as the harness runs it
+        for line in tried.split("\n"):
+            if line.startswith("edit "):
+                old, new = line[len("edit "):].split(" => ", 1)
+                try:
+                    text = replace_once(text, old, new)
+                except ValueError:
+                    pass
+        final = segments[-3][0]
+        if final.startswith("reset\n"):
+            endings["reset"] += 1
+            continue
+        endings["repair"] += 1
+        edits = [line for line in final.split("\n") if line.startswith("edit ")]
+        assert len(edits) == 1 and final.endswith("\ntest\n")
+        old, new = edits[0][len("edit "):].split(" => ", 1)
+        assert replace_once(text, old, new) == solved
+        assert fails[0].split("(")[0] in ("assert scale_price", "assert first_row")
+    assert endings["repair"] >= 30  # a reset only where the repair's text would not be found once
+
+
 def test_an_unknown_answer_form_or_micro_batch_size_is_refused_before_anything_is_built(tmp_path) -> None:
     with pytest.raises(ValueError, match="answer_form 'diff': expected one of edit, replace"):
         build_base_model(tmp_path / "base", [], BaseModelSpec(answer_form="diff"))
