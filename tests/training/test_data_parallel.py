@@ -127,12 +127,17 @@ def test_resume_from_two_ranks_on_one_and_from_one_on_two(tmp_path: Path, tiny_m
         assert "resumed from checkpoint 2" in out and ("2 trainer processes" in out) == (then == 2), out
         assert complete_steps(run_dir) == [0, 2, 4]
         assert _losses(run_dir) == pytest.approx(want, abs=1e-5), (first, then)
-        halfway = max(float((_adapter(run_dir, 2)[k] - v).abs().max()) for k, v in _adapter(straight, 2).items())
-        assert halfway < 1e-4, (first, then, halfway)
-        got, final, start = _adapter(run_dir, 4), _adapter(straight, 4), _adapter(straight, 2)
+        # Adapters at the checkpoint and two steps after: apart by under 1% of how far the straight
+        # run's moved in those two steps. Not elementwise: AdamW normalises each gradient element,
+        # so one whose gradient is near zero moves by up to the learning rate either way on a
+        # float-rounding difference of the summed shards (an element 3e-4 apart at the checkpoint of
+        # a two-rank run whose losses were 1e-5 apart).
+        start, final = _adapter(straight, 2), _adapter(straight, 4)
         moved = torch.cat([(final[k] - start[k]).flatten() for k in final]).norm()
-        differs = torch.cat([(got[k] - final[k]).flatten() for k in final]).norm()
-        assert float(differs / moved) < 1e-2, (first, then, float(differs), float(moved))
+        for step, want_at in ((2, start), (4, final)):
+            got = _adapter(run_dir, step)
+            differs = torch.cat([(got[k] - want_at[k]).flatten() for k in want_at]).norm()
+            assert float(differs / moved) < 1e-2, (first, then, step, float(differs), float(moved))
         # one optimizer state, written once, whatever the number of processes
         assert sorted(p.name for p in checkpoint_path(run_dir, 4).glob("optimizer*")) == ["optimizer.pt"]
 
