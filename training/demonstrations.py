@@ -186,7 +186,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
     module_file = f"{modules[0]}.py" if modules else "the file"
     several = len(edits) > 1 and all(a.tool == "str_replace" for a in edits)
     out: list[tuple[str, str]] = []
-    repair: str | None = None
+    repair: tuple[str, str] | None = None  # (old, new) of the edit that repairs the last wrong attempt
     for attempt in range(rng.randint(1, max_failures)):
         wrong, results = (["reset"], ["ok"]) if attempt else ([], [])
         spoiled = rng.randrange(len(edits))
@@ -206,8 +206,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
                 except ValueError as exc:  # the harness's observation of the same edit
                     results.append(f"error: {exc}")
                 if mistake:  # what repairs it: the missed edit itself, or the wrong text made right
-                    repair = f"edit {action.args['old']} => {action.args['new']}" if mistake == "old" \
-                        else f"edit {new} => {action.args['new']}"
+                    repair = (action.args["old"] if mistake == "old" else new, action.args["new"])
                 continue
             path, number, text = action.args["path"], str(action.args["line"]), action.args["text"]
             mistake = rng.choice(("text", "text", "file", "line")) if i == spoiled else ""
@@ -221,9 +220,15 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
             results.append(f"error: {path}" if mistake == "file" else "ok")
         seen = _fails_of(fails, listing, edits[spoiled].args.get("old", "")) if several else fails
         out += [("\n".join(wrong) + "\ntest\n", TRIED), (compact_observation(results + [seen]), OBSERVATION)]
-    if several and repair is not None and _applies(current, repair, module_file):
-        fixed = compact_observation(["ok", "all tests pass"])
-        return tuple(out) + ((repair + "\ntest\n", ANSWER), (fixed, OBSERVATION), ("commit\n", ANSWER))
+    if several and repair is not None:
+        try:  # the repair's old text must be found once in the module the attempt left
+            replace_once(current, *repair, module_file)
+        except ValueError:
+            pass  # told as a reset and the whole answer, below
+        else:
+            fixed = compact_observation(["ok", "all tests pass"])
+            return tuple(out) + ((f"edit {repair[0]} => {repair[1]}\ntest\n", ANSWER), (fixed, OBSERVATION),
+                                 ("commit\n", ANSWER))
     passed = compact_observation(["ok"] * (len(edits) + 1) + ["all tests pass"])
     return tuple(out) + (("reset\n" + answer, ANSWER), (passed, OBSERVATION), ("commit\n", ANSWER))
 
@@ -236,18 +241,6 @@ def _fails_of(fails: str, listing: str, old: str) -> str:
     names = re.findall(r"\bdef (\w+)\(", listing[:at]) if at >= 0 else []
     mine = [line for line in fails.split("\n") if names and f"{names[-1]}(" in line]
     return "\n".join(mine) or fails
-
-
-def _applies(text: str, edit: str, module_file: str) -> bool:
-    """Whether the compact ``edit OLD => NEW`` finds its old text exactly once in ``text``."""
-    from evals.harness import replace_once
-
-    old = edit[len("edit "):].split(" => ", 1)[0]
-    try:
-        replace_once(text, old, "", module_file)
-    except ValueError:
-        return False
-    return True
 
 
 def styled(demos: Sequence[tuple[str, str]], verify_share: float, retry_share: float, seed: int = 0,
