@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sqlite3
 import sys
 from pathlib import Path
@@ -21,38 +20,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from evals.bundled import KINDS  # noqa: E402
+from training.checkpoint import store_path  # noqa: E402
+from training.curriculum import STREAM_DIR, StreamTasks  # noqa: E402
 
 STEMS = {kind.stem for kind in KINDS}
 
 
-def task_kinds(task_json: Path) -> tuple[int, tuple[str, ...]]:
-    """(level, bug kinds) of a stream task from its ``task.json``."""
-    task = json.loads(task_json.read_text())
+def task_kinds(task) -> tuple[int, tuple[str, ...]]:
+    """(level, bug kinds) of a stream task (:class:`evals.tasks.Task`)."""
     kinds = []
-    for test in task["target_tests"]:
+    for test in task.target_tests:
         stem = test.rsplit(".", 1)[-1].removeprefix("test_").rsplit("_", 1)[0]
         if stem not in STEMS:
-            raise SystemExit(f"{task_json}: target test {test!r} names no bug kind of evals.bundled.KINDS")
+            raise SystemExit(f"task {task.id}: target test {test!r} names no bug kind of evals.bundled.KINDS")
         kinds.append(stem)
-    return int(task["difficulty"]), tuple(kinds)
+    return int(task.difficulty), tuple(kinds)
 
 
 def groups(home: Path, run: str) -> list[tuple[int, tuple[str, ...], str]]:
     """(level, kinds, outcome) of every whole group the run's store holds: outcome ``all_failed``,
     ``all_solved``, ``all_alike`` (partial credit, every attempt the same) or ``teaches``."""
     run_dir = home / "runs" / run
-    store = run_dir / "store" / "rollouts.sqlite"
+    store = store_path(run_dir)
     if not store.is_file():
         raise SystemExit(f"{store}: no rollout store (is {home} a finished demo's home?)")
     db = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
     rows = db.execute("select g.task_id, g.group_size, count(*), min(r.reward), max(r.reward) from groups g "
                       "join rollouts r on r.group_id = g.group_id group by g.group_id").fetchall()
     db.close()
+    tasks = StreamTasks(run_dir / STREAM_DIR / "tasks")
     out = []
     for task_id, size, n, low, high in rows:
         if n < size:
             continue
-        level, kinds = task_kinds(run_dir / "task_stream" / "tasks" / task_id / "task.json")
+        level, kinds = task_kinds(tasks[task_id])
         outcome = ("teaches" if low != high else "all_failed" if high == 0 else "all_solved" if low >= 1.0
                    else "all_alike")
         out.append((level, kinds, outcome))
