@@ -21,8 +21,8 @@ class TaskDatasetConfig(dg.Config):
     build_workers: int = 0  # tasks of the bundled suite built at once; 0: four per core, at most 32
     harbor_sources: str = ""
     # The bundled suite's size: demonstration and held-out tasks per level, as many RL tasks as
-    # demonstrations, and 75 more held out after them (evals.bundled.generate; 60 gives 540 tasks,
-    # 270 held out: enough for a +5-point gain to show a paired 95% interval above zero).
+    # demonstrations, and 135 more held out after them (evals.bundled.generate; 60 gives 720 tasks,
+    # 450 held out: a +3-point gain shows a paired 95% interval above zero more often than not).
     bundled_per_level: int = 60
     # RL tasks per level (the curriculum and the RL loop draw from them alone); 0: as many as there
     # are demonstrations, 45 a level at 60. The held-out tasks generated after the RL ones come from
@@ -30,8 +30,8 @@ class TaskDatasetConfig(dg.Config):
     # evaluated on one suite. A run file with `[curriculum] task_stream = true` draws its RL tasks
     # from the task stream instead (a generator of its own), which leaves this suite as it is.
     bundled_rl_per_level: int = 0
-    # Held-out tasks per level generated after the RL ones; 0: five quarters of bundled_per_level
-    # (75 at 60: evals.bundled.default_extra_eval_per_level says why).
+    # Held-out tasks per level generated after the RL ones; 0: nine quarters of bundled_per_level
+    # (135 at 60: evals.bundled.default_extra_eval_per_level says why).
     bundled_extra_eval_per_level: int = 0
 
 

@@ -55,13 +55,14 @@ DEMO_WORKERS = 32
 # where the stream's level weights start (90 episodes).
 DEMO_CURRICULUM: dict[str, Any] = {"attempts_per_task": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS,
                                    "stream_tasks_per_level": 15}
-# The demo run's [eval]: two attempts at each of the suite's 270 held-out tasks per checkpoint (540
+# The demo run's [eval]: two attempts at each of the suite's 450 held-out tasks per checkpoint (900
 # episodes each). The paired interval of the change is set mostly by the number of tasks: in the demo
-# runs the spread of per-task differences gives +-2.8 to +-3.3 points at 270 tasks and +-3.8 to +-4.5
-# at 180, and the changes of 44 steps (-3.3 to +5.4 over nineteen seeds) showed above zero at 270 in
-# seven. 44 steps and 270 tasks fit the 20 minutes on an idle 2-core machine (970-1027 s with set-up
-# in the last six seeds, the mid-run checkpoint evaluated too); 36 steps and 180 tasks gave an
-# interval that included zero (docs/benchmarks.md, "`posttrain demo`" and "Held-out tasks and attempts").
+# runs the spread of per-task differences gave +-2.8 to +-3.4 points at 270 tasks (+-2.2 to +-2.6 at
+# 450 for the same spread) and +-3.8 to +-4.5 at 180, while 44 steps changed pass@1 by +2.6 on average
+# over the six seeds with the task stream's rule for tasks that teach, so at 270 a change of +2 showed
+# an interval across zero. The 180 tasks more cost about 130 s of the two evaluations; the mid-run
+# checkpoint is evaluated after them only while the budget below allows (docs/benchmarks.md,
+# "`posttrain demo`" and "Held-out tasks and attempts").
 DEMO_EVAL: dict[str, Any] = {"attempts": 2, "max_turns": DEMO_TURNS, "workers": DEMO_WORKERS}
 # The base and the final checkpoint are always evaluated; a checkpoint between them only while the
 # demo stays inside this budget (its evaluation is estimated to take as long as the last one did),

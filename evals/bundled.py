@@ -17,8 +17,9 @@ Bugs come from fixed *kinds* (a wrong operator, an off-by-one range, a flipped c
 slice, a wrong constant...) instantiated with varied names and constants, so a tiny model trained on
 the train split can learn the kinds and be measured on held-out instances (``split="eval"``, a fixed
 quarter of the first ``per_level`` tasks of each level, and ``extra_eval_per_level`` more generated after
-the RL tasks: 90 a level, 270 in all, by default, sized so that a held-out gain of +5 points of pass@1
-shows a paired 95% interval above zero: :func:`default_extra_eval_per_level`).
+the RL tasks: 150 a level, 450 in all, by default, sized so that a held-out gain of +5 points of pass@1
+shows a paired 95% interval above zero nearly always, and one of +3 more often than not:
+:func:`default_extra_eval_per_level`).
 
 The train split has two parts. The train tasks among the first ``per_level`` of a level are
 *demonstrations* (``metadata.demonstration = true``): the embedded base model is trained on their
@@ -236,20 +237,22 @@ def default_rl_per_level(per_level: int) -> int:
 
 
 def default_extra_eval_per_level(per_level: int) -> int:
-    """Held-out tasks per level generated after the RL tasks: five quarters of ``per_level`` (75 of
-    60, which with the 15 held out among the first 60 makes 90 a level, 270 in all).
+    """Held-out tasks per level generated after the RL tasks: nine quarters of ``per_level`` (135 of
+    60, which with the 15 held out among the first 60 makes 150 a level, 450 in all).
 
-    Why 270: ``eval_report``'s interval on the paired change is a bootstrap over tasks of each task's
+    Why 450: ``eval_report``'s interval on the paired change is a bootstrap over tasks of each task's
     difference of attempt means (:func:`evals.metrics.paired_attempt_difference`), so its width is
-    1.96 * sqrt(V / n) for V the variance of those differences: attempt noise, Q/a with Q = 0.13 the
-    mean p(1-p) of a task's pass rate p, base plus trained (each checkpoint's pass@2 minus its pass@1),
-    plus how differently RL moves each task, about 0.0585 (the demo runs of 135 tasks). At 2 attempts
-    that is +-4.2 points at n = 270 (+-5.9 at 135); a demo run measured V = 0.069, +-3.1. Attempts buy
-    less than tasks: 4 attempts on 270 tasks (twice the episodes) give +-3.6. The extra tasks come
-    after every earlier one in their level's random stream, so the 135 held-out tasks of the earlier
-    default are among the 270 (docs/benchmarks.md, "Held-out tasks and attempts: how many for a +5
-    gain")."""
-    return per_level * 5 // 4
+    1.96 * sqrt(V / n) for V the variance of those differences. The demo runs at 270 tasks and 2
+    attempts gave +-2.8 to +-3.4 points (V about 0.055 to 0.08), while their changes after 44 steps
+    averaged +2.6 over the six seeds with the task stream's rule for tasks that teach
+    (docs/benchmarks.md, "`posttrain demo`"): changes of +0.7 to +2.2 showed intervals across zero.
+    At 450 the same V gives +-2.2 to +-2.6. Tasks buy at least as much as attempts for the same
+    episodes: a task's difference carries how differently RL moves each task, which more attempts do
+    not average away (in these runs most of V was attempt noise, so the two buy about the same). The
+    extra tasks come after every earlier one in their level's random stream, so the 270 held-out
+    tasks of the earlier default (and the 135 of the one before) are among the 450
+    (docs/benchmarks.md, "Held-out tasks and attempts: how many for a +5 gain")."""
+    return per_level * 9 // 4
 
 
 def generate(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None,

@@ -12,16 +12,16 @@ from evals.tasks import load_tasks, summarize
 
 def test_generation_is_deterministic_and_split():
     """Per level: 60 tasks (every 4th held out, the others demonstrations for the base model), then
-    45 RL tasks, then 75 more held-out tasks (90 a level held out); no two tasks share a module's
+    45 RL tasks, then 135 more held-out tasks (150 a level held out); no two tasks share a module's
     text, so no RL task repeats a held-out one."""
     a, b = bundled.generate(), bundled.generate()
     assert [g.files for g in a] == [g.files for g in b]
-    assert len(a) == 540 and len({g.id for g in a}) == 540
-    assert len({g.files[f"{g.module}.py"] for g in a}) == 540
+    assert len(a) == 720 and len({g.id for g in a}) == 720
+    assert len({g.files[f"{g.module}.py"] for g in a}) == 720
     assert {g.difficulty for g in a} == {1, 2, 3}
     held_out = [g for g in a if g.split == "eval"]
-    assert len(held_out) == 270 and all(g.split == "train" for g in a if g not in held_out)
-    assert {lv: sum(g.difficulty == lv for g in held_out) for lv in (1, 2, 3)} == {1: 90, 2: 90, 3: 90}
+    assert len(held_out) == 450 and all(g.split == "train" for g in a if g not in held_out)
+    assert {lv: sum(g.difficulty == lv for g in held_out) for lv in (1, 2, 3)} == {1: 150, 2: 150, 3: 150}
     demonstrations = [g for g in a if g.demonstration]
     assert len(demonstrations) == 135 and not any(g.demonstration for g in held_out)
     rl = [g for g in a if g.split == "train" and not g.demonstration]
@@ -33,8 +33,9 @@ def test_generation_is_deterministic_and_split():
     assert [g.files for g in bundled.generate(extra_eval_per_level=0)] == [g.files for g in a if int(g.id.split("-")[2]) < 105]
     assert [g.files for g in bundled.generate(rl_per_level=0, extra_eval_per_level=0)] == \
         [g.files for g in a if int(g.id.split("-")[2]) < 60]
-    # the 135 held-out tasks of 30 extra a level are among the 270
+    # the held-out tasks of 30 and of 75 extra a level (135 and 270 in all) are among the 450
     assert [g.files for g in bundled.generate(extra_eval_per_level=30)] == [g.files for g in a if int(g.id.split("-")[2]) < 135]
+    assert [g.files for g in bundled.generate(extra_eval_per_level=75)] == [g.files for g in a if int(g.id.split("-")[2]) < 180]
     with pytest.raises(ValueError, match="extra_eval_per_level=-1"):
         bundled.generate(extra_eval_per_level=-1)
 
