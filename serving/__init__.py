@@ -44,6 +44,8 @@ HTTP endpoints of a replica (``serving.http``): ``POST /generate``, ``POST /load
 ``POST /unload_lora_adapter``, ``PUT /lora_shards/{name}/{i}?num_shards=N`` +
 ``POST /commit_lora_adapter`` (sharded adapter upload), ``GET /health``, ``/server_info``,
 ``/metrics`` (``sglang:`` names), ``GET|DELETE /sessions/{rid}``. Bad input: HTTP 400 naming the field.
+The adapter routes, and the router's ``/publish_adapter``, need the trainer credential
+(``Authorization: Bearer``, :mod:`serving.capture_store`); ``push_adapter`` and ``EngineClient`` send it.
 
 Publishing a new adapter version (the trainer, ``training.publish``; versions are named by step)::
 
@@ -51,7 +53,7 @@ Publishing a new adapter version (the trainer, ``training.publish``; versions ar
     publish_to_volume(adapter_dir, run_dir / "adapters", "step_000002")  # late joiners load the newest
     push_adapter(replica_url, "step_000002", adapter_dir, num_shards=4)   # parallel shards over HTTP
     EngineClient(router_url).pool.json("POST", f"{router_url}/publish_adapter",
-        {"lora_name": "step_000002", "lora_path": str(run_dir / "adapters" / "step_000002")})
+        {"lora_name": "step_000002", "lora_path": str(run_dir / "adapters" / "step_000002")}, trainer_headers())
 
 The router and the fleet (``lora_path="latest"``: the newest version ready in every pool, pinned
 for the session's life)::

@@ -139,25 +139,29 @@ def shard_adapter(adapter_dir: str | Path, num_shards: int) -> tuple[dict[str, A
     return config, [save(g) for g in groups]
 
 
-def push_adapter(url: str, lora_name: str, adapter_dir: str | Path, *, num_shards: int = 4, pool=None) -> dict[str, Any]:
-    """Send an adapter to one replica (or the capture sidecar) in parallel shards, then commit."""
+def push_adapter(url: str, lora_name: str, adapter_dir: str | Path, *, num_shards: int = 4, pool=None,
+                 credential: str | None = None) -> dict[str, Any]:
+    """Send an adapter to one replica (or the capture sidecar) in parallel shards, then commit, with
+    the trainer ``credential`` (this process's unless given), which the replica's adapter routes need."""
+    from serving.capture_store import trainer_headers
     from serving.client import HttpPool
 
     pool = pool or HttpPool()
+    auth = trainer_headers(credential)
     config, blobs = shard_adapter(adapter_dir, num_shards)
     base = url.rstrip("/")
 
     def put(i: int) -> None:
         status, data, _ = pool.request(
             "PUT", f"{base}/lora_shards/{lora_name}/{i}?num_shards={len(blobs)}", blobs[i],
-            headers={"Content-Type": "application/octet-stream"})
+            headers={"Content-Type": "application/octet-stream", **auth})
         if status >= 300:
             raise RuntimeError(f"{base}: shard {i} of {lora_name}: HTTP {status}: {data.decode(errors='replace')}")
 
     with ThreadPoolExecutor(max_workers=len(blobs)) as ex:
         list(ex.map(put, range(len(blobs))))
     return pool.json("POST", f"{base}/commit_lora_adapter",
-                     {"lora_name": lora_name, "num_shards": len(blobs), "adapter_config": config})
+                     {"lora_name": lora_name, "num_shards": len(blobs), "adapter_config": config}, auth)
 
 
 class ShardAssembler:

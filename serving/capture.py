@@ -20,7 +20,9 @@ What the front adds to the engine:
 - sessions that belong to their caller: a call into a session, and reading or deleting it, needs the
   session's key or the trainer credential (:mod:`serving.capture_store`), which this process takes
   from ``$POSTTRAIN_TRAINER_CREDENTIAL`` or ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE`` (the router and
-  the trainer must have the same).
+  the trainer must have the same);
+- adapters that only the trainer changes: loading, unloading and uploading one needs the trainer
+  credential (403 otherwise), since a version loaded is what later calls sample.
 
 The chat route (``POST /v1/chat/completions``) is served by :mod:`serving.chat` when that module
 is installed: ``serving.chat.chat_completions(front, request)`` gets this front (its ``engine``,
@@ -44,7 +46,7 @@ from serving.client import HttpPool
 from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
 from serving.http import (EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, check_generate_sessions,
-                          session_routes)
+                          require_trainer, session_routes)
 from serving.protocol import (BASE_WEIGHT_VERSION, GenerateRequest, engine_adapter, parse_adapter_load,
                               parse_adapter_name, parse_generate, render_metrics)
 
@@ -150,11 +152,13 @@ class CaptureFront(JsonServer):
             return sorted(self.adapters)
 
     def _load(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "loading an adapter")
         name, path = parse_adapter_load(req.json())
         self.load_adapter(name, path)
         return {"success": True, "loaded_adapters": self._loaded()}
 
     def _unload(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "unloading an adapter")
         name = parse_adapter_name(req.json())
         self.engine.unload_adapter(name)
         with self._lock:
@@ -165,6 +169,7 @@ class CaptureFront(JsonServer):
         return EngineServer._shard(self, req)  # the engine server's receiving code, on this front's assembler
 
     def _commit(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "loading an adapter")
         body = req.json()
         name = parse_adapter_name(body)
         # The engine reads the assembled adapter from this path: the same machine, or a volume both mount.

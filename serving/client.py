@@ -163,10 +163,12 @@ class EngineClient:
         return session_key(self.credential, session_id)
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        return self.pool.json("POST", f"{self.url}/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)})
+        return self.pool.json("POST", f"{self.url}/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)},
+                              trainer_headers(self.credential))
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
-        return self.pool.json("POST", f"{self.url}/unload_lora_adapter", {"lora_name": lora_name})
+        return self.pool.json("POST", f"{self.url}/unload_lora_adapter", {"lora_name": lora_name},
+                              trainer_headers(self.credential))
 
     def health(self) -> bool:
         return answers_health(self.pool, self.url)

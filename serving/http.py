@@ -17,6 +17,10 @@ Endpoints (JSON unless said):
   GET  /sessions, /sessions/{rid}; DELETE /sessions/{rid}   (captured calls: the session's key or
                               the trainer credential, serving.capture_store)
 
+The four adapter routes need the trainer credential (``Authorization: Bearer``, else ``403``): an
+adapter loaded is the policy every later call may sample, and ``lora_path`` names a folder the
+replica reads.
+
 Bad input is answered 400 with ``{"error": "..."}`` naming the field.
 
 Every server here (:class:`JsonServer` and its subclasses: the engine server, the capture front, the
@@ -689,13 +693,18 @@ def check_generate_sessions(capture: CaptureStore, requests: list, headers: dict
         check_session_access(capture, session_id, headers, "a call into it", appending=True)
 
 
+def require_trainer(capture: CaptureStore, headers: dict[str, str] | None, doing: str) -> None:
+    """Refuse (403) a caller without the trainer credential (:mod:`serving.capture_store`)."""
+    if not capture.is_trainer(headers):
+        raise HttpError(403, f"{doing} needs the trainer credential (Authorization: Bearer)")
+
+
 def session_routes(capture: CaptureStore) -> dict[tuple[str, str], Route]:
     """``GET /sessions`` (with the trainer credential only) and ``GET|DELETE /sessions/{id}`` (with
     the session's key or the trainer credential); any other caller gets 403."""
 
     def listing(req: Request) -> Any:
-        if not capture.is_trainer(req.headers):
-            raise HttpError(403, "listing sessions needs the trainer credential (Authorization: Bearer)")
+        require_trainer(capture, req.headers, "listing sessions")
         return {"sessions": capture.sessions()}
 
     def read(req: Request) -> Any:
@@ -749,16 +758,19 @@ class EngineServer(JsonServer):
             lambda r: capture_generate(self.engine.generate, r, self.capture, self.url), requests))
 
     def _load(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "loading an adapter")
         name, path = parse_adapter_load(req.json())
         self.engine.load_lora_adapter(name, path)
         return {"success": True, "loaded_adapters": self.engine.adapters()}
 
     def _unload(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "unloading an adapter")
         name = parse_adapter_name(req.json())
         self.engine.unload_lora_adapter(name)
         return {"success": True, "loaded_adapters": self.engine.adapters()}
 
     def _shard(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "uploading an adapter")
         if len(req.params) != 2:
             raise BadRequest("use PUT /lora_shards/{lora_name}/{shard_index}?num_shards=N")
         name = parse_adapter_name({"lora_name": req.params[0]})
@@ -771,6 +783,7 @@ class EngineServer(JsonServer):
         return {"success": True}
 
     def _commit(self, req: Request) -> Any:
+        require_trainer(self.capture, req.headers, "loading an adapter")
         body = req.json()
         name = parse_adapter_name(body)
         path = self.shards.commit(name, body.get("num_shards"), body.get("adapter_config"))

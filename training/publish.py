@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from serving.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish_to_volume, push_adapter
+from serving.capture_store import trainer_headers
 from serving.client import EngineError, HttpPool
 
 
@@ -104,7 +105,7 @@ class AdapterPublisher:
             if old in in_use:
                 continue  # a group in flight samples it: kept, and tried again after the next version
             try:
-                self._pool.json("POST", f"{url}/unload_lora_adapter", {"lora_name": old})
+                self._pool.json("POST", f"{url}/unload_lora_adapter", {"lora_name": old}, trainer_headers())
             except EngineError:
                 continue  # still used by running requests: tried again after the next version
             live.remove(old)

@@ -160,7 +160,8 @@ class Router:
     def _load(self, url: str, lora_name: str, lora_path: str) -> None:
         """Load a version on one replica; "already loaded" (SGLang's and vLLM's 400) is success."""
         try:
-            self.pool.json("POST", f"{url}/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+            self.pool.json("POST", f"{url}/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                           trainer_headers(self.credential))
         except EngineError as exc:
             if exc.status != 400 or "already" not in str(exc.message).lower():
                 raise

@@ -10,7 +10,8 @@ sticky per ``X-Session-Id``, :mod:`serving.router.chat`, ``GET /health``, ``/met
 Bad input is answered 400 naming the field. A call into a session, reading it and ending it need the
 session's key or the trainer credential (403 otherwise: :mod:`serving.router.core`); adding or
 removing a worker needs the trainer credential, since a replica of a caller's own would serve and
-capture the sessions placed on it.
+capture the sessions placed on it; so does publishing an adapter (it names what replicas load and
+serve). The replicas' own adapter routes need it too (:mod:`serving.http`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class RouterServer(JsonServer):
         return {"removed": url}
 
     def _publish(self, req: Request) -> Any:
+        self._trainer_only(req, "publishing an adapter")
         body = req.json()
         name = parse_adapter_name(body)
         path = body.get("lora_path")

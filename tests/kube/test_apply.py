@@ -8,6 +8,7 @@ offline validation uses, so it is the strictest reader the manifests meet (ports
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def stored(admin, manifests) -> dict[str, dict]:
 def test_every_manifest_applies_and_a_second_apply_changes_nothing(admin, namespace):
     manifests = k8s.build_manifests(resolve(example_in(namespace)))
     first = runner.apply_k8s(manifests, api_client=admin)
-    assert [a.action for a in first] == ["created"] * len(manifests) == ["created"] * 18, [str(a) for a in first]
+    assert [a.action for a in first] == ["created"] * len(manifests) == ["created"] * 19, [str(a) for a in first]
     objects = stored(admin, manifests)
     assert all(objects.values())
 
@@ -67,6 +68,19 @@ def test_every_manifest_applies_and_a_second_apply_changes_nothing(admin, namesp
         else:
             assert refs == [{"apiVersion": "v1", "kind": "ConfigMap", "name": plan["metadata"]["name"],
                              "uid": plan["metadata"]["uid"], "blockOwnerDeletion": False}], path
+
+    # the trainer credential: made by the first apply, kept by the others, never in the manifests
+    secret_manifest = next(m for m in manifests if m["kind"] == "Secret")
+    assert "data" not in secret_manifest and "stringData" not in secret_manifest
+    secret = objects[runner.object_path(secret_manifest)]
+    value = base64.b64decode(secret["data"]["credential"]).decode()
+    assert len(value) == 64 and value == base64.b64decode(stored(admin, manifests)[runner.object_path(secret_manifest)]
+                                                          ["data"]["credential"]).decode()
+    uses = {(obj["kind"], c["name"]) for obj in objects.values() for c in
+            (obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [])
+            if {"name": "POSTTRAIN_TRAINER_CREDENTIAL", "valueFrom": {"secretKeyRef": {
+                "name": secret["metadata"]["name"], "key": "credential"}}} in c.get("env", [])}
+    assert uses == {("Job", "trainer"), ("Deployment", "router"), ("StatefulSet", "capture")}, uses
 
     deleted = runner.delete_k8s(manifests, api_client=admin)
     assert len(deleted) == len(manifests) - 2
@@ -114,6 +128,6 @@ def test_posttrain_run_applies_every_manifest_and_again_changes_nothing(kubeconf
     print(second.stdout)
     lines = [line for line in second.stdout.splitlines() if line.startswith(tuple(k for k in (
         "PersistentVolumeClaim/", "ConfigMap/", "ServiceAccount/", "Role/", "RoleBinding/", "NetworkPolicy/",
-        "Service/", "StatefulSet/", "PodDisruptionBudget/", "Deployment/", "Job/")))]
-    assert len(lines) == 18 and all(line.endswith(" unchanged") for line in lines), second.stdout
-    assert sum(line.endswith(" created") for line in first.stdout.splitlines()) == 18, first.stdout
+        "Service/", "StatefulSet/", "PodDisruptionBudget/", "Deployment/", "Job/", "Secret/")))]
+    assert len(lines) == 19 and all(line.endswith(" unchanged") for line in lines), second.stdout
+    assert sum(line.endswith(" created") for line in first.stdout.splitlines()) == 19, first.stdout

@@ -173,7 +173,7 @@ def engine(tmp_path_factory):
     model = build_tiny_model(root / "model")
     adapter = build_tiny_lora_adapter(model, root / "v1", seed=1)
     server = serve(LocalEngine(model, max_total_tokens=4096, torch_threads=1), port=0, staging_dir=root / "staging")
-    pool = HttpPool(timeout_s=60)
+    pool = HttpPool(timeout_s=60, headers=trainer_headers())  # bad input from the trainer: past the credential checks
     pool.json("POST", f"{server.url}/load_lora_adapter", {"lora_name": "v1", "lora_path": str(adapter)})
     yield server, pool, root
     server.shutdown()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from serving.adapters import newest_adapter, publish_to_volume, push_adapter
+from serving.capture_store import trainer_headers
 from serving.client import EngineClient, EngineError
 from serving.local_engine import LocalEngine
 from serving.capture import serve_sidecar
@@ -92,14 +93,55 @@ def test_sharded_upload_loads_the_same_adapter(tiny_model, adapters, tmp_path):
         b = client.generate(PROMPT, params, lora_path="v000002")["output_ids"]
         assert a == b
         # A commit before every shard arrived is refused, naming what is missing.
-        client.pool.request("PUT", f"{server.url}/lora_shards/v9/0?num_shards=2", b"x")
+        client.pool.request("PUT", f"{server.url}/lora_shards/v9/0?num_shards=2", b"x", trainer_headers())
         try:
-            client.pool.json("POST", f"{server.url}/commit_lora_adapter", {"lora_name": "v9", "num_shards": 2, "adapter_config": {"peft_type": "LORA"}})
+            client.pool.json("POST", f"{server.url}/commit_lora_adapter", {"lora_name": "v9", "num_shards": 2, "adapter_config": {"peft_type": "LORA"}},
+                             trainer_headers())
             raise AssertionError("commit with a missing shard was accepted")
         except EngineError as exc:
             assert exc.status == 400 and "shards [1]" in exc.message
     finally:
         server.shutdown()
+
+
+def test_adapter_routes_need_the_trainer_credential(tiny_model, adapters):
+    """A version loaded is what later calls may sample, and ``lora_path`` names a folder the replica
+    reads: the engine server's and the capture front's adapter routes answer 403 to a caller without
+    the trainer credential or with another one, and load, unload and stage nothing; the trainer's
+    ``push_adapter`` and ``EngineClient`` carry the credential and are served."""
+    import json
+
+    from serving.adapters import shard_adapter
+    from serving.client import HttpPool
+
+    config, blobs = shard_adapter(adapters["v000002"], 1)
+    engine = serve(LocalEngine(tiny_model, max_total_tokens=4096, torch_threads=1), port=0)
+    front = serve_sidecar(engine.url, port=0)
+    try:
+        for url in (engine.url, front.url):
+            EngineClient(url).load_lora_adapter("v000001", str(adapters["v000001"]))
+            calls = [("POST", "/load_lora_adapter", {"lora_name": "v000002", "lora_path": str(adapters["v000002"])}),
+                     ("POST", "/unload_lora_adapter", {"lora_name": "v000001"}),
+                     ("PUT", "/lora_shards/v000002/0?num_shards=1", blobs[0]),
+                     ("POST", "/commit_lora_adapter", {"lora_name": "v000002", "num_shards": 1, "adapter_config": config})]
+            for headers in ({}, trainer_headers("another-credential-" + "x" * 40)):
+                pool = HttpPool(timeout_s=60, headers=headers)
+                for method, path, body in calls:
+                    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                    status, answer, _ = pool.request(method, url + path, data)
+                    assert status == 403 and b"trainer credential" in answer, (url, path, status, answer[:200])
+            assert EngineClient(url).server_info()["loaded_adapters"] == ["v000001"], url
+            # the shard a stranger sent was never staged: a commit with the credential finds nothing
+            with pytest.raises(EngineError) as err:
+                EngineClient(url).pool.json("POST", url + "/commit_lora_adapter",
+                                            {"lora_name": "v000002", "num_shards": 1, "adapter_config": config}, trainer_headers())
+            assert err.value.status == 400 and "shards [0]" in err.value.message
+            assert push_adapter(url, "v000002", adapters["v000002"], num_shards=2)["success"]
+            EngineClient(url).unload_lora_adapter("v000001")
+            assert EngineClient(url).server_info()["loaded_adapters"] == ["v000002"], url
+    finally:
+        front.shutdown()
+        engine.shutdown()
 
 
 def test_a_merged_adapter_is_the_adapter_and_the_front_serves_it_under_its_name(tiny_model, adapters, tmp_path):

@@ -177,6 +177,20 @@ def test_a_replica_of_the_attackers_own_cannot_join_the_router(stack, attacker):
         fake.shutdown()
 
 
+def test_an_adapter_cannot_be_announced_to_the_router_without_the_credential(stack, attacker):
+    """``POST /publish_adapter`` makes the router load a version on every replica and count it
+    ready for new sessions: an announcement of the attacker's own (a folder it chose) is refused
+    (403) with its own key, and the router's table and replicas are unchanged."""
+    router, url = stack["router"], stack["router_url"]
+    published = dict(router.published)
+    serving = {u: set(r.adapters) for u, r in router.replicas.items()}
+    for headers in ({}, own_key()):
+        status, data, _ = attacker.request("POST", f"{url}/publish_adapter",
+                                           json.dumps({"lora_name": "evil", "lora_path": "/tmp/evil"}).encode(), headers)
+        assert status == 403 and b"trainer credential" in data, (status, data[:200])
+    assert router.published == published and {u: set(r.adapters) for u, r in router.replicas.items()} == serving
+
+
 def test_the_trainer_deletes_and_the_key_holder_keeps_working(stack):
     trainer = stack["trainer"]
     sid = "run-a/g2/0"

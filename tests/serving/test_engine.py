@@ -4,6 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from serving.capture_store import trainer_headers
 from serving.client import EngineClient, EngineError
 from serving.local_engine import LocalEngine
 from serving.http import serve
@@ -125,7 +126,8 @@ def test_bad_adapter_requests_are_400(engine_server, tmp_path):
         client.load_lora_adapter("v1", str(tmp_path))
     assert err.value.status == 400 and "lora_path" in err.value.message
     with pytest.raises(EngineError) as err:
-        client.pool.json("POST", f"{engine_server.url}/load_lora_adapter", {"lora_name": "bad name!", "lora_path": "x"})
+        client.pool.json("POST", f"{engine_server.url}/load_lora_adapter", {"lora_name": "bad name!", "lora_path": "x"},
+                         trainer_headers())
     assert err.value.status == 400 and "lora_name" in err.value.message
 
 

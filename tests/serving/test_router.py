@@ -60,7 +60,8 @@ def test_latest_version_waits_for_every_pool_and_running_sessions_keep_theirs(st
     assert router.newest_ready_version() == "v000001"
     assert client.generate(PROMPT, PARAMS, lora_path="latest", rid="mid")["meta_info"]["weight_version"] == "v000001"
     # Published to the router: the on-demand pool gets it, new sessions take it at once.
-    client.pool.json("POST", f"{client.url}/publish_adapter", {"lora_name": "v000002", "lora_path": str(adapters["v000002"])})
+    client.pool.json("POST", f"{client.url}/publish_adapter", {"lora_name": "v000002", "lora_path": str(adapters["v000002"])},
+                     trainer_headers())
     assert router.newest_ready_version() == "v000002"
     assert client.generate(PROMPT, PARAMS, lora_path="latest", rid="new")["meta_info"]["weight_version"] == "v000002"
     again = client.generate(PROMPT + old["output_ids"], PARAMS, lora_path="latest", rid="old")

@@ -19,6 +19,11 @@ Least privilege, as an operator reads it:
 - engine pods admit only the router (model calls) and the trainer (adapter uploads), on the capture
   sidecar's port (SGLang itself listens on the pod IP for the kubelet's probes, which NetworkPolicy
   does not filter);
+- the trainer, the router and the capture sidecars share the run's trainer credential
+  (:mod:`serving.capture_store`: reading a session and changing adapters need it) through a Secret
+  (``RUN-credential``, key ``credential``) given to them as ``$POSTTRAIN_TRAINER_CREDENTIAL``; the
+  manifests carry no value: the first apply makes a random one and every later apply keeps it
+  (``training.planner.runner.apply_k8s``), so ``--dry-run`` never prints it;
 - every container runs as uid 1000 without privilege escalation, with every capability dropped,
   the RuntimeDefault seccomp profile and a read-only root; ``/tmp`` (and ``HOME`` in it) is a
   writable emptyDir, multi-GPU pods get a memory-backed ``/dev/shm``.
@@ -38,7 +43,7 @@ from typing import Any
 from sandboxes.k8s import label_value, sandbox_selector
 from serving import sglang
 from training.planner.resolve import Plan
-from training.planner.runner import TRAINER_MODULE, trainer_args, trainer_launcher
+from training.planner.runner import CREDENTIAL_COMPONENT, CREDENTIAL_KEY, TRAINER_MODULE, trainer_args, trainer_launcher
 
 # The entry point of each workload, run as ``python -m MODULE``.
 WORKLOAD_MODULES = {
@@ -132,6 +137,18 @@ CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
+
+
+def credential_secret_name(plan: Plan) -> str:
+    return f"{k8s_name(plan.run_name)}-{CREDENTIAL_COMPONENT}"
+
+
+def _credential_env(plan: Plan) -> dict[str, Any]:
+    """``$POSTTRAIN_TRAINER_CREDENTIAL`` from the run's Secret (never a value in the manifest)."""
+    from serving.capture_store import CREDENTIAL_ENV
+
+    return {"name": CREDENTIAL_ENV,
+            "valueFrom": {"secretKeyRef": {"name": credential_secret_name(plan), "key": CREDENTIAL_KEY}}}
 
 
 def _scheduling(plan: Plan, gpus: int) -> dict[str, Any]:
@@ -246,6 +263,9 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "metadata": _meta(plan, "plan", "plan"),
         "data": {PLAN_FILE: plan.to_json_text()},
     }
+    # No data here: apply_k8s makes the value at the first apply and keeps it after (see above).
+    credential = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                  "metadata": _meta(plan, CREDENTIAL_COMPONENT, CREDENTIAL_COMPONENT)}
 
     gpus = rf.trainer.gpus
     trainer = {
@@ -263,7 +283,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     # one process per GPU (torchrun) when the pod has several: every GPU trains
                     "command": [*trainer_launcher(gpus), *trainer_args(f"{PLAN_MOUNT}/{PLAN_FILE}", run_dir_in_pod(plan))],
                     "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url},
-                            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}],
+                            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}, _credential_env(plan)],
                     "volumeMounts": [*_MOUNTS, *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus > 1 else [])],
                     "resources": _resources(str(max(4, 4 * gpus)), f"{max(32, 32 * gpus)}Gi", gpus),
                 }], gpus=gpus, service_account=trainer_account,
@@ -302,6 +322,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         c["securityContext"] = dict(CONTAINER_SECURITY)
         c["volumeMounts"].append(tmp_mount)
         c["env"] = [*c.get("env", []), {"name": "HOME", "value": "/tmp/home"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]
+    capture_c["env"].append(_credential_env(plan))  # SGLang itself gets none: it is reached only through the sidecar
     template["spec"]["volumes"].append({"name": "tmp", "emptyDir": {"sizeLimit": "50Gi"}})
     template["spec"].update(securityContext=dict(POD_SECURITY), automountServiceAccountToken=False,
                             enableServiceLinks=False, **_scheduling(plan, engine_gpus))
@@ -354,7 +375,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                                 "--adapters-volume", f"{run_dir_in_pod(plan)}/adapters"],
                     "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
                     "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
-                    "env": _env(plan),
+                    "env": [*_env(plan), _credential_env(plan)],
                     "volumeMounts": _MOUNTS,
                     "resources": _resources("2", "4Gi"),
                 }]),
@@ -451,7 +472,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                          "ports": [{"protocol": "TCP", "port": POOL_PORT}]}],
         },
     }
-    manifests = [volume, plan_map, *accounts, role, binding, no_network, pool_ingress, engine_ingress, engine_service, engines,
+    manifests = [volume, plan_map, credential, *accounts, role, binding, no_network, pool_ingress, engine_ingress, engine_service, engines,
                  engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
     # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
     return [as_served(m) for m in json.loads(json.dumps(manifests))]

@@ -112,11 +112,15 @@ def start_local(plan_path: Path, run_dir: Path, gpus: int = 0) -> int:
 
 
 FIELD_MANAGER = "posttrain"
+# The run's trainer credential Secret (training.planner.k8s): its component label and its one key.
+CREDENTIAL_COMPONENT = "credential"
+CREDENTIAL_KEY = "credential"
 
 # The REST collection of each kind the run's manifests hold (all namespaced).
 _COLLECTIONS = {
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Service"): "services",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
@@ -270,6 +274,8 @@ def apply_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None, *,
                 if exc.status != 404:
                     raise
                 before = None
+            if is_credential(manifest):
+                manifest = with_credential(manifest, before)
             after = api.call_api(path, "PATCH", query_params=query, body=manifest, response_types_map=_AS_DICT,
                                  header_params={"Content-Type": "application/apply-patch+yaml",
                                                 "Accept": "application/json"},
@@ -306,6 +312,24 @@ def is_plan(manifest: dict[str, Any]) -> bool:
     """The run's plan ConfigMap (``training.planner.k8s``: component ``plan``): the owner of the rest."""
     labels = manifest.get("metadata", {}).get("labels") or {}
     return manifest.get("kind") == "ConfigMap" and labels.get("app.kubernetes.io/component") == PLAN_COMPONENT
+
+
+def is_credential(manifest: dict[str, Any]) -> bool:
+    """The run's trainer credential Secret (``training.planner.k8s``: component ``credential``)."""
+    labels = manifest.get("metadata", {}).get("labels") or {}
+    return manifest.get("kind") == "Secret" and labels.get("app.kubernetes.io/component") == CREDENTIAL_COMPONENT
+
+
+def with_credential(manifest: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """The credential Secret with its value: the one the server holds (an apply never changes the
+    credential of running pods), else a new random one (64 hex characters)."""
+    import base64
+    import secrets
+
+    value = ((before or {}).get("data") or {}).get(CREDENTIAL_KEY)
+    if not value:
+        value = base64.b64encode(secrets.token_hex(32).encode()).decode()
+    return {**manifest, "data": {CREDENTIAL_KEY: value}}
 
 
 def owned_by(manifest: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
