@@ -107,6 +107,24 @@ def trainer_headers(credential: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {credential if credential is not None else trainer_credential()}"}
 
 
+_ENGINE_KEY_DOMAIN = b"posttrain-engine-api-key\0"
+
+
+def engine_headers(credential: str | None = None) -> dict[str, str]:
+    """Headers for the engine server behind a capture front (vLLM's own API, which the project
+    starts with ``VLLM_API_KEY`` set to :func:`engine_api_key`): made from the trainer credential,
+    so the front and the trainer's tools agree on it and no other loopback client can load adapters
+    or generate past the front."""
+    return {"Authorization": f"Bearer {engine_api_key(credential)}"}
+
+
+def engine_api_key(credential: str | None = None) -> str:
+    """The engine server's key (see :func:`engine_headers`); not the credential itself, which the
+    engine never needs."""
+    credential = credential if credential is not None else trainer_credential()
+    return hmac.new(credential.encode(), _ENGINE_KEY_DOMAIN, hashlib.sha256).hexdigest()
+
+
 def session_headers(session_id: str, credential: str | None = None) -> dict[str, str]:
     """Headers of a call into ``session_id``: its id and its key."""
     credential = credential if credential is not None else trainer_credential()

@@ -58,7 +58,8 @@ from urllib.parse import urlsplit
 
 from jinja2 import TemplateError
 
-from serving.capture_store import SESSION_HEADER, SESSION_KEY_HEADER, CaptureStore, new_session_id, session_key
+from serving.capture_store import (SESSION_HEADER, SESSION_KEY_HEADER, CaptureStore, engine_headers, new_session_id,
+                                   session_key)
 from serving.chat_template import render_chat
 from serving.client import HttpPool
 from serving.http import HttpError, Reply, Request, Stream, check_session_access
@@ -396,7 +397,8 @@ class ChatCompletions:
         self.capture = capture
         self.replica = replica
         self.timeout_s = timeout_s
-        self.pool = pool or HttpPool(timeout_s)
+        # vLLM started by the project refuses its /v1 routes without this key (serving.engines.vllm)
+        self.pool = pool or HttpPool(timeout_s, headers=engine_headers())
         self._engine_model = engine_model
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
@@ -530,7 +532,8 @@ class ChatCompletions:
         conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=self.timeout_s)
         t0 = time.perf_counter()
         try:
-            conn.request("POST", "/v1/chat/completions", body=payload, headers={"Content-Type": "application/json"})
+            conn.request("POST", "/v1/chat/completions", body=payload,
+                         headers={"Content-Type": "application/json", **engine_headers()})
             resp = conn.getresponse()
         except OSError as exc:
             conn.close()

@@ -21,6 +21,11 @@ top-k and top-p applied), as SGLang reports them; at temperature 1 without filte
 model's own. Adapters load at run time (``/v1/load_lora_adapter``; a name already loaded is
 success) and are listed by ``/v1/models``. Metrics are vLLM's Prometheus names, normalized into
 :class:`~serving.engines.base.EngineMetrics`.
+
+The server's ``/v1`` routes need a key (``VLLM_API_KEY`` in its environment:
+:func:`serving.capture_store.engine_api_key`, made from the trainer credential), which this client
+sends; a loopback client without it cannot load adapters or generate past the capture front. A vLLM
+server started without a key ignores the header.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import re
 import sys
 from typing import Any
 
+from serving.capture_store import engine_api_key, engine_headers
 from serving.client import EngineError, HttpPool, error_message
 from serving.engines.vllm_server import BUSY_POLL_ENV
 from serving.engines.base import EngineMetrics, Generation
@@ -111,6 +117,9 @@ def vllm_command(model: str, port: int, *, max_loras: int = 4, max_lora_rank: in
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",
+        # vLLM refuses its /v1 routes (completions, chat, adapter loading) without this key; the
+        # capture front and the trainer's tools make it from the trainer credential (never argv)
+        "VLLM_API_KEY": engine_api_key(),
     })
     if cpu_cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
@@ -234,10 +243,11 @@ class VllmEngine:
         self.url = url.rstrip("/")
         self.pool = pool or HttpPool(timeout_s)
         self._max_model_len: int | None = None
+        self._auth = engine_headers()  # the key vllm_command gives the server (ignored by one without a key)
 
     def _call(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
         body = json.dumps(payload).encode() if payload is not None else None
-        status, data, _ = self.pool.request(method, f"{self.url}{path}", body)
+        status, data, _ = self.pool.request(method, f"{self.url}{path}", body, self._auth)
         return status, data
 
     def _models(self) -> list[dict[str, Any]]:

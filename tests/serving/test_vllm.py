@@ -133,6 +133,44 @@ def test_each_call_of_a_session_has_its_own_request_id(stack):
     assert all(c["request_id"] in c["engine_request_id"] for c in calls)  # vLLM ran each under our id
 
 
+def test_the_engine_behind_the_front_refuses_a_client_without_its_key(stack, adapters):
+    """vLLM's own port answers on loopback too: without the key the project starts it with (made
+    from the trainer credential, never on its command line) it refuses to load an adapter, to list
+    or to generate (401), and the front, which holds the key, still serves."""
+    from serving.capture_store import engine_api_key, engine_headers
+    from serving.client import HttpPool
+
+    engine_url = json.loads(_get(stack["url"] + "/server_info"))["engine_url"]
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        stranger = HttpPool(timeout_s=60, headers=headers)
+        for method, path, body in (("POST", "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": str(adapters["v000002"])}),
+                                   ("GET", "/v1/models", None),
+                                   ("POST", "/v1/completions", {"model": SERVED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})):
+            status, data, _ = stranger.request(method, engine_url + path, None if body is None else json.dumps(body).encode())
+            assert status == 401, (path, status, data[:200])
+    assert "evil" not in VllmEngine(engine_url).loaded_adapters()
+    assert HttpPool(timeout_s=60, headers=engine_headers()).request("GET", engine_url + "/v1/models")[0] == 200
+    assert engine_api_key() not in " ".join(open(f"/proc/{_listener_pid(engine_url)}/cmdline").read().split("\0"))
+    assert len(stack["client"].generate(PROMPT, PARAMS)["output_ids"]) == PARAMS["max_new_tokens"]
+
+
+def _listener_pid(url: str) -> int:
+    """The pid of the process listening on ``url``'s port (from /proc/net/tcp and each process's fds)."""
+    import os
+
+    port = int(url.rsplit(":", 1)[1])
+    inodes = {line.split()[9] for line in open("/proc/net/tcp").read().splitlines()[1:]
+              if int(line.split()[1].split(":")[1], 16) == port and line.split()[3] == "0A"}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(link in {f"socket:[{i}]" for i in inodes} for link in links):
+            return int(pid)
+    raise AssertionError(f"no process listens on {url}")
+
+
 def test_engine_protocol_on_the_live_server(stack, adapters):
     engine = VllmEngine(json.loads(_get(stack["url"] + "/server_info"))["engine_url"])
     assert engine.health()
@@ -277,6 +315,8 @@ def test_launch_command():
     assert flags["--logprobs-mode"] == "processed_logprobs" and "--enable-prefix-caching" in argv
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and "PYTHONPATH" not in env
+    from serving.capture_store import engine_api_key
+    assert env["VLLM_API_KEY"] == engine_api_key() and engine_api_key() not in argv  # the key in the environment only
     with pytest.raises(ValueError, match="kv_cache_gib"):
         vllm_command("/m", 1, kv_cache_gib=0.5)
     assert vllm_command("/m", 1, busy_poll_s=1)[1][BUSY_POLL_ENV] == "1.0"
