@@ -398,7 +398,8 @@ class ChatCompletions:
         self.replica = replica
         self.timeout_s = timeout_s
         # vLLM started by the project refuses its /v1 routes without this key (serving.engines.vllm)
-        self.pool = pool or HttpPool(timeout_s, headers=engine_headers())
+        self._engine_auth = engine_headers()
+        self.pool = pool or HttpPool(timeout_s, headers=self._engine_auth)
         self._engine_model = engine_model
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
@@ -533,7 +534,7 @@ class ChatCompletions:
         t0 = time.perf_counter()
         try:
             conn.request("POST", "/v1/chat/completions", body=payload,
-                         headers={"Content-Type": "application/json", **engine_headers()})
+                         headers={"Content-Type": "application/json", **self._engine_auth})
             resp = conn.getresponse()
         except OSError as exc:
             conn.close()

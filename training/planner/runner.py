@@ -308,16 +308,20 @@ UNOWNED_KINDS = ("PersistentVolumeClaim", "ConfigMap")
 PLAN_COMPONENT = "plan"
 
 
+def _is(manifest: dict[str, Any], kind: str, component: str) -> bool:
+    """A manifest of ``kind`` labelled as the run's ``component`` (``app.kubernetes.io/component``)."""
+    labels = manifest.get("metadata", {}).get("labels") or {}
+    return manifest.get("kind") == kind and labels.get("app.kubernetes.io/component") == component
+
+
 def is_plan(manifest: dict[str, Any]) -> bool:
     """The run's plan ConfigMap (``training.planner.k8s``: component ``plan``): the owner of the rest."""
-    labels = manifest.get("metadata", {}).get("labels") or {}
-    return manifest.get("kind") == "ConfigMap" and labels.get("app.kubernetes.io/component") == PLAN_COMPONENT
+    return _is(manifest, "ConfigMap", PLAN_COMPONENT)
 
 
 def is_credential(manifest: dict[str, Any]) -> bool:
     """The run's trainer credential Secret (``training.planner.k8s``: component ``credential``)."""
-    labels = manifest.get("metadata", {}).get("labels") or {}
-    return manifest.get("kind") == "Secret" and labels.get("app.kubernetes.io/component") == CREDENTIAL_COMPONENT
+    return _is(manifest, "Secret", CREDENTIAL_COMPONENT)
 
 
 def with_credential(manifest: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
