@@ -194,7 +194,10 @@ def merge_statuses(reports: Iterable[Mapping[str, Status]]) -> dict[str, Status]
 
 def clean_test_ids(ids: Iterable[str]) -> list[str]:
     """A whitelist of test ids as graded: each stripped of surrounding whitespace, empty ones dropped,
-    duplicates kept once (first place wins)."""
+    duplicates kept once (first place wins). A single string is refused: iterated, it would be one
+    test id per character."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"test ids: expected a list of strings, got the {type(ids).__name__} {ids!r}")
     return list(dict.fromkeys(s for s in (str(i).strip() for i in ids) if s))
 
 
@@ -240,7 +243,10 @@ def zero_scores(target_tests: Sequence[str], existing_tests: Sequence[str]) -> S
 
 
 def load_harbor_config(path: str | Path) -> dict:
-    """A Harbor ``tests/config.json``, checked for the keys grading needs."""
+    """A Harbor ``tests/config.json``, checked for the keys grading needs and their types: the test
+    ids (``f2p_node_ids``, ``p2p_node_ids``) lists of strings, ``grade.format`` and ``grade.node_id``
+    one of their known values, ``grade.reports`` a list of paths. A wrong one is a :class:`ReportError`
+    naming the file and key, never graded as something else."""
     path = Path(path)
     try:
         raw = read_regular_bytes(path)  # a FIFO or a device is refused at once, never waited on
@@ -260,9 +266,21 @@ def load_harbor_config(path: str | Path) -> dict:
     for key in ("f2p_node_ids", "p2p_node_ids", "grade"):
         if key not in config:
             raise ReportError(f"{path}: missing key {key!r}")
+    for key in ("f2p_node_ids", "p2p_node_ids"):
+        ids = config[key]
+        # a string here would be graded as one test per character, and an attempt scored on them
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ReportError(f"{path}: key {key!r} is {json.dumps(ids)[:80]}, expected a list of test ids (strings)")
     fmt = config["grade"].get("format") if isinstance(config["grade"], dict) else None
     if fmt not in ("junit", "ctrf"):
         raise ReportError(f"{path}: key 'grade.format' is {fmt!r}, expected 'junit' or 'ctrf'")
+    node_id = config["grade"].get("node_id", "name")
+    if node_id not in ("name", "suite.name"):  # else every report would be refused, its tests failed
+        raise ReportError(f"{path}: key 'grade.node_id' is {json.dumps(node_id)[:80]}, expected 'name' or 'suite.name'")
+    reports = config["grade"].get("reports", [])
+    if not isinstance(reports, list) or not all(isinstance(r, str) and r for r in reports):
+        raise ReportError(f"{path}: key 'grade.reports' is {json.dumps(reports)[:80]}, "
+                          "expected a list of report paths (non-empty strings)")
     return config
 
 

@@ -3,19 +3,22 @@
     python -m viewer --home posttrain-data --port 3001
 
 then open http://127.0.0.1:3001. ``posttrain ui`` starts it this way beside the Dagster UI. It
-serves 127.0.0.1 unless ``--host`` says otherwise; it only reads the home's files.
+serves 127.0.0.1 unless ``--host`` says otherwise; it only reads the home's files. It answers only
+requests addressed to one of its own names (127.0.0.1, localhost, [::1], the ``--host`` and each
+``--allow-host``), whatever the port, so that a web page cannot read it through DNS rebinding.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 import uvicorn
 
 from sandboxes.home import default_home
-from viewer.app import create_app
+from viewer.app import LOOPBACK_NAMES, create_app
 from viewer.links import DEFAULT_PORT
 
 
@@ -24,15 +27,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", help="the posttrain home (default: $POSTTRAIN_HOME, else ./posttrain-data)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="another name the viewer may be addressed by, e.g. this machine's name when --host "
+                             "is 0.0.0.0 (repeatable; requests naming any other host are refused)")
     parser.add_argument("--tensorboard-url", default="", help="where TensorBoard is served, for /tensorboard")
     args = parser.parse_args(argv)
+    for name in [args.host, *args.allow_host]:
+        if not re.fullmatch(r"[A-Za-z0-9.:\-]+|\[[0-9A-Fa-f.:]+\]", name):
+            print(f"python -m viewer: host {name!r}: expected a host name or an IP address", file=sys.stderr)
+            return 2
     home = Path(args.home).expanduser().resolve() if args.home else default_home()
     if not home.is_dir():
         print(f"python -m viewer: --home {home}: not a folder", file=sys.stderr)
         return 2
     print(f"trajectory viewer on http://{args.host}:{args.port} (home {home})", flush=True)
-    uvicorn.run(create_app(home, tensorboard_url=args.tensorboard_url), host=args.host, port=args.port,
-                log_level="warning")
+    allowed = list(dict.fromkeys([*LOOPBACK_NAMES, args.host, *args.allow_host]))
+    uvicorn.run(create_app(home, tensorboard_url=args.tensorboard_url, allowed_hosts=allowed), host=args.host,
+                port=args.port, log_level="warning")
     return 0
 
 

@@ -14,6 +14,15 @@ starts it beside the Dagster UI). Pages, each one request with its charts inline
 - ``/evals/<checkpoint>/tasks/<task>`` and ``.../attempts/<n>``: attempts; one attempt's tests with
   their outcomes, committed diff, transcript, scores, signals and flawed marks
 - ``/tensorboard``: a redirect to the TensorBoard that ``posttrain ui --tensorboard`` serves
+
+Every route is a GET (and so HEAD): the viewer changes nothing, so there is no request whose Origin
+would need checking. What it guards is who may read: a page the researcher visits on another site
+can point its own name at 127.0.0.1 once loaded (DNS rebinding) and then read the viewer as its
+own origin. The browser still sends that site's name in the Host header, so a request whose Host is
+not one of the viewer's own names (``LOOPBACK_NAMES``, and the ``--host`` it serves on) is refused
+(Starlette's ``TrustedHostMiddleware``: 400, "Invalid host header"). The port is not compared: a
+rebinding page cannot send a loopback name whatever the port, and an SSH tunnel to another local
+port (``ssh -L 8001:127.0.0.1:3001``) keeps working.
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ import contextlib
 import datetime as dt
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import jinja2
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -41,6 +52,15 @@ CURVES = (  # title -> step-row series drawn in it
     ("discarded samples", ("discarded_samples",)),
     ("tokens/s used", ("useful_tokens_per_s",)),
 )
+
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # the Host names a browser on this machine sends
+
+
+def host_name(address: str) -> str:
+    """``address`` (a name or an IP, as ``--host`` takes it) as it appears in a Host header: an IPv6
+    address in brackets."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 class BadQuery(ValueError):
@@ -69,8 +89,12 @@ def _float(request: Request, name: str) -> float | None:
         raise BadQuery(f"query parameter {name!r}: expected a number, got {raw!r}") from None
 
 
-def create_app(home: str | Path, *, tensorboard_url: str = "") -> Starlette:
-    """The viewer over the posttrain home ``home`` (its ``runs/``, ``evals/`` and ``datasets/``)."""
+def create_app(home: str | Path, *, tensorboard_url: str = "",
+               allowed_hosts: Sequence[str] = LOOPBACK_NAMES) -> Starlette:
+    """The viewer over the posttrain home ``home`` (its ``runs/``, ``evals/`` and ``datasets/``).
+
+    It answers only requests whose Host header names one of ``allowed_hosts`` (any port); others get
+    400 (see the module docstring: DNS rebinding)."""
     home = Path(home)
     env = jinja2.Environment(loader=jinja2.DictLoader(TEMPLATES), autoescape=True, undefined=jinja2.StrictUndefined)
     env.globals.update(num=_num, tensorboard=bool(tensorboard_url), home=str(home))
@@ -210,7 +234,9 @@ def create_app(home: str | Path, *, tensorboard_url: str = "") -> Starlette:
         Route("/evals/{checkpoint:str}/tasks/{task:str}/attempts/{attempt:str}", attempt),
         Route("/tensorboard", tensorboard),
     ]
-    return Starlette(routes=routes, exception_handlers={data.NotFound: not_found, BadQuery: bad_query})
+    hosts = [host_name(h) for h in allowed_hosts]
+    return Starlette(routes=routes, exception_handlers={data.NotFound: not_found, BadQuery: bad_query},
+                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts, www_redirect=False)])
 
 
 @contextlib.contextmanager

@@ -306,3 +306,53 @@ def test_tests_that_hang_count_as_failed_not_infra(small_tasks):
     result = grade_patch(task, patch, factory)
     assert result.status == GRADED and "timed out" in result.detail
     assert result.scores.reward == 0.0 and result.scores.f2p_passed == 0 and result.scores.p2p_passed == 0
+
+
+# ---------------------------------------------------------------- the config's ids, through the real CLI
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("p2p_node_ids", "t.b", "key 'p2p_node_ids' is \"t.b\", expected a list of test ids (strings)"),
+    ("f2p_node_ids", ["t.a", 3], "key 'f2p_node_ids' is [\"t.a\", 3], expected a list of test ids (strings)"),
+    ("f2p_node_ids", {"t.a": True}, "key 'f2p_node_ids' is {\"t.a\": true}, expected a list of test ids"),
+], ids=["string-for-list", "number-in-list", "object-for-list"])
+def test_grade_refuses_test_ids_that_are_not_a_list_of_strings(tmp_path, key, value, expected):
+    """``"p2p_node_ids": "t.b"`` was graded as the three tests ``t``, ``.`` and ``b`` (and
+    ``posttrain grade`` exited 0 with p2p_total 3): the ids of a config are checked as they are read,
+    and the real command, run as the researcher runs it, exits 2 naming the file and the key."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]  # the tree this test belongs to: its code is the one run
+    (tmp_path / "r.xml").write_text('<testsuite><testcase classname="t" name="a"/>'
+                                    '<testcase classname="t" name="b"/></testsuite>')
+    config = {"f2p_node_ids": ["t.a"], "p2p_node_ids": ["t.b"], "grade": {"format": "junit", "reports": []}}
+    config[key] = value
+    path = tmp_path / "task-config.json"
+    path.write_text(json.dumps(config))
+    done = subprocess.run([str(Path(sys.executable).parent / "posttrain"), "grade", "--config", str(path),
+                           "--report", str(tmp_path / "r.xml"), "--json"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert done.stdout == "" and f"posttrain grade: {path}: {expected}" in done.stderr
+
+
+def test_grade_refuses_a_node_id_rule_or_report_list_it_cannot_use(tmp_path):
+    """A ``grade.node_id`` no parser knows made every report a warning and its tests failed, exit 0:
+    it is the config that is wrong, so it is refused as the ids are."""
+    (tmp_path / "r.json").write_text(json.dumps({"results": {"tests": [{"name": "a", "status": "passed"}]}}))
+    config = _config(tmp_path, ["a"], [], "ctrf", "suite")
+    with pytest.raises(ReportError, match=r"config.json: key 'grade.node_id' is \"suite\", expected 'name' or 'suite.name'"):
+        grade_reports(config, [tmp_path / "r.json"])
+    config.write_text(json.dumps({"f2p_node_ids": ["a"], "p2p_node_ids": [], "grade": {"format": "ctrf", "reports": "r.json"}}))
+    with pytest.raises(ReportError, match=r"config.json: key 'grade.reports' is \"r.json\", expected a list of report paths"):
+        grade_reports(config, [tmp_path / "r.json"])
+    assert grade_reports(_config(tmp_path, ["a"], [], "ctrf"), [tmp_path / "r.json"]).reward == 1.0
+
+
+def test_a_single_string_is_not_a_list_of_test_ids():
+    """Whatever the caller, ``score`` never reads ``"t.b"`` as the tests ``t``, ``.`` and ``b``."""
+    with pytest.raises(TypeError, match="test ids: expected a list of strings, got the str 't.b'"):
+        score(["t.a"], "t.b", {"t.a": Status.PASSED})
