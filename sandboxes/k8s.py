@@ -36,6 +36,10 @@ from sandboxes.runtimes import Limits
 
 LABEL_PREFIX = "posttrain.dev"
 RUNTIME_CLASSES = ("gvisor", "kata")
+# The PodSecurityPolicy the sandbox pool's service account may use (Kubernetes <= 1.24 with the
+# PodSecurityPolicy admission plugin; scripts/kube-local.sh makes it): the pods of pod_spec and
+# nothing broader. docs/kubernetes.md, "Least privilege", shows it and what current clusters use.
+SANDBOX_POD_SECURITY_POLICY = "posttrain-sandbox"
 DEFAULT_K8S_VERSION = "1.37.0"
 _LABEL_OK = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 

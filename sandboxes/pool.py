@@ -21,6 +21,18 @@ both offer ``exec``, ``read_file``, ``write_file``, ``close`` and the context ma
 :class:`sandboxes.runtimes.Sandbox`, and raise the same :class:`~sandboxes.client.PxdError` /
 :class:`~sandboxes.client.PxdConnectionError`, so ``evals.sandbox.PlatformSandbox`` wraps either.
 The pool's port admits only the run's trainer pods (its NetworkPolicy); sandbox pods reach nothing.
+
+**Who may call it.** Every route but ``GET /health`` (the kubelet's readiness probe, which sends no
+credential) needs the run's credential, ``Authorization: Bearer <credential>``, else ``403``
+before any of the body is read: the trainer credential of :mod:`serving.capture_store` (the same
+variables, ``$POSTTRAIN_TRAINER_CREDENTIAL`` or the file named by
+``$POSTTRAIN_TRAINER_CREDENTIAL_FILE``; on Kubernetes both the trainer's and the pool's pods take it
+from the run's Secret). A NetworkPolicy is only as good as the cluster's CNI; the credential holds
+on any network. :class:`PoolClient` sends it. Each connection is bounded: its request line, headers
+and body must all arrive within ``request_timeout_s`` (60 s; else ``408`` or a plain close), a body
+is at most ``MAX_BODY_BYTES`` (``413``, unread), an answer the client does not read is dropped after
+the same time, and at most ``max_connections`` are open at once (more are answered ``503``). The
+server listens on loopback unless told otherwise (``--host 0.0.0.0`` in the pool's pod).
 A request may ask for a writable root (``"writable_root": true``, a task whose verifier installs
 into the image's environment): its pod's sandbox container gets ``readOnlyRootFilesystem: false``
 and is otherwise as locked down (:func:`sandboxes.k8s.pod_spec`); absent means false.
@@ -68,8 +80,12 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import hmac
+import io
 import json
 import os
+import re
+import secrets
 import socket
 import sys
 import threading
@@ -88,6 +104,18 @@ from sandboxes.runtimes import Limits
 
 DEFAULT_PORT = 30200
 MAX_BODY_BYTES = 64 * 1024 * 1024  # pxd's own request limit
+REQUEST_TIMEOUT_S = 60.0  # request line, headers and body of one request; also each answer's write
+# The run's credential: serving.capture_store's trainer credential, read from the same variables
+# (that module is a layer above this one; tests/sandboxes/test_pool_api.py holds the names together).
+CREDENTIAL_ENV = "POSTTRAIN_TRAINER_CREDENTIAL"
+CREDENTIAL_FILE_ENV = "POSTTRAIN_TRAINER_CREDENTIAL_FILE"
+MIN_CREDENTIAL_CHARS = 32
+_CREDENTIAL = re.compile(r"[\x21-\x7e]+")
+# As serving.capture_store does: a process given no credential makes one for itself and the
+# processes it starts (a pool and its client in one test process, a pool started by it).
+_MADE_HERE = not os.environ.get(CREDENTIAL_ENV) and not os.environ.get(CREDENTIAL_FILE_ENV)
+if _MADE_HERE:
+    os.environ[CREDENTIAL_ENV] = secrets.token_hex(32)
 OWNER_LABEL = f"{k8s.LABEL_PREFIX}/owner"
 # pxd routes the pool forwards; anything else is refused (404) before it reaches a pod
 PXD_ROUTES = ("/health", "/exec", "/file/read", "/file/write", "/git/status", "/git/diff", "/git/commit",
@@ -99,6 +127,10 @@ _HOPELESS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateCont
 
 class PoolFull(SandboxError):
     """Every sandbox slot is busy (and no idle warm pod can be evicted)."""
+
+
+class _TooLarge(ValueError):
+    """A request body above the server's limit (answered 413 without reading it)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -916,7 +948,88 @@ def _writable_root_from(body: dict) -> bool:
     return value
 
 
-def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PORT) -> ThreadingHTTPServer:
+def run_credential() -> str:
+    """The run's credential (see the module docstring); a bad value raises naming its variable."""
+    value = os.environ.get(CREDENTIAL_ENV)
+    where = f"${CREDENTIAL_ENV}"
+    if not value:
+        path = os.environ.get(CREDENTIAL_FILE_ENV, "")
+        where = f"${CREDENTIAL_FILE_ENV} ({path})"
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{where}: the run's credential file cannot be read: {exc.strerror}") from None
+    if len(value) < MIN_CREDENTIAL_CHARS or not _CREDENTIAL.fullmatch(value):
+        raise ValueError(f"{where}: the run's credential must be at least {MIN_CREDENTIAL_CHARS} printable "
+                         f"characters without spaces, got {len(value)} characters")
+    return value
+
+
+def _presents(credential: str, authorization: str | None) -> bool:
+    scheme, _, token = (authorization or "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, credential.encode())
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads, each allowed only the time left before the handler's deadline: a
+    client that sends its request a byte at a time gets no more time than one that sends nothing
+    (a plain socket timeout restarts with every byte)."""
+
+    def __init__(self, sock: socket.socket, handler: "BaseHTTPRequestHandler"):
+        self.sock = sock
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.handler.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+class _PoolHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: one more is answered 503 and
+    closed at once (each held connection ends within the request timeout, so a slot comes back)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                body = json.dumps({"error": f"the pool has {self.max_connections} connections open; try again"}).encode()
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
+                credential: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                max_body_bytes: int = MAX_BODY_BYTES, max_connections: int | None = None) -> ThreadingHTTPServer:
     """The pool's HTTP API (JSON bodies):
 
     - ``POST /v1/sandboxes`` ``{image, task_id, episode, limits?, writable_root?}`` ->
@@ -927,34 +1040,81 @@ def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PO
       refusals keep their status; a pod that is gone answers 502 ``{"error", "gone": true}``
     - ``DELETE /v1/sandboxes/ID``: end the episode's sandbox (its pod is deleted)
     - ``POST /v1/warm`` ``{image, count, limits?}``; ``GET /metrics`` (Prometheus text); ``GET /health``
+
+    Every route but ``GET /health`` needs ``credential`` (default: :func:`run_credential`) as
+    ``Authorization: Bearer``; the module docstring says how each connection is bounded.
+    ``max_connections`` defaults to two per sandbox the pool may hold, and 16 more.
     """
+    credential = credential if credential is not None else run_credential()
+    if len(credential) < MIN_CREDENTIAL_CHARS:
+        raise ValueError(f"make_server: the credential must be at least {MIN_CREDENTIAL_CHARS} characters")
+    if request_timeout_s <= 0:
+        raise ValueError(f"make_server: request_timeout_s must be > 0, got {request_timeout_s!r}")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms wait between them
+        deadline = 0.0
+
+        def setup(self):
+            super().setup()
+            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+
+        def handle_one_request(self):
+            # idle time before a kept-alive connection's next request counts against it too
+            self.deadline = time.monotonic() + request_timeout_s
+            super().handle_one_request()
 
         def log_message(self, *args):
             pass
 
         def _send(self, status: int, payload: Any, content_type: str = "application/json") -> None:
             data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+            self.connection.settimeout(request_timeout_s)  # a client that does not read its answer
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
+        def _refuse(self, status: int, message: str) -> None:
+            """An answer after which the connection closes (the body, if any, is left unread)."""
+            self.close_connection = True
+            self._send(status, {"error": message})
+
+        def _authorized(self) -> bool:
+            if self.command == "GET" and self.path == "/health":
+                return True
+            if _presents(credential, self.headers.get("Authorization")):
+                return True
+            self._refuse(403, f"{self.command} {self.path.split('?')[0][:200]} needs the run's credential "
+                              f"(Authorization: Bearer; ${CREDENTIAL_ENV} in the trainer's and the pool's pods)")
+            return False
+
         def _body(self) -> dict:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                raise ValueError(f"the body is {length} bytes; at most {MAX_BODY_BYTES}")
+            raw_length = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding"):
+                raise ValueError("a body needs Content-Length (no transfer coding)")
+            if raw_length is None:
+                return {}
+            if not raw_length.strip().isdigit():
+                raise ValueError(f"Content-Length {raw_length[:40]!r} is not a number of bytes")
+            length = int(raw_length)
+            if length > max_body_bytes:
+                raise _TooLarge(f"the body is {length} bytes; at most {max_body_bytes}")
             raw = self.rfile.read(length) if length else b"{}"
+            if len(raw) < length:
+                raise ValueError(f"the body ended after {len(raw)} of {length} bytes")
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
             return body
 
         def do_GET(self):
+            if not self._authorized():
+                return
             if self.path == "/metrics":
                 return self._send(200, pool.metrics_text(), "text/plain; version=0.0.4")
             if self.path == "/health":
@@ -962,6 +1122,8 @@ def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PO
             return self._send(404, {"error": f"no route GET {self.path}"})
 
         def do_DELETE(self):
+            if not self._authorized():
+                return
             parts = self.path.strip("/").split("/")
             if len(parts) == 3 and parts[:2] == ["v1", "sandboxes"]:
                 box = pool.get(parts[2])
@@ -972,10 +1134,16 @@ def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PO
             return self._send(404, {"error": f"no route DELETE {self.path}"})
 
         def do_POST(self):
+            if not self._authorized():
+                return
             try:
                 body = self._body()
+            except _TooLarge as exc:
+                return self._refuse(413, str(exc))
+            except TimeoutError:
+                return self._refuse(408, f"the body did not arrive within {request_timeout_s:g} s")
             except ValueError as exc:
-                return self._send(400, {"error": f"bad JSON body: {exc}"})
+                return self._refuse(400, f"bad JSON body: {exc}")
             parts = self.path.strip("/").split("/")
             try:
                 if parts == ["v1", "sandboxes"]:
@@ -1024,9 +1192,8 @@ def make_server(pool: SandboxPool, host: str = "0.0.0.0", port: int = DEFAULT_PO
             box.touch()
             return self._send(200, answer)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    connections = max_connections if max_connections is not None else 2 * pool.config.max_sandboxes + 16
+    return _PoolHTTPServer((host, port), Handler, connections)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1100,15 +1267,17 @@ class PoolSandbox:
 
 
 class PoolClient:
-    """The trainer's handle on the sandbox pool (``url`` = the pool's Service)."""
+    """The trainer's handle on the sandbox pool (``url`` = the pool's Service); every call carries
+    the run's credential (``credential``, default :func:`run_credential`)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, credential: str | None = None):
         self.url = url.rstrip("/")
+        self._authorization = f"Bearer {credential if credential is not None else run_credential()}"
 
     def call(self, method: str, path: str, body: dict | None, wait_s: float) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": self._authorization})
         try:
             with urllib.request.urlopen(req, timeout=wait_s) as resp:
                 return resp.status, json.loads(resp.read() or b"{}")
@@ -1149,7 +1318,8 @@ class PoolClient:
             raise SandboxError(f"sandbox pool {self.url}: warm {image}: HTTP {status}: {answer.get('error', '')}")
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+        req = urllib.request.Request(self.url + "/metrics", headers={"Authorization": self._authorization})
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.read().decode()
 
 
@@ -1161,7 +1331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sandboxes.pool", description=__doc__.split("\n\n")[0])
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "posttrain"))
     p.add_argument("--run", required=True, help="the run's Kubernetes name (label posttrain.dev/run of its pods)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in the pool's pod (its Service reaches the pod IP)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--max-sandboxes", type=int, default=64, help="pods at once, warm ones included")
     p.add_argument("--cpus", type=float, default=1.0, help="default and maximum CPUs per sandbox")
@@ -1176,6 +1346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-idle-s", type=float, default=900.0, help="0: never close an idle sandbox")
     p.add_argument("--warm", action="append", default=[], metavar="IMAGE=N", help="keep N ready pods of IMAGE")
     p.add_argument("--kubeconfig", help="default: in-cluster, else ~/.kube/config")
+    p.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S,
+                   help="a request's line, headers and body must arrive within this; also each answer's write")
     args = p.parse_args(argv)
     for spec in args.warm:
         image, sep, count = spec.rpartition("=")
@@ -1183,6 +1355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--warm {spec!r}: expected IMAGE=N (a registry reference, '=', a count)")
     if args.max_sandboxes < 1:
         p.error(f"--max-sandboxes must be >= 1, got {args.max_sandboxes}")
+    if args.request_timeout_s <= 0:
+        p.error(f"--request-timeout-s must be > 0, got {args.request_timeout_s:g}")
     return args
 
 
@@ -1190,6 +1364,14 @@ def main(argv: list[str] | None = None) -> int:
     from kubernetes import client, config
 
     args = parse_args(argv)
+    try:
+        credential = run_credential()
+    except ValueError as exc:
+        print(f"sandbox pool: {exc}", file=sys.stderr)
+        return 2
+    if _MADE_HERE:
+        print(f"sandbox pool: neither ${CREDENTIAL_ENV} nor ${CREDENTIAL_FILE_ENV} is set: no client can call it; "
+              "give it the run's credential (the trainer's)", file=sys.stderr, flush=True)
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -1209,7 +1391,7 @@ def main(argv: list[str] | None = None) -> int:
         image, _, count = spec.rpartition("=")
         pool.keep_warm(image, int(count), fill=False)
     threading.Thread(target=pool._safe_fill, args=(None,), daemon=True).start()
-    server = make_server(pool, args.host, args.port)
+    server = make_server(pool, args.host, args.port, credential=credential, request_timeout_s=args.request_timeout_s)
     print(f"sandbox pool {cfg.instance}: serving on {args.host}:{server.server_address[1]} (namespace {args.namespace}, "
           f"run {args.run}, at most {args.max_sandboxes} sandboxes)", flush=True)
     import signal

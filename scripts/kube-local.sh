@@ -15,9 +15,25 @@
 # The first build took 13-16 minutes on 2 busy shared cores (run niced); later starts take seconds.
 #
 # `start` runs etcd and kube-apiserver on 127.0.0.1 with RBAC, service-account tokens (the
-# TokenRequest API) and a static admin token, creates the namespace (POSTTRAIN_KUBE_NAMESPACE,
-# default `posttrain`) with its `default` service account (what the controller-manager would do),
-# and writes a kubeconfig. Without `start-node` there is no kubelet: pods are accepted and stay Pending.
+# TokenRequest API), a static admin token and PodSecurityPolicy admission, creates the namespace
+# (POSTTRAIN_KUBE_NAMESPACE, default `posttrain`, labelled for Pod Security Admission `restricted`)
+# with its `default` service account (what the controller-manager would do), the plane's three
+# PodSecurityPolicies (below), and writes a kubeconfig. Without `start-node` there is no kubelet:
+# pods are accepted and stay Pending.
+#
+# PodSecurityPolicies (every pod must be admitted under one its creator or its service account may
+# `use`; see docs/kubernetes.md, "Least privilege"):
+#   posttrain-sandbox     what sandboxes.k8s.pod_spec makes and nothing broader: emptyDir volumes
+#                         only, non-root, no privilege or escalation, every capability dropped, no
+#                         host namespaces or ports, RuntimeDefault seccomp, RuntimeClass gvisor or
+#                         kata (a pod that names none gets gvisor: PSP lets an unset one through).
+#                         Used by each run's sandbox pool (its Role, training/planner/k8s.py).
+#   posttrain-workload    the run's workloads (trainer, engines, router, pool): the same, plus
+#                         claims, ConfigMaps, Secrets, projected and downward-API volumes, any
+#                         RuntimeClass. Used by the controllers that create their pods (ReplicaSet,
+#                         StatefulSet, Job, DaemonSet), not by any account of a run's namespace.
+#   posttrain-privileged  anything: kube-system's own accounts, in kube-system only, and the admin
+#                         (system:masters may use every policy).
 #
 # `start-node` adds a node to the running plane, so that pods run: kube-scheduler,
 # kube-controller-manager and a kubelet (cgroupfs driver) built from the same source, containerd and
@@ -27,9 +43,12 @@
 # `posttrain.local/python:N` (this machine's python3 and its standard library in the skeleton of a
 # task image, pxd at /opt/pxd/pxd.py). It needs root.
 #
-# Settings (environment): POSTTRAIN_KUBE_CACHE (build cache), POSTTRAIN_KUBE_STATE (where a running
-# plane keeps its data, certificates, logs and pids; default ~/.cache/posttrain/kube-local),
-# POSTTRAIN_KUBE_PORT (apiserver, 16443), POSTTRAIN_KUBE_ETCD_PORT (etcd clients, 23790).
+# Settings (environment): POSTTRAIN_KUBE_CACHE (build cache, shared: builds take a lock),
+# POSTTRAIN_KUBE_STATE (where a running plane keeps its data, certificates, logs, pids and ports;
+# default ~/.cache/posttrain/kube-local/CHECKOUT-HASH, one per checkout, so two checkouts never
+# share or stop a plane; scripts/test.sh gives each test session a folder of its own),
+# POSTTRAIN_KUBE_PORT (apiserver), POSTTRAIN_KUBE_ETCD_PORT (etcd clients; peers on the port 10
+# above): without them a plane's first start picks free ports and keeps them in STATE/ports.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -37,15 +56,40 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 KUBE_DEB_VERSION=1.20.5+really1.20.2-1.1+deb12u1
 KUBE_UPSTREAM=1.20.5+really1.20.2
 cache=${POSTTRAIN_KUBE_CACHE:-$HOME/.cache/posttrain/kube/$KUBE_DEB_VERSION}
-state=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local}
-apiserver_port=${POSTTRAIN_KUBE_PORT:-16443}
-etcd_port=${POSTTRAIN_KUBE_ETCD_PORT:-23790}
-etcd_peer_port=$((etcd_port + 10))
+checkout_id=$(basename "$repo" | sed 's/[^A-Za-z0-9._-]/-/g')-$(printf '%s' "$repo" | sha256sum | cut -c1-10)
+state=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local/$checkout_id}
 namespace=${POSTTRAIN_KUBE_NAMESPACE:-posttrain}
 service_cidr=10.96.0.0/24
 
 log() { echo "kube-local: $*" >&2; }
 die() { log "$*"; exit 1; }
+
+# The plane's ports: the environment's, else those STATE/ports keeps from its first start, else
+# free ones (asked of the kernel), written there. Read by every command that talks to the plane.
+load_ports() {
+    local saved_api= saved_etcd= saved_peer=
+    [[ -f $state/ports ]] && read -r saved_api saved_etcd saved_peer <"$state/ports"
+    apiserver_port=${POSTTRAIN_KUBE_PORT:-$saved_api}
+    etcd_port=${POSTTRAIN_KUBE_ETCD_PORT:-$saved_etcd}
+    if [[ -n ${POSTTRAIN_KUBE_ETCD_PORT:-} ]]; then etcd_peer_port=$((etcd_port + 10)); else etcd_peer_port=$saved_peer; fi
+    if [[ -z $apiserver_port || -z $etcd_port || -z $etcd_peer_port ]]; then
+        local free
+        free=($(python3 -c 'import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in socks])'))
+        apiserver_port=${apiserver_port:-${free[0]}}
+        etcd_port=${etcd_port:-${free[1]}}
+        etcd_peer_port=${etcd_peer_port:-${free[2]}}
+    fi
+    [[ $apiserver_port =~ ^[0-9]+$ && $etcd_port =~ ^[0-9]+$ && $etcd_peer_port =~ ^[0-9]+$ ]] ||
+        die "bad ports: apiserver '$apiserver_port', etcd '$etcd_port', etcd peers '$etcd_peer_port' (POSTTRAIN_KUBE_PORT, POSTTRAIN_KUBE_ETCD_PORT, $state/ports)"
+}
+
+save_ports() {
+    mkdir -p "$state" && chmod 700 "$state"
+    echo "$apiserver_port $etcd_port $etcd_peer_port" >"$state/ports"
+}
 
 ensure_packages() {
     local missing=() pkg
@@ -82,7 +126,19 @@ EOF
 KUBE_BUILD_REV=2
 
 # build CMD...: builds cmd/<CMD> from the pinned source into $cache/bin (skipping those there).
+# One build at a time per cache (a lock): a second caller waits, then finds the binaries built.
 build() {
+    mkdir -p "$cache"
+    exec {build_lock}>"$cache/.build.lock"
+    if ! flock -n "$build_lock"; then
+        log "another build is using $cache; waiting for it"
+        flock "$build_lock"
+    fi
+    build_locked "$@"
+    flock -u "$build_lock"
+}
+
+build_locked() {
     local wanted=() cmd
     if [[ $(cat "$cache/bin/.build-rev" 2>/dev/null) != "$KUBE_BUILD_REV" ]]; then rm -f "$cache"/bin/kube*; fi
     for cmd in "$@"; do [[ -x $cache/bin/$cmd ]] || wanted+=("$cmd"); done
@@ -210,6 +266,8 @@ apply() {
 start() {
     build kube-apiserver
     ensure_packages etcd-server curl openssl
+    load_ports
+    save_ports
     mkdir -p "$state/logs"
     make_pki
     local t0
@@ -238,7 +296,7 @@ start() {
             --service-account-issuer=https://kubernetes.default.svc \
             --api-audiences=https://kubernetes.default.svc \
             --service-cluster-ip-range="$service_cidr" \
-            --enable-admission-plugins=NamespaceLifecycle,ServiceAccount,LimitRanger,ResourceQuota,NodeRestriction \
+            --enable-admission-plugins=NamespaceLifecycle,ServiceAccount,LimitRanger,ResourceQuota,NodeRestriction,PodSecurityPolicy \
             --allow-privileged=true \
             </dev/null >"$state/logs/kube-apiserver.log" 2>&1 &
         echo $! >"$state/apiserver.pid"
@@ -252,14 +310,64 @@ start() {
     done
     apiserver_ready || die "kube-apiserver not ready after 120 s; see $state/logs/kube-apiserver.log"
     log "apiserver ready in $((($(date +%s%N) - t0) / 1000000)) ms on https://127.0.0.1:$apiserver_port"
-    # What a namespace needs: the namespace and its default service account (the controller-manager
+    # The pod security policies first: with the admission plugin on, no pod is admitted without one.
+    apply_pod_security_policies
+    # What a namespace needs: the namespace (with the Pod Security Admission labels a server >= 1.23
+    # enforces; this one ignores them) and its default service account (the controller-manager
     # creates that one on a full cluster; pods cannot be admitted without it); and the RuntimeClass
     # every sandbox pod names (gVisor, handler runsc: docs/kubernetes.md, "What to install first").
-    apply "/api/v1/namespaces/$namespace" "{apiVersion: v1, kind: Namespace, metadata: {name: $namespace}}"
+    apply "/api/v1/namespaces/$namespace" "{apiVersion: v1, kind: Namespace, metadata: {name: $namespace, labels: $POD_SECURITY_LABELS}}"
     apply "/api/v1/namespaces/$namespace/serviceaccounts/default" \
         "{apiVersion: v1, kind: ServiceAccount, metadata: {name: default, namespace: $namespace}}"
     apply /apis/node.k8s.io/v1/runtimeclasses/gvisor "{apiVersion: node.k8s.io/v1, kind: RuntimeClass, metadata: {name: gvisor}, handler: runsc}"
     echo "$state/kubeconfig"
+}
+
+# Pod Security Admission (Kubernetes >= 1.23) on a run's namespace: every pod of a run, sandboxes
+# included, meets the `restricted` level.
+POD_SECURITY_LABELS='{pod-security.kubernetes.io/enforce: restricted, pod-security.kubernetes.io/warn: restricted, pod-security.kubernetes.io/audit: restricted}'
+
+# The three PodSecurityPolicies and who may use them (see the top of this file).
+apply_pod_security_policies() {
+    local restricted_spec='privileged: false, allowPrivilegeEscalation: false, defaultAllowPrivilegeEscalation: false,
+        requiredDropCapabilities: [ALL], hostNetwork: false, hostPID: false, hostIPC: false,
+        runAsUser: {rule: MustRunAsNonRoot},
+        runAsGroup: {rule: MayRunAs, ranges: [{min: 1, max: 65535}]},
+        supplementalGroups: {rule: MayRunAs, ranges: [{min: 1, max: 65535}]},
+        fsGroup: {rule: MayRunAs, ranges: [{min: 1, max: 65535}]},
+        seLinux: {rule: RunAsAny}, readOnlyRootFilesystem: false, forbiddenSysctls: ["*"]'
+    local seccomp='seccomp.security.alpha.kubernetes.io/allowedProfileNames: runtime/default'
+    apply /apis/policy/v1beta1/podsecuritypolicies/posttrain-sandbox "{apiVersion: policy/v1beta1, kind: PodSecurityPolicy,
+        metadata: {name: posttrain-sandbox, annotations: {$seccomp}},
+        spec: {$restricted_spec, volumes: [emptyDir], runtimeClass: {allowedRuntimeClassNames: [gvisor, kata], defaultRuntimeClassName: gvisor}}}"
+    apply /apis/policy/v1beta1/podsecuritypolicies/posttrain-workload "{apiVersion: policy/v1beta1, kind: PodSecurityPolicy,
+        metadata: {name: posttrain-workload, annotations: {$seccomp,
+            seccomp.security.alpha.kubernetes.io/defaultProfileName: runtime/default}},
+        spec: {$restricted_spec, volumes: [emptyDir, persistentVolumeClaim, configMap, secret, projected, downwardAPI]}}"
+    apply /apis/policy/v1beta1/podsecuritypolicies/posttrain-privileged "{apiVersion: policy/v1beta1, kind: PodSecurityPolicy,
+        metadata: {name: posttrain-privileged, annotations: {seccomp.security.alpha.kubernetes.io/allowedProfileNames: '*'}},
+        spec: {privileged: true, allowPrivilegeEscalation: true, allowedCapabilities: ['*'], volumes: ['*'],
+            hostNetwork: true, hostPID: true, hostIPC: true, hostPorts: [{min: 0, max: 65535}],
+            runAsUser: {rule: RunAsAny}, supplementalGroups: {rule: RunAsAny}, fsGroup: {rule: RunAsAny},
+            seLinux: {rule: RunAsAny}}}"
+    local which
+    for which in workload privileged; do
+        apply "/apis/rbac.authorization.k8s.io/v1/clusterroles/posttrain-psp-$which" "{apiVersion: rbac.authorization.k8s.io/v1,
+            kind: ClusterRole, metadata: {name: posttrain-psp-$which},
+            rules: [{apiGroups: [policy], resources: [podsecuritypolicies], verbs: [use], resourceNames: [posttrain-$which]}]}"
+    done
+    # the controllers act as their own service accounts (--use-service-account-credentials)
+    apply /apis/rbac.authorization.k8s.io/v1/clusterrolebindings/posttrain-psp-workload "{apiVersion: rbac.authorization.k8s.io/v1,
+        kind: ClusterRoleBinding, metadata: {name: posttrain-psp-workload},
+        roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: posttrain-psp-workload},
+        subjects: [{kind: ServiceAccount, namespace: kube-system, name: replicaset-controller},
+                   {kind: ServiceAccount, namespace: kube-system, name: statefulset-controller},
+                   {kind: ServiceAccount, namespace: kube-system, name: job-controller},
+                   {kind: ServiceAccount, namespace: kube-system, name: daemon-set-controller}]}"
+    apply /apis/rbac.authorization.k8s.io/v1/namespaces/kube-system/rolebindings/posttrain-psp-privileged "{apiVersion: rbac.authorization.k8s.io/v1,
+        kind: RoleBinding, metadata: {name: posttrain-psp-privileged, namespace: kube-system},
+        roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: posttrain-psp-privileged},
+        subjects: [{kind: Group, apiGroup: rbac.authorization.k8s.io, name: 'system:serviceaccounts:kube-system'}]}"
 }
 
 stop() {
@@ -274,6 +382,8 @@ status() {
         if pid_alive "$state/$what.pid"; then echo "${what#node/}: running (pid $(cat "$state/$what.pid"))"; else echo "${what#node/}: stopped"; fi
     done
     [[ -f $state/kubeconfig ]] && echo "kubeconfig: $state/kubeconfig"
+    [[ -f $state/ports ]] && echo "ports: $(cat "$state/ports") (apiserver, etcd clients, etcd peers)"
+    echo "state: $state"
     return 0
 }
 
@@ -356,6 +466,7 @@ build_images() {
 start_node() {
     [[ $(id -u) -eq 0 ]] || die "start-node needs root (containerd and the kubelet)"
     pid_alive "$state/apiserver.pid" || die "the control plane is not running: run start first"
+    load_ports
     build kubelet kube-scheduler kube-controller-manager
     ensure_packages containerd runc runsc containernetworking-plugins busybox-static iptables rsync
     local node=$state/node i ready node_ip
@@ -519,6 +630,7 @@ start) start ;;
 start-node) start_node ;;
 stop-node)
     # the node's processes, and its Node object (a plane without a node again)
+    load_ports
     stop_node
     curl -fsS --max-time 10 --cacert "$state/pki/ca.crt" -H "Authorization: Bearer $(token_for admin)" -X DELETE \
         "https://127.0.0.1:$apiserver_port/api/v1/nodes/posttrain-node" >/dev/null 2>&1 || true

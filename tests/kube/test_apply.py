@@ -37,7 +37,7 @@ def stored(admin, manifests) -> dict[str, dict]:
 def test_every_manifest_applies_and_a_second_apply_changes_nothing(admin, namespace):
     manifests = k8s.build_manifests(resolve(example_in(namespace)))
     first = runner.apply_k8s(manifests, api_client=admin)
-    assert [a.action for a in first] == ["created"] * len(manifests) == ["created"] * 19, [str(a) for a in first]
+    assert [a.action for a in first] == ["created"] * len(manifests) == ["created"] * 20, [str(a) for a in first]
     objects = stored(admin, manifests)
     assert all(objects.values())
 
@@ -80,7 +80,8 @@ def test_every_manifest_applies_and_a_second_apply_changes_nothing(admin, namesp
             (obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [])
             if {"name": "POSTTRAIN_TRAINER_CREDENTIAL", "valueFrom": {"secretKeyRef": {
                 "name": secret["metadata"]["name"], "key": "credential"}}} in c.get("env", [])}
-    assert uses == {("Job", "trainer"), ("Deployment", "router"), ("StatefulSet", "capture")}, uses
+    assert uses == {("Job", "trainer"), ("Deployment", "router"), ("StatefulSet", "capture"),
+                    ("Deployment", "sandbox-pool")}, uses
 
     deleted = runner.delete_k8s(manifests, api_client=admin)
     assert len(deleted) == len(manifests) - 2
@@ -129,5 +130,5 @@ def test_posttrain_run_applies_every_manifest_and_again_changes_nothing(kubeconf
     lines = [line for line in second.stdout.splitlines() if line.startswith(tuple(k for k in (
         "PersistentVolumeClaim/", "ConfigMap/", "ServiceAccount/", "Role/", "RoleBinding/", "NetworkPolicy/",
         "Service/", "StatefulSet/", "PodDisruptionBudget/", "Deployment/", "Job/", "Secret/")))]
-    assert len(lines) == 19 and all(line.endswith(" unchanged") for line in lines), second.stdout
-    assert sum(line.endswith(" created") for line in first.stdout.splitlines()) == 19, first.stdout
+    assert len(lines) == 20 and all(line.endswith(" unchanged") for line in lines), second.stdout
+    assert sum(line.endswith(" created") for line in first.stdout.splitlines()) == 20, first.stdout

@@ -114,7 +114,7 @@ def test_k8s_dry_run_prints_every_manifest_valid_against_the_schemas(hybrid_file
         ("PersistentVolumeClaim", "hybrid-b300-data"),
         ("NetworkPolicy", "hybrid-b300-sandboxes-no-network"),
     } <= kinds
-    assert "19 manifests valid against the Kubernetes" in err
+    assert "20 manifests valid against the Kubernetes" in err
     engine = next(m for m in manifests if m["kind"] == "StatefulSet")
     assert engine["spec"]["replicas"] == 2
     sglang, capture = engine["spec"]["template"]["spec"]["containers"]

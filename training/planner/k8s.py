@@ -12,15 +12,23 @@ names (``RUN-engine-0.RUN-engine.NAMESPACE.svc``) that survive restarts.
 Least privilege, as an operator reads it:
 
 - only the sandbox pool's service account has a Role: create, get, list, patch and delete pods,
-  attach to and exec into them (``pods/attach``, ``pods/exec``), and keep its owner Leases; no other account of the run is bound to anything, and no other pod mounts a token;
-- the trainer reaches sandboxes through the pool's HTTP API (``POSTTRAIN_SANDBOX_POOL_URL``), and
-  the pool's NetworkPolicy admits only the run's trainer pods;
+  attach to and exec into them (``pods/attach``, ``pods/exec``), keep its owner Leases, and
+  ``use`` the PodSecurityPolicy ``posttrain-sandbox`` (:data:`sandboxes.k8s.SANDBOX_POD_SECURITY_POLICY`):
+  where PodSecurityPolicy admission runs (Kubernetes <= 1.24; the test plane), the pods its token
+  creates must be sandbox-shaped (emptyDir volumes only, non-root, no privilege, no host
+  namespaces, gVisor or Kata); on current clusters :func:`sandbox_pool_admission_policy` says the
+  same; no other account of the run is bound to anything, and no other pod mounts a token;
+- the trainer reaches sandboxes through the pool's HTTP API (``POSTTRAIN_SANDBOX_POOL_URL``), which
+  needs the run's credential, and the pool's NetworkPolicy admits only the run's trainer pods;
+- the router admits only the run's trainer and eval pods and its engines (NetworkPolicy
+  ``R-router-ingress``);
 - sandbox pods (labels :func:`sandboxes.k8s.sandbox_selector`) get no ingress and no egress;
 - engine pods admit only the router (model calls) and the trainer (adapter uploads), on the capture
   sidecar's port (SGLang itself listens on the pod IP for the kubelet's probes, which NetworkPolicy
   does not filter);
-- the trainer, the router and the capture sidecars share the run's trainer credential
-  (:mod:`serving.capture_store`: reading a session and changing adapters need it) through a Secret
+- the trainer, the router, the capture sidecars and the sandbox pool share the run's trainer
+  credential (:mod:`serving.capture_store`: reading a session and changing adapters need it; the
+  pool's API answers only to it) through a Secret
   (``RUN-credential``, key ``credential``) given to them as ``$POSTTRAIN_TRAINER_CREDENTIAL``; the
   manifests carry no value: the first apply makes a random one and every later apply keeps it
   (``training.planner.runner.apply_k8s``), so ``--dry-run`` never prints it;
@@ -40,7 +48,7 @@ import json
 import re
 from typing import Any
 
-from sandboxes.k8s import label_value, sandbox_selector
+from sandboxes.k8s import LABEL_PREFIX, RUNTIME_CLASSES, SANDBOX_POD_SECURITY_POLICY, label_value, sandbox_selector
 from serving import sglang
 from training.planner.resolve import Plan
 from training.planner.runner import CREDENTIAL_COMPONENT, CREDENTIAL_KEY, TRAINER_MODULE, trainer_args, trainer_launcher
@@ -63,6 +71,8 @@ PLAN_FILE = "resolved-plan.json"
 RUN_AS = 1000  # the uid and gid of every workload container (the sandbox user is the same uid)
 MANAGED_BY = "posttrain"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+# The run's pods that may call the router: the trainer, a checkpoint's eval Job, and the engines
+ROUTER_CLIENTS = ("trainer", "eval", "engine")
 
 def k8s_name(name: str) -> str:
     """A DNS-1123 label made from a run name (lowercase alphanumerics and '-', at most 40 chars)."""
@@ -403,6 +413,12 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
             {"apiGroups": [""], "resources": ["pods/attach", "pods/exec"], "verbs": ["create", "get"]},
             # the owner Lease of each pool process (renewed; the dead ones' deleted by the reaper)
             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "get", "patch", "delete"]},
+            # where PodSecurityPolicy admission runs, the only policy its pods may be admitted under:
+            # sandbox-shaped pods only (no Secret, hostPath or token volumes, no privilege, no host
+            # namespaces, non-root, gVisor or Kata); no other account of the run may use any policy,
+            # so naming another service account in a pod gains nothing
+            {"apiGroups": ["policy"], "resources": ["podsecuritypolicies"], "verbs": ["use"],
+             "resourceNames": [SANDBOX_POD_SECURITY_POLICY]},
         ],
     }
     binding = {
@@ -429,7 +445,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "name": "sandbox-pool",
                     "image": image,
                     "command": ["python", "-m", WORKLOAD_MODULES["sandbox_pool"],
-                                "--namespace", ns, "--run", base, "--port", str(POOL_PORT),
+                                "--namespace", ns, "--run", base, "--host", "0.0.0.0", "--port", str(POOL_PORT),
                                 "--max-sandboxes", str(max_sandboxes),
                                 "--cpus", f"{sbx.cpus:g}", "--memory-gib", f"{sbx.memory_gib:g}",
                                 "--command-timeout-s", f"{sbx.command_timeout_s:g}"],
@@ -438,7 +454,8 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "env": [*_env(plan),
                             # the owner reference of every sandbox pod: deleting the pool deletes them
                             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                            {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
+                            {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                            _credential_env(plan)],  # its API answers only to the run's credential
                     "volumeMounts": _MOUNTS,
                     # two stream threads and their buffers per connected sandbox: about 2 MiB each
                     "resources": _resources("2", f"{max(2, -(-max_sandboxes * 2 // 1024))}Gi"),
@@ -472,10 +489,118 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                          "ports": [{"protocol": "TCP", "port": POOL_PORT}]}],
         },
     }
-    manifests = [volume, plan_map, credential, *accounts, role, binding, no_network, pool_ingress, engine_ingress, engine_service, engines,
-                 engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
+    router_ingress = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(plan, "router-ingress", "router"),
+        "spec": {
+            # The router publishes adapters and carries every model call: only the run's trainer and
+            # eval pods and its engines may connect (sandboxes have no network; nothing else of the
+            # namespace, nor of the cluster, is let in). The kubelet's probes are not filtered.
+            "podSelector": {"matchLabels": _selector(plan, "router")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, c)}} for c in ROUTER_CLIENTS],
+                         "ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}],
+        },
+    }
+    manifests = [volume, plan_map, credential, *accounts, role, binding, no_network, pool_ingress, engine_ingress, router_ingress,
+                 engine_service, engines, engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
     # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
     return [as_served(m) for m in json.loads(json.dumps(manifests))]
+
+
+POOL_ACCOUNT_SUFFIX = "-sandbox-pool"  # the pool's service account is RUN-sandbox-pool
+ADMISSION_POLICY = "posttrain-sandbox-pool"
+
+
+def sandbox_pool_admission_policy() -> list[dict[str, Any]]:
+    """What a current cluster (Kubernetes >= 1.30: ``admissionregistration.k8s.io/v1``) enforces on
+    the sandbox pools' tokens, where PodSecurityPolicy no longer exists: a ValidatingAdmissionPolicy
+    and its binding, cluster-wide, installed once by the operator (as the RuntimeClass is; they are
+    cluster-scoped, so not part of a run's namespaced manifests, which a user with rights in one
+    namespace applies).
+
+    It applies to requests by any service account named ``*-sandbox-pool`` in the request's
+    namespace (the pool of run ``R`` is ``R-sandbox-pool``): a pod it creates, changes or deletes
+    must be one of its run's sandboxes (labels ``posttrain.dev/role=sandbox``,
+    ``posttrain.dev/run=R``, component ``sandbox``: the NetworkPolicy that cuts sandboxes off
+    selects those), and a pod it creates or changes must have the shape of
+    :func:`sandboxes.k8s.pod_spec`: the namespace's ``default`` account with no token, emptyDir
+    volumes only, no environment from Secrets or ConfigMaps, no host namespaces or host ports,
+    gVisor or Kata, and every container non-root, unprivileged, without privilege escalation and
+    with every capability dropped. It may attach to or exec into its run's sandbox pods only
+    (``sbx-R-...``). Pod Security Admission's ``restricted`` level (the namespace's labels) allows
+    Secret and projected volumes and any service account; this closes those. Not exercised here:
+    the test plane is 1.20 (PodSecurityPolicy, ``scripts/kube-local.sh``); the objects are
+    validated offline against the current schemas.
+    """
+    def is_sandbox(pod: str) -> str:  # a CEL test that ``pod`` carries its run's sandbox labels
+        labels = f"{pod}.metadata.labels"
+        wanted = {f"{LABEL_PREFIX}/role": "'sandbox'", f"{LABEL_PREFIX}/run": "variables.run",
+                  "app.kubernetes.io/component": "'sandbox'"}
+        return " && ".join([f"has({labels})"] + [f"'{k}' in {labels} && {labels}['{k}'] == {v}" for k, v in wanted.items()])
+
+    pod_write = "request.subResource == '' && request.operation in ['CREATE', 'UPDATE']"
+    container_ok = ("has(c.securityContext) && has(c.securityContext.runAsNonRoot) && c.securityContext.runAsNonRoot"
+                    " && has(c.securityContext.allowPrivilegeEscalation) && !c.securityContext.allowPrivilegeEscalation"
+                    " && !(has(c.securityContext.privileged) && c.securityContext.privileged)"
+                    " && has(c.securityContext.capabilities) && has(c.securityContext.capabilities.drop)"
+                    " && 'ALL' in c.securityContext.capabilities.drop && !has(c.securityContext.capabilities.add)"
+                    " && !has(c.envFrom) && (!has(c.env) || c.env.all(e, !has(e.valueFrom) || has(e.valueFrom.fieldRef)))"
+                    " && (!has(c.ports) || c.ports.all(port, !has(port.hostPort) || port.hostPort == 0))")
+    rule = lambda expression, message: {"expression": expression, "message": message}
+    validations = [
+        rule(f"request.subResource != '' || request.operation == 'CREATE' || ({is_sandbox('oldObject')})",
+             "a sandbox pool may change or delete only its own run's sandbox pods"),
+        rule(f"!({pod_write}) || ({is_sandbox('object')})",
+             "a sandbox pool's pods carry its run's sandbox labels (posttrain.dev/role=sandbox, posttrain.dev/run, "
+             "app.kubernetes.io/component=sandbox)"),
+        rule(f"!({pod_write}) || ((!has(object.spec.serviceAccountName) || object.spec.serviceAccountName == 'default')"
+             " && has(object.spec.automountServiceAccountToken) && !object.spec.automountServiceAccountToken)",
+             "a sandbox pod runs as the namespace's default service account, without its token"),
+        rule(f"!({pod_write}) || !has(object.spec.volumes) || object.spec.volumes.all(v, has(v.emptyDir))",
+             "a sandbox pod has emptyDir volumes only (no Secret, ConfigMap, projected, hostPath or claim)"),
+        rule(f"!({pod_write}) || (!(has(object.spec.hostNetwork) && object.spec.hostNetwork)"
+             " && !(has(object.spec.hostPID) && object.spec.hostPID) && !(has(object.spec.hostIPC) && object.spec.hostIPC))",
+             "a sandbox pod shares no host namespace"),
+        rule(f"!({pod_write}) || (has(object.spec.runtimeClassName) && object.spec.runtimeClassName in {list(RUNTIME_CLASSES)})",
+             f"a sandbox pod runs under RuntimeClass {' or '.join(RUNTIME_CLASSES)}"),
+        rule(f"!({pod_write}) || (object.spec.containers.all(c, {container_ok})"
+             f" && (!has(object.spec.initContainers) || object.spec.initContainers.all(c, {container_ok})))",
+             "a sandbox pod's containers run non-root, unprivileged, without privilege escalation, with every "
+             "capability dropped, no host port and no environment from Secrets or ConfigMaps"),
+        rule("!(request.subResource in ['exec', 'attach']) || request.name.startsWith('sbx-' + variables.run + '-')",
+             "a sandbox pool may attach to or exec into its own run's sandbox pods only"),
+    ]
+    account_prefix = "'system:serviceaccount:' + request.namespace + ':'"
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": ADMISSION_POLICY, "labels": {"app.kubernetes.io/part-of": "posttrain",
+                                                          "app.kubernetes.io/managed-by": MANAGED_BY}},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [
+                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"], "resources": ["pods"]},
+                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CONNECT"], "resources": ["pods/exec", "pods/attach"]},
+            ]},
+            "matchConditions": [{"name": "by-a-sandbox-pool", "expression":
+                                 f"request.userInfo.username.startsWith({account_prefix})"
+                                 f" && request.userInfo.username.endsWith('{POOL_ACCOUNT_SUFFIX}')"}],
+            "variables": [
+                {"name": "account", "expression": f"request.userInfo.username.substring(({account_prefix}).size())"},
+                {"name": "run", "expression": f"variables.account.substring(0, variables.account.size() - {len(POOL_ACCOUNT_SUFFIX)})"},
+            ],
+            "validations": validations,
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": ADMISSION_POLICY, "labels": dict(policy["metadata"]["labels"])},
+        "spec": {"policyName": ADMISSION_POLICY, "validationActions": ["Deny"]},
+    }
+    return [policy, binding]
 
 
 def as_served(manifest: Any) -> Any:
