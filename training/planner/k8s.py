@@ -527,12 +527,14 @@ def sandbox_pool_admission_policy() -> list[dict[str, Any]]:
     selects those), and a pod it creates or changes must have the shape of
     :func:`sandboxes.k8s.pod_spec`: the namespace's ``default`` account with no token, emptyDir
     volumes only, no environment from Secrets or ConfigMaps, no host namespaces or host ports,
-    gVisor or Kata, and every container non-root, unprivileged, without privilege escalation and
-    with every capability dropped. It may attach to or exec into its run's sandbox pods only
+    gVisor or Kata, and every container non-root, unprivileged, without privilege escalation, with
+    every capability dropped and the RuntimeDefault seccomp profile. It may attach to or exec into its run's sandbox pods only
     (``sbx-R-...``). Pod Security Admission's ``restricted`` level (the namespace's labels) allows
     Secret and projected volumes and any service account; this closes those. Not exercised here:
     the test plane is 1.20 (PodSecurityPolicy, ``scripts/kube-local.sh``); the objects are
-    validated offline against the current schemas.
+    validated offline against the current schemas, and the validations were evaluated by hand with
+    cel-python on the escalation pods of tests/kube/test_pool_rbac.py (each refused) and on pods
+    of :func:`sandboxes.k8s.pod_spec` (admitted).
     """
     def is_sandbox(pod: str) -> str:  # a CEL test that ``pod`` carries its run's sandbox labels
         labels = f"{pod}.metadata.labels"
@@ -546,6 +548,9 @@ def sandbox_pool_admission_policy() -> list[dict[str, Any]]:
                     " && !(has(c.securityContext.privileged) && c.securityContext.privileged)"
                     " && has(c.securityContext.capabilities) && has(c.securityContext.capabilities.drop)"
                     " && 'ALL' in c.securityContext.capabilities.drop && !has(c.securityContext.capabilities.add)"
+                    " && (has(c.securityContext.seccompProfile) ? c.securityContext.seccompProfile.type == 'RuntimeDefault'"
+                    " : has(object.spec.securityContext) && has(object.spec.securityContext.seccompProfile)"
+                    " && object.spec.securityContext.seccompProfile.type == 'RuntimeDefault')"
                     " && !has(c.envFrom) && (!has(c.env) || c.env.all(e, !has(e.valueFrom) || has(e.valueFrom.fieldRef)))"
                     " && (!has(c.ports) || c.ports.all(port, !has(port.hostPort) || port.hostPort == 0))")
     rule = lambda expression, message: {"expression": expression, "message": message}
@@ -568,7 +573,8 @@ def sandbox_pool_admission_policy() -> list[dict[str, Any]]:
         rule(f"!({pod_write}) || (object.spec.containers.all(c, {container_ok})"
              f" && (!has(object.spec.initContainers) || object.spec.initContainers.all(c, {container_ok})))",
              "a sandbox pod's containers run non-root, unprivileged, without privilege escalation, with every "
-             "capability dropped, no host port and no environment from Secrets or ConfigMaps"),
+             "capability dropped, the RuntimeDefault seccomp profile, no host port and no environment from Secrets "
+             "or ConfigMaps"),
         rule("!(request.subResource in ['exec', 'attach']) || request.name.startsWith('sbx-' + variables.run + '-')",
              "a sandbox pool may attach to or exec into its own run's sandbox pods only"),
     ]
