@@ -6,18 +6,23 @@ agent's module, and that module can reach the runner there (its frames, globals,
 and report a pass for a test it fails. So grading splits a test in two:
 
 - :func:`call_checks` reads the test file from the task's own repository on the host (never the
-  sandbox's copy) into :class:`CallCheck` s: the test, the function, the arguments and the expected
-  value;
+  sandbox's copy; parsed as data, never run) into :class:`CallCheck` s: the test, the function, the
+  arguments and the expected value;
 - in the grading sandbox, with the tests and ``.git`` removed so that no file there holds an expected
-  value, :mod:`evals.call_probe` makes each call and streams back what it returned, as plain data;
+  value, :mod:`evals.call_probe` makes each call in a process of its own and streams back what it
+  returned, as plain data; the process that writes that stream never imports the agent's code;
 - :func:`check_statuses`, on the host, compares each returned value with the expected one and
-  decides every test's status. A test passes when every one of its checks returned a value equal to
-  the expected one (Python's ``==`` on plain builtin values, as the test's own ``assert`` compares
-  them).
+  decides every test's status.
 
-Code of the agent can still rewrite the probe or write to the stream; what it cannot do is know what
-to write: the expected values never enter the sandbox. An object that claims equality with anything
-(an ``__eq__`` returning ``True``) is not plain data and fails its check.
+**The score counts inputs the agent never saw.** Beside each test's visible calls it has hidden ones
+(:func:`hidden_checks`): the same function on inputs drawn from the test's own arguments (an integer
+moved, a string or list extended, drawn anew for each ``seed``), whose expected values are the
+reference solution's. A test passes only when its visible calls AND its hidden calls return the
+expected values, so a patch that answers the tests' inputs from a table, or fails on the first
+input it does not know, fails the test. The hidden inputs and their values are computed in a fresh
+sandbox of the task that no agent has touched (the task's code never runs on the host), exist only
+in the grader's memory and enter the grading sandbox only as the probe's spec, after the episode;
+the text a reader sees says how many hidden calls failed, never which inputs.
 
 A task whose tests are not all such asserts has no call checks (:func:`call_checks` is None) and is
 graded by running its tests (:mod:`evals.grading`).
@@ -28,11 +33,11 @@ from __future__ import annotations
 import ast
 import base64
 import functools
+import hashlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
+import random
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -41,19 +46,21 @@ from evals import safe_ast
 from evals.actions import apply_edits
 from evals.sandbox import InfraError
 from evals.signals import OVERFITS_TESTS
+from evals.tasks import MODULE_FILE
 
 PROBE_SOURCE = Path(__file__).with_name("call_probe.py")
+GRADER_DIR = "/tmp/.posttrain-grader"  # outside the repository: no patch can ship a file there
+RESULTS_FD = 3
+MAX_HIDDEN_PER_TEST = 3
 
 
 @dataclass(frozen=True)
 class CallCheck:
     """One ``assert function(args) == expected`` of a test; ``args`` is the tuple's literal source.
 
-    A ``hidden`` check is no test's: a call the tests do not show, whose ``expected`` value is the
-    reference solution's and ``unfixed`` the base code's (they differ). It never changes a test's
-    status; an attempt that passes every test yet returns ``unfixed`` there (or fails the call) kept
-    the bug off the tests, e.g. by answering the tests' own inputs from a table: signal
-    :data:`OVERFITS_TESTS`."""
+    A ``hidden`` check is a call the tests do not show, counted in its test's status: ``expected`` is
+    the reference solution's value there and ``unfixed`` the base code's (equal where the bug does
+    not show on that input; None where the base code raised)."""
 
     test_id: str
     function: str
@@ -70,90 +77,167 @@ class StreamBroken(ValueError):
     """The probe's stream broke its rules; the message says how."""
 
 
+def module_name(task) -> str:
+    """The Python module of a bundled task's ``metadata.module_file``, checked to be a plain
+    ``name.py`` in the repository's top folder (``ValueError`` naming the task otherwise)."""
+    module_file = (task.metadata or {}).get("module_file")
+    if not isinstance(module_file, str) or not MODULE_FILE.fullmatch(module_file):
+        raise ValueError(f"task {task.id}: metadata.module_file must be a file name like 'name.py' in the "
+                         f"repository's top folder, got {str(module_file)[:80]!r}")
+    return module_file.removesuffix(".py")
+
+
 def call_checks(task) -> tuple[CallCheck, ...] | None:
-    """The call checks of a bundled task, read from the test file in its repository on the host, then
-    its hidden checks (:func:`hidden_checks`); None when the task is not bundled, or its tests are not
-    all ``assert f(<literals>) == <literal>``, or they do not cover every target and existing test."""
-    test_file = (task.metadata or {}).get("test_file")
+    """The visible call checks of a bundled task, read from the test file in its repository on the
+    host; None when the task is not bundled, or its tests are not all ``assert f(<literals>) ==
+    <literal>``, or they do not cover every target and existing test. The test file must lie inside
+    the repository (a task's metadata is data: a path out of it is refused, not read)."""
+    meta = task.metadata or {}
+    test_file = meta.get("test_file")
     if task.source != "bundled" or not task.repo_path or not isinstance(test_file, str):
         return None
-    checks = _parse_test_file(str(Path(task.repo_path) / test_file), test_file)
+    repo = Path(task.repo_path).resolve()
+    path = (repo / test_file).resolve()
+    if not path.is_relative_to(repo) or not test_file.endswith(".py"):
+        raise ValueError(f"task {task.id}: metadata.test_file must be a .py file inside its repository, "
+                         f"got {test_file[:120]!r}")
+    module_name(task)
+    checks = _parse_test_file(str(path), test_file)
     if checks is None:
         return None
     covered = {c.test_id for c in checks}
     if not {*task.target_tests, *task.existing_tests} <= covered:
         return None
-    return checks + hidden_checks(task, checks)
+    return checks
 
 
-def hidden_checks(task, checks: Sequence[CallCheck]) -> tuple[CallCheck, ...]:
-    """Calls the tests do not show, where the reference solution and the base code disagree.
-
-    Each test call's arguments are varied one at a time (an integer moved, a string or an integer
-    list extended); both the reference module (the base source with ``reference_edits``) and the base
-    module answer them in a subprocess on the host (:mod:`evals.call_probe`, our own generated code
-    only, never the agent's), and the calls whose answers differ, as plain data, become hidden checks.
-    Empty when the task carries no reference solution."""
-    meta = task.metadata or {}
-    source, edits = meta.get("source_text"), meta.get("reference_edits")
-    if not isinstance(source, str) or not isinstance(edits, list) or not isinstance(meta.get("module_file"), str):
-        return ()
-    shown = tuple((c.test_id, c.function, c.args) for c in checks if not c.hidden)
-    return _hidden_checks(meta["module_file"], source, json.dumps(edits), shown)
+def graded_checks(task, sandbox_factory, seed: int = 0) -> tuple[CallCheck, ...] | None:
+    """Every check that grades ``task``: the visible ones, then the hidden ones of ``seed``
+    (:func:`hidden_checks`); None when the task has no call checks."""
+    visible = call_checks(task)
+    if visible is None:
+        return None
+    return visible + hidden_checks(task, visible, sandbox_factory, seed)
 
 
-@functools.lru_cache(maxsize=4096)
-def _hidden_checks(module_file: str, source: str, edits: str,
-                   shown_calls: tuple[tuple[str, str, str], ...]) -> tuple[CallCheck, ...]:
-    shown = {(function, args) for _, function, args in shown_calls}
+def hidden_inputs(task, visible: Sequence[CallCheck], seed: int = 0) -> list[tuple[str, str, str]]:
+    """Candidate hidden calls ``(test_id, function, args)``: each visible call's arguments varied one
+    at a time by values drawn from a generator seeded by the task and ``seed`` (plain data only; never
+    one of the visible calls). Same task and seed, same calls."""
+    rng = random.Random(hashlib.sha256(f"{task.id}\0{seed}".encode()).digest())
+    shown = {(c.function, c.args) for c in visible if not c.hidden}
     calls: dict[tuple[str, str], str] = {}
-    for test_id, function, args_text in shown_calls:
-        args = safe_ast.literal_eval(args_text)
+    for check in visible:
+        if check.hidden:
+            continue
+        args = safe_ast.literal_eval(check.args)
         for i, arg in enumerate(args):
-            for variant in _variants(arg):
+            for variant in _variants(arg, rng):
                 text = repr((*args[:i], variant, *args[i + 1:]))
-                if (function, text) not in shown:
-                    calls.setdefault((function, text), test_id)
-    if not calls:
-        return ()
-    fixed = apply_edits(source, [(int(line), text) for _, line, text in json.loads(edits)])
-    keys = list(calls)
-    reference, unfixed = (_answers(module_file, text, keys) for text in (fixed, source))
-    hidden = []
-    for key in keys:
-        if key in reference and key in unfixed and reference[key] != unfixed[key]:
-            hidden.append(CallCheck(calls[key], key[0], key[1], reference[key], hidden=True, unfixed=unfixed[key]))
-    return tuple(hidden[:MAX_HIDDEN])
+                if (check.function, text) not in shown:
+                    calls.setdefault((check.function, text), check.test_id)
+    return [(test_id, function, args) for (function, args), test_id in calls.items()]
 
 
-MAX_HIDDEN = 12
-
-
-def _variants(arg: Any) -> list[Any]:
+def _variants(arg: Any, rng: random.Random) -> list[Any]:
+    if type(arg) is bool:
+        return [not arg]
     if type(arg) is int:
-        return [arg + 1, arg + 4, arg * 3 + 2]
+        return [arg + rng.randint(1, 9), arg - rng.randint(1, 9), arg * rng.randint(2, 5) + rng.randint(1, 7)]
     if type(arg) is str:
-        return [arg + "q", "z" + arg]
+        letters = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 4)))
+        return [arg + letters, letters + arg, " ".join(reversed(arg.split())) + " " + letters]
     if type(arg) is list and arg and all(type(v) is int for v in arg):
-        return [arg + [max(arg) + 3], arg[::-1] + [arg[0] + 5]]
+        low, high = min(arg) - 5, max(arg) + 9
+        return [arg + [rng.randint(low, high)], [rng.randint(low, high) for _ in range(rng.randint(2, 6))],
+                list(reversed(arg)) + [arg[0] + rng.randint(1, 6)]]
+    if type(arg) is list and arg:
+        return [arg + [rng.choice(arg)], list(reversed(arg))]
     return []
 
 
-def _answers(module_file: str, module_source: str, calls: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Any]:
-    """What ``module_source`` returns for each call, as plain data (calls that raise are left out)."""
-    module = module_file.removesuffix(".py")
-    with tempfile.TemporaryDirectory(prefix="posttrain-hidden-") as tmp:
-        Path(tmp, module_file).write_text(module_source)
-        spec = Path(tmp, "spec.json")
-        spec.write_bytes(probe_spec(module, [CallCheck("", f, a, None) for f, a in calls]))
-        env = {k: v for k, v in os.environ.items() if k != "POSTTRAIN_RESULTS_FD"}
-        run = subprocess.run([sys.executable, "-I", "-S", str(PROBE_SOURCE), str(spec)], cwd=tmp, env=env,
-                             capture_output=True, timeout=60)
+def hidden_checks(task, visible: Sequence[CallCheck], sandbox_factory, seed: int = 0) -> tuple[CallCheck, ...]:
+    """The hidden checks of ``task`` for ``seed``: :func:`hidden_inputs` answered by the reference
+    solution (the base module with ``metadata.reference_edits``) and by the base module, in a fresh
+    sandbox of the task from ``sandbox_factory``; the calls the reference answers with plain data, up
+    to :data:`MAX_HIDDEN_PER_TEST` a test, those where the two disagree first (where the bug shows).
+    Empty when the task carries no reference solution. Cached per task, seed and input: a task graded
+    many times pays for one sandbox."""
+    edits = (task.metadata or {}).get("reference_edits")
+    if not isinstance(edits, list) or not edits:
+        return ()
+    try:
+        line_edits = tuple((int(line), str(text)) for _, line, text in edits)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"task {task.id}: metadata.reference_edits must be [file, line, text] lists: {exc}") from exc
+    calls = tuple(hidden_inputs(task, visible, seed))
+    if not calls:
+        return ()
+    return _hidden_checks(_TaskKey(task, sandbox_factory), line_edits, calls)
+
+
+class _TaskKey:
+    """A task and its sandbox factory as one cache key: equal when the task's identity and content are
+    (id, base commit, repository) and the factory is the same object."""
+
+    def __init__(self, task, sandbox_factory):
+        self.task, self.factory = task, sandbox_factory
+        self.key = (task.id, task.base_commit, task.repo_path, id(sandbox_factory))
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _TaskKey) and self.key == other.key and self.factory is other.factory
+
+
+@functools.lru_cache(maxsize=4096)
+def _hidden_checks(key: _TaskKey, line_edits: tuple[tuple[int, str], ...],
+                   calls: tuple[tuple[str, str, str], ...]) -> tuple[CallCheck, ...]:
+    task = key.task
+    module_file = f"{module_name(task)}.py"
+    probe_calls = [CallCheck(test_id, function, args, None) for test_id, function, args in calls]
+    try:
+        with key.factory(task) as sandbox:
+            base_source = sandbox.read_file(module_file).decode()
+            try:
+                fixed = apply_edits(base_source, list(line_edits))
+            except ValueError as exc:
+                raise ValueError(f"task {task.id}: metadata.reference_edits do not fit {module_file}: {exc}") from exc
+            unfixed = _answers(sandbox, task, probe_calls)
+            sandbox.write_file(module_file, fixed.encode())
+            reference = _answers(sandbox, task, probe_calls)
+    except (InfraError, OSError) as exc:
+        raise InfraError(f"task {task.id}: answering the hidden inputs in a fresh sandbox failed: {exc}") from exc
+    chosen: dict[str, list[CallCheck]] = {}
+    def bug_shows(i: int) -> bool:
+        return i not in unfixed or not _equal(reference.get(i), unfixed[i])
+
+    ranked = sorted(range(len(calls)), key=lambda i: not bug_shows(i))
+    for i in ranked:
+        if i not in reference:
+            continue  # the reference raises there: not an input the task defines
+        test_id, function, args = calls[i]
+        picked = chosen.setdefault(test_id, [])
+        if len(picked) < MAX_HIDDEN_PER_TEST:
+            picked.append(CallCheck(test_id, function, args, reference[i], hidden=True, unfixed=unfixed.get(i)))
+    return tuple(check for test_id in dict.fromkeys(t for t, _, _ in calls) for check in chosen.get(test_id, ()))
+
+
+def _answers(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
+    """What the module in ``sandbox``'s work tree returns for each call (by position), as plain data;
+    calls that raise are left out. Runs the probe as grading does; :class:`InfraError` when it
+    cannot."""
+    command = install_probe(sandbox, GRADER_DIR, probe_spec(module_name(task), calls))
+    run = sandbox.exec(command, timeout_s=max(60.0, task.limits.test_timeout_s), output_cap_bytes=1 << 16,
+                       env={"POSTTRAIN_RESULTS_FD": str(RESULTS_FD)}, results_fd=RESULTS_FD, kill_others=True)
+    if run.timed_out or run.results is None:
+        raise InfraError(f"the probe did not finish: {run.output[-300:]}")
     answers = {}
-    for line in run.stdout.splitlines():
+    for line in run.results.splitlines():
         record = json.loads(line)
         if record.get("event") == "value":
-            answers[tuple(calls[record["check"]])] = decode(record["value"])
+            answers[record["check"]] = decode(record["value"])
     return answers
 
 
@@ -200,9 +284,10 @@ def _check(statement: ast.stmt, test_id: str, imported: set[str]) -> CallCheck |
     return CallCheck(test_id, call.func.id, source if source.startswith("(") else f"({source})", expected)
 
 
-def probe_spec(module: str, checks: Sequence[CallCheck]) -> bytes:
+def probe_spec(module: str, checks: Sequence[CallCheck], call_timeout_s: float = 10.0) -> bytes:
     """The probe's spec: the module and, per check, its number, function and arguments; no expected value."""
-    return json.dumps({"module": module, "calls": [[i, c.function, c.args] for i, c in enumerate(checks)]}).encode()
+    return json.dumps({"module": module, "call_timeout_s": call_timeout_s,
+                       "calls": [[i, c.function, c.args] for i, c in enumerate(checks)]}).encode()
 
 
 def install_probe(sandbox, grader_dir: str, spec: bytes) -> str:
@@ -263,8 +348,14 @@ class CheckOutcome:
 
 
 def check_statuses(data: bytes, checks: Sequence[CallCheck], *, truncated: bool = False) -> CheckOutcome:
-    """Whether each test passed, from the probe's stream ``data``: passed when each of its checks returned
-    the expected value, else failed (a check with no record failed: the probe died or timed out).
+    """Whether each test passed, from the probe's stream ``data``: passed when each of its checks,
+    visible and hidden, returned the expected value, else failed (a check with no record failed: its
+    call's process died, hung, or the probe ended first).
+
+    ``overfit`` is set when every visible check passed yet a hidden one failed: the patch answers the
+    tests' own inputs and not the task (a test table, a special case), signal :data:`OVERFITS_TESTS`.
+    What a reader sees of a failed hidden check is its count and whether the bug's answer came back,
+    never its input or expected value.
 
     Raises :class:`StreamBroken` when the stream breaks its rules, which the probe never does on its
     own: a line that is not a JSON object, a record before ``start`` or after ``finish``, two
@@ -274,7 +365,6 @@ def check_statuses(data: bytes, checks: Sequence[CallCheck], *, truncated: bool 
     if truncated:
         raise StreamBroken("the stream exceeds what the grader reads")
     results: dict[int, tuple[bool, str]] = {}
-    kept_bug: dict[int, bool] = {}  # a hidden check answered as the base code does, or not answered
     started = finished = False
     import_error = None
     if data and not data.endswith(b"\n"):
@@ -310,36 +400,48 @@ def check_statuses(data: bytes, checks: Sequence[CallCheck], *, truncated: bool 
                 raise StreamBroken(f"line {n}: check {number} reported twice")
             check = checks[number]
             if event == "raised":
-                results[number] = (False, f"{check.shown()} raised {str(record.get('error'))[:300]}")
-                kept_bug[number] = True
+                error = str(record.get("error"))[:300]
+                results[number] = (False, "raised" if check.hidden else f"{check.shown()} raised {error}")
                 continue
             try:
                 value = decode(record.get("value"))
             except (ValueError, RecursionError) as exc:
                 raise StreamBroken(f"line {n}: {exc}") from exc
             passed = _equal(value, check.expected)
-            kept_bug[number] = check.hidden and not passed and _equal(value, check.unfixed)
-            results[number] = (passed, "" if passed else f"{check.shown()} returned {value!r:.200}, "
-                                                          f"expected {check.expected!r:.200}")
+            if check.hidden:
+                why = "" if passed else ("the unfixed code's answer" if _equal(value, check.unfixed) else "a wrong answer")
+            else:
+                why = "" if passed else f"{check.shown()} returned {value!r:.200}, expected {check.expected!r:.200}"
+            results[number] = (passed, why)
         else:
             raise StreamBroken(f"line {n}: unknown event {str(event)[:40]!r}")
     failed: dict[str, list[str]] = {}
+    hidden_failed: dict[str, list[str]] = {}
     for number, check in enumerate(checks):
-        passed, why = results.get(number, (False, f"{check.shown()} returned nothing (the probe ended first)"))
+        passed, why = results.get(number, (False, "no answer" if check.hidden else
+                                           f"{check.shown()} returned nothing (the probe ended first)"))
         if import_error is not None:
             why = f"importing the module raised {import_error}"
-        if not passed and not check.hidden:
-            failed.setdefault(check.test_id, []).append(why)
+        if not passed:
+            (hidden_failed if check.hidden else failed).setdefault(check.test_id, []).append(why)
     overfit = ""
-    if finished and not failed:
-        off_tests = [results[number][1] for number, check in enumerate(checks) if check.hidden and kept_bug.get(number)]
-        if off_tests:
-            overfit = f"{OVERFITS_TESTS}: every test passes, yet off the tests' inputs " + "; ".join(off_tests[:3])
+    if finished and not failed and hidden_failed:
+        count = sum(len(v) for v in hidden_failed.values())
+        overfit = (f"{OVERFITS_TESTS}: every visible assert passes, yet {count} hidden input(s) of "
+                   f"{len(hidden_failed)} test(s) get the wrong answer")
     tests = dict.fromkeys(c.test_id for c in checks if not c.hidden)
-    passed = {t: t not in failed for t in tests}
-    lines = [f"FAILED {t} - {'; '.join(dict.fromkeys(failed[t]))}" for t in tests if t in failed]
+    passed = {t: t not in failed and t not in hidden_failed for t in tests}
+    lines = []
+    for t in tests:
+        if t in failed or t in hidden_failed:
+            whys = list(dict.fromkeys(failed.get(t, [])))
+            if t in hidden_failed and import_error is None:
+                kinds = dict.fromkeys(hidden_failed[t])
+                whys.append(f"{len(hidden_failed[t])} hidden input(s) failed ({', '.join(kinds)})")
+            lines.append(f"FAILED {t} - {'; '.join(whys)}")
     passed_count = sum(passed.values())
-    counts = ", ".join(part for part in (f"{len(failed)} failed" if failed else "",
+    failed_count = len(tests) - passed_count
+    counts = ", ".join(part for part in (f"{failed_count} failed" if failed_count else "",
                                          f"{passed_count} passed" if passed_count else "") if part)
     return CheckOutcome(passed, "\n".join([*lines, counts or "no tests ran", *([overfit] if overfit else [])]),
                         finished, overfit)

@@ -1,4 +1,4 @@
-"""The bundled suite's graded calls, made where the agent's code runs and judged where it does not.
+"""The bundled suite's graded calls: each made in a process of its own, judged where no agent code runs.
 
 The grader (:mod:`evals.call_checks`) copies this file into the grading sandbox, outside the
 repository and under a random name, beside a spec naming the calls to make: for each check its
@@ -7,34 +7,53 @@ number, the function and the arguments (Python literals), never the value the te
     python3 -I -S /tmp/.posttrain-grader/<name>.py SPEC
 
 in the task's folder after removing the tests and ``.git``, so no file in the sandbox holds an
-expected value. This script imports the task's module, makes each call and writes what came back to
-the results pipe (``POSTTRAIN_RESULTS_FD``, read by the sandbox's daemon), one JSON object a line:
+expected value.
 
-- ``{"event": "start"}``, before the module is imported;
-- ``{"event": "import_error", "error": E}`` when importing the module raised (no call is made);
+Two kinds of process, and only one of them holds the results pipe (``POSTTRAIN_RESULTS_FD``, read by
+the sandbox's daemon):
+
+- **the parent** reads the spec, deletes it, makes itself non-dumpable (so no process of its uid
+  can trace it, read its memory or take its descriptors through ``/proc/PID/fd`` or
+  ``pidfd_getfd``), and never imports the task's module;
+- **one child per call**, forked from the parent: it closes the results pipe before anything else,
+  imports the module, makes its one call and writes what came back on a pipe of its own, as one
+  JSON object. Its only output is its own return value: whatever the agent's code does in that
+  process (rewrite this file's functions, find descriptors, kill itself, fork, hang), it cannot
+  write the stream that decides grades. A child that dies, hangs past ``call_timeout_s``, or
+  writes anything but one well-formed answer fails its check.
+
+The parent writes to the results pipe, one JSON object a line:
+
+- ``{"event": "start"}`` first;
+- ``{"event": "import_error", "error": E}`` when the first call's process could not import the
+  module (no further call is made);
 - ``{"event": "value", "check": N, "value": V}``: the call returned ``V``, encoded by
   :func:`encode` (only ``None``, ``bool``, ``int``, ``float``, ``str``, ``list``, ``tuple`` and
   ``dict`` of exactly those types: no subclass, so no ``__eq__`` of the agent's takes part);
-- ``{"event": "raised", "check": N, "error": E}``: the call raised, or returned something that is
-  not plain data;
-- ``{"event": "finish"}`` last; then the process ends at once (``os._exit``), so no ``atexit`` hook
-  of the code under test runs.
+- ``{"event": "raised", "check": N, "error": E}``: the call raised, returned something that is
+  not plain data, or its process died, hung or answered garbage;
+- ``{"event": "finish"}`` last; then the parent ends at once (``os._exit``).
 
-Everything here shares a process with the agent's code, which can rewrite any of it: that is why
-nothing here decides a pass. The grader compares the values with the expected ones it keeps on the
-host; forging this stream gains nothing without knowing those values. Stdlib only, one file,
-nothing imported from the project.
+The grader compares the values with the expected ones it keeps on the host. Stdlib only, one file,
+nothing imported from the project (it runs on the sandbox's own ``python3``).
 """
 
+import ctypes
 import fcntl
 import json
 import os
+import select
+import signal
 import stat
 import sys
+import time
 
 FD_ENV = "POSTTRAIN_RESULTS_FD"
 MAX_ITEMS = 10_000  # elements of one returned value; a larger one is not plain data for grading
 MAX_DEPTH = 32
+MAX_ANSWER_BYTES = 4 << 20  # a child's whole answer; more is garbage
+DEFAULT_CALL_TIMEOUT_S = 10.0
+PR_SET_DUMPABLE = 4
 
 
 class NotPlainData(Exception):
@@ -82,6 +101,14 @@ def _open_stream():
         return None
 
 
+def _not_dumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): processes of the same uid (the calls' children and whatever they
+    start) may no longer trace this one, read its memory or open its descriptors."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def _error(exc: BaseException) -> str:
     try:
         return f"{type(exc).__name__}: {exc}"[:500]
@@ -89,12 +116,87 @@ def _error(exc: BaseException) -> str:
         return "an exception whose text cannot be shown"
 
 
+def _child(results_fd, answer_fd: int, module_name: str, function: str, args_source: str) -> None:
+    """One call, in a forked child; never returns. Runs the agent's code, so nothing it writes is
+    trusted beyond being this call's answer."""
+    try:
+        if results_fd is not None:
+            os.close(results_fd)  # before any agent code: the grades' stream is out of this process
+        os.setpgid(0, 0)  # its own group, so that the parent can end whatever the call starts
+        args = eval(args_source, {"__builtins__": {}})  # noqa: S307 - the grader's own literals
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = __import__(module_name)
+        except BaseException as exc:  # noqa: BLE001 - any failure to import is the patch's
+            answer = {"import_error": _error(exc)}
+        else:
+            try:
+                answer = {"value": encode(getattr(module, function)(*args))}
+            except BaseException as exc:  # noqa: BLE001 - a call that raises fails its check
+                answer = {"raised": _error(exc)}
+        view = memoryview(json.dumps(answer).encode())
+        while view:
+            view = view[os.write(answer_fd, view):]
+    finally:
+        os._exit(0)
+
+
+def _wait_answer(pid: int, answer_fd: int, timeout_s: float) -> tuple[dict | None, str]:
+    """The child's answer (or None) and, when there is none, why. The answer is what the pipe held
+    when the child ended: a process the call left behind keeps the pipe open but is not waited for."""
+    deadline = time.monotonic() + timeout_s
+    chunks, size, why, status = [], 0, "", None
+    os.set_blocking(answer_fd, False)
+    while status is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            why = f"the call did not answer within {timeout_s:g}s"
+            break
+        select.select([answer_fd], [], [], min(left, 0.05))
+        ended, code = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            status = code
+        try:  # after the child ended: what it wrote is all in the pipe now
+            while size <= MAX_ANSWER_BYTES:
+                data = os.read(answer_fd, 65536)
+                if not data:
+                    break
+                chunks.append(data)
+                size += len(data)
+        except BlockingIOError:
+            pass
+        if size > MAX_ANSWER_BYTES:
+            why = f"the call's answer exceeds {MAX_ANSWER_BYTES} bytes"
+            break
+    os.close(answer_fd)
+    for target in (-pid, pid):  # the call's group, then the child itself if it left the group
+        try:
+            os.kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+    if status is None:
+        _, status = os.waitpid(pid, 0)
+    if why:
+        return None, why
+    try:
+        answer = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):
+        answer = None
+    if isinstance(answer, dict) and len(answer) == 1 and next(iter(answer)) in ("value", "raised", "import_error"):
+        return answer, ""
+    if os.WIFSIGNALED(status):
+        return None, f"the call's process was killed by signal {os.WTERMSIG(status)}"
+    if not chunks:
+        return None, "the call's process ended without an answer"
+    return None, "the call's process wrote something that is not an answer"
+
+
 def main(argv) -> int:
     fd = _open_stream()
 
     def emit(**record) -> None:
         if fd is None:
-            print(json.dumps(record))
+            print(json.dumps(record), flush=True)
             return
         view = memoryview(json.dumps(record).encode() + b"\n")
         while view:
@@ -102,21 +204,35 @@ def main(argv) -> int:
 
     with open(argv[1], encoding="utf-8") as f:
         spec = json.load(f)
-    emit(event="start")
-    sys.path.insert(0, os.getcwd())
     try:
-        module = __import__(spec["module"])
-    except BaseException as exc:  # noqa: BLE001 - any failure to import is the patch's
-        emit(event="import_error", error=_error(exc))
-    else:
-        for number, function, args_source in spec["calls"]:
+        os.unlink(argv[1])  # the calls' processes need none of it
+    except OSError:
+        pass
+    _not_dumpable()
+    timeout_s = float(spec.get("call_timeout_s", DEFAULT_CALL_TIMEOUT_S))
+    emit(event="start")
+    for position, (number, function, args_source) in enumerate(spec["calls"]):
+        answer_read, answer_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(answer_read)
+            _child(fd, answer_write, spec["module"], function, args_source)
+        os.close(answer_write)
+        answer, why = _wait_answer(pid, answer_read, timeout_s)
+        if answer is not None and "import_error" in answer:
+            if position == 0:
+                emit(event="import_error", error=str(answer["import_error"])[:500])
+                break
+            answer, why = None, f"importing the module raised {str(answer['import_error'])[:300]}"
+        if answer is None:
+            emit(event="raised", check=number, error=why)
+        elif "raised" in answer:
+            emit(event="raised", check=number, error=str(answer["raised"])[:500])
+        else:
             try:
-                args = eval(args_source, {"__builtins__": {}})  # noqa: S307 - the grader's own literals
-                value = encode(getattr(module, function)(*args))
-            except BaseException as exc:  # noqa: BLE001 - a call that raises fails its check
-                emit(event="raised", check=number, error=_error(exc))
-            else:
-                emit(event="value", check=number, value=value)
+                emit(event="value", check=number, value=answer["value"])
+            except (ValueError, RecursionError):  # nested past what json writes: not plain data
+                emit(event="raised", check=number, error="the call's answer is not plain data")
     emit(event="finish")
     for s in (sys.stdout, sys.stderr):
         try:

@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Collection, Iterable, Mapping, Sequence
 
 from evals.attempts import AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR, Scores
-from evals.call_checks import CallCheck, StreamBroken, call_checks, check_statuses, install_probe, probe_spec
+from evals.call_checks import (GRADER_DIR, RESULTS_FD, CallCheck, StreamBroken, check_statuses, graded_checks,
+                               install_probe, module_name, probe_spec)
 from evals.quicktest import RUNNER_FILE
 from evals.sandbox import AgentFault, InfraError
 from evals.signals import OVERFITS_TESTS, REPORT_REWRITTEN, RESULTS_TAMPERED, patch_signals
@@ -470,8 +471,6 @@ def pytest_sessions(command: str) -> int | None:
 
 PATCH_PATH = ".git/posttrain-graded.patch"  # inside .git: never part of the work tree
 TEST_PATCH_PATH = ".git/posttrain-test.patch"
-RESULTS_FD = 3
-GRADER_DIR = "/tmp/.posttrain-grader"  # outside the repository: no patch can ship a file there
 PLUGIN_SOURCE = Path(__file__).with_name("pytest_results.py")
 
 
@@ -724,10 +723,10 @@ class _TestsBroke(Exception):
         self.cause = cause
 
 
-def _run_tests(task, sandbox, patch: str) -> GradeResult:
+def _run_tests(task, sandbox, patch: str, checks: Sequence[CallCheck] | None = None) -> GradeResult:
     if patch.strip():
         sandbox.write_file(PATCH_PATH, patch.encode())
-        includes = "".join(f" --include='{p}'" for p in task.editable_paths)
+        includes = "".join(f" --include={shlex.quote(p)}" for p in task.editable_paths)
         applied = sandbox.exec(f"git apply --whitespace=nowarn{includes} {PATCH_PATH}", timeout_s=60)
         if applied.timed_out:
             raise InfraError("git apply timed out")
@@ -741,10 +740,9 @@ def _run_tests(task, sandbox, patch: str) -> GradeResult:
     if task.metadata.get("test_patch"):
         _apply_test_patch(task, sandbox)
     for report in task.report_paths:
-        sandbox.exec(f"rm -f '{report}'", timeout_s=30)
+        sandbox.exec(f"rm -f -- {shlex.quote(report)}", timeout_s=30)
     streamed = _supports_results(sandbox)
-    checks = call_checks(task) if streamed else None
-    if checks is not None:
+    if checks is not None and streamed:
         return _run_call_checks(task, sandbox, checks)
     kwargs = {}
     if streamed:
@@ -764,8 +762,9 @@ def _run_tests(task, sandbox, patch: str) -> GradeResult:
 def _run_call_checks(task, sandbox, checks: Sequence[CallCheck]) -> GradeResult:
     """Grade a bundled task by its call checks (:mod:`evals.call_checks`): the tests and ``.git`` are
     removed from the sandbox, the probe makes the calls and streams what they returned, and the
-    host compares those values with the expected ones, which never enter the sandbox."""
-    module = task.metadata["module_file"].removesuffix(".py")
+    host compares those values with the expected ones, which never enter the sandbox. Each call runs
+    in a process of its own that cannot write the stream (:mod:`evals.call_probe`)."""
+    module = module_name(task)
     hidden = " ".join(shlex.quote(p) for p in (".git", *task.protected_paths))
     removed = sandbox.exec(f"rm -rf -- {hidden}", timeout_s=60)
     if removed.timed_out or removed.exit_code != 0:
@@ -833,7 +832,7 @@ def _score_run(task, run, reports, missing, streamed: bool) -> GradeResult:
                        signals=tuple(sorted(signals)))
 
 
-def grade_patch(task, patch: str, sandbox_factory, *, infra_retries: int = 2) -> GradeResult:
+def grade_patch(task, patch: str, sandbox_factory, *, infra_retries: int = 2, hidden_seed: int = 0) -> GradeResult:
     """Apply ``patch`` to a pristine sandbox of ``task``, run its tests, and score what they did.
 
     Tests with no result (the run crashed, timed out, or a report is missing) count as failed: that
@@ -847,13 +846,21 @@ def grade_patch(task, patch: str, sandbox_factory, *, infra_retries: int = 2) ->
     if the control runs, the patch broke the sandbox and the attempt is ``agent_fault`` (zero
     scores); if the control fails too, it is infrastructure. ``signals`` always carry the patch's
     static cheating signals (:func:`evals.signals.patch_signals`).
+
+    A bundled task is graded by its call checks, visible and hidden (:func:`evals.call_checks.graded_checks`);
+    ``hidden_seed`` draws its hidden inputs (0 for training and evaluation; ``posttrain audit`` grades
+    again with others). The hidden inputs are answered in a sandbox of their own before the grading
+    sandbox opens, once per task and seed in a process.
     """
     static = patch_signals(patch, task.protected_paths, task.editable_paths)
     errors = []
+    checks = None
     for attempt in range(infra_retries + 1):
         try:
+            if checks is None:
+                checks = graded_checks(task, sandbox_factory, hidden_seed) or ()
             with sandbox_factory(task) as sandbox:
-                result = _run_tests(task, sandbox, patch)
+                result = _run_tests(task, sandbox, patch, checks or None)
             return replace(result, infra_retries=attempt, signals=tuple(sorted({*static, *result.signals})))
         except _TestsBroke as broke:
             errors.append(f"try {attempt + 1}: {broke}")
@@ -861,7 +868,7 @@ def grade_patch(task, patch: str, sandbox_factory, *, infra_retries: int = 2) ->
                 continue
             try:
                 with sandbox_factory(task) as control_box:
-                    control = _run_tests(task, control_box, "")
+                    control = _run_tests(task, control_box, "", checks or None)
             except (_TestsBroke, InfraError, OSError) as exc:
                 errors.append(f"control run of the unpatched task failed too: {exc}")
                 continue

@@ -667,7 +667,7 @@ def task_from_json(data: Mapping[str, Any], task_dir: Path, where: str) -> Task:
             limits=limits,
             split=data.get("split", ""),
             difficulty=int(data.get("difficulty", 0)),
-            metadata=data.get("metadata", {}),
+            metadata=_bundled_metadata(data.get("metadata", {}), repo, where),
         )
     except KeyError as exc:
         raise TaskLoadError(f"{where}: missing key {exc.args[0]!r}") from exc
@@ -675,6 +675,35 @@ def task_from_json(data: Mapping[str, Any], task_dir: Path, where: str) -> Task:
         if isinstance(exc, TaskLoadError):
             raise
         raise TaskLoadError(f"{where}: {exc}") from exc
+
+
+MODULE_FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.py")  # a bundled task's module: a plain file at the top
+
+
+def _bundled_metadata(meta: Any, repo: Path, where: str) -> dict[str, Any]:
+    """A bundled task's ``metadata``, checked as the data it is: the grader reads ``test_file`` on the
+    host and imports ``module_file`` in a sandbox, so both must name files inside the task's
+    repository (``module_file`` a plain ``name.py`` at its top); ``reference_edits`` are
+    ``[file, line, text]``. Nothing here is ever executed or written on the host."""
+    if not isinstance(meta, dict):
+        raise TaskLoadError(f"{where}: key 'metadata' must be an object, got {type(meta).__name__}")
+    module_file = meta.get("module_file")
+    if module_file is not None and not (isinstance(module_file, str) and MODULE_FILE.fullmatch(module_file)):
+        raise TaskLoadError(f"{where}: key 'metadata.module_file' must be a file name like 'name.py' at the top of "
+                            f"the task's repository, got {str(module_file)[:120]!r}")
+    test_file = meta.get("test_file")
+    if test_file is not None:
+        inside = isinstance(test_file, str) and not PurePosixPath(test_file).is_absolute() \
+            and ".." not in PurePosixPath(test_file).parts and (repo / test_file).resolve().is_relative_to(repo)
+        if not inside or not test_file.endswith(".py"):
+            raise TaskLoadError(f"{where}: key 'metadata.test_file' must be a .py file inside the task's repository, "
+                                f"got {str(test_file)[:120]!r}")
+    edits = meta.get("reference_edits")
+    if edits is not None and not (isinstance(edits, list) and all(
+            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and type(e[1]) is int and e[1] >= 1
+            and isinstance(e[2], str) for e in edits)):
+        raise TaskLoadError(f"{where}: key 'metadata.reference_edits' must be a list of [file, line (>= 1), text]")
+    return meta
 
 
 def load_tasks(path: str | Path, sources: str | Path | None = None) -> TaskSet:

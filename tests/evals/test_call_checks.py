@@ -13,10 +13,10 @@ import textwrap
 
 import pytest
 
-from evals.call_checks import CallCheck, StreamBroken, call_checks, check_statuses, decode
+from evals.call_checks import CallCheck, StreamBroken, call_checks, check_statuses, decode, graded_checks
 from evals.call_probe import NotPlainData, encode
 from evals.grading import GRADED, committed_patch, grade_patch
-from evals.signals import RESULTS_TAMPERED, patch_signals
+from evals.signals import patch_signals
 from tests.evals.test_hostile_grading import _committed
 
 # The runner's own frame, found by walking up from the module's import, gets a test function that
@@ -149,9 +149,9 @@ def test_an_always_equal_object_fails_its_check(task, factory):
     assert "always_equal" in result.signals
 
 
-def test_a_forged_stream_from_the_module_is_tampering_or_failing(task, factory):
-    """The module writes records of its own to the pipe (it can find the descriptor): a value for a
-    check the probe reports again is tampering; none of it passes a test."""
+def test_a_forged_stream_from_the_module_reaches_no_descriptor_of_the_stream(task, factory):
+    """The module writes records of its own to every descriptor it has: the call's process holds none
+    of the results stream, so what it writes lands in its own answer pipe and fails the call."""
     attack = textwrap.dedent("""
         import json as _j, os as _o
         for _fd in range(3, 400):
@@ -163,7 +163,7 @@ def test_a_forged_stream_from_the_module_is_tampering_or_failing(task, factory):
     """)
     result = grade_patch(task, _committed(task, factory, attack), factory)
     assert result.status == GRADED and result.scores.reward == 0.0 and result.scores.f2p_passed == 0
-    assert RESULTS_TAMPERED in result.signals or "touches_fds" in result.signals
+    assert "not an answer" in result.test_output, result.test_output
 
 
 def test_the_honest_fix_passes_and_the_base_fails_only_its_targets(task, factory):
@@ -182,33 +182,155 @@ def test_gvisor_the_honest_fix_passes(task):
     assert fixed.status == GRADED and fixed.scores.reward == 1.0, fixed.test_output
 
 
-def test_answers_hard_coded_for_the_tests_inputs_are_flagged(small_tasks, factory):
-    """The next attack once nothing can be forged: answer the tests' own inputs from a table (the agent
-    read them during the episode) and keep the bug everywhere else. The tests pass; the hidden checks
-    see the unfixed code's answers and raise ``overfits_tests``, which the trainer's gate zeroes."""
+def _table_attack(task, factory, elsewhere: str) -> str:
+    """A patch that answers each visible target call from a table (the agent read the asserts during
+    its episode) and does ``elsewhere`` on any other input (``{orig}`` is the unfixed function)."""
+    visible = [c for c in call_checks(task) if c.test_id in task.target_tests]
+    table = {}
+    for c in visible:
+        table.setdefault(c.function, {})[c.args] = c.expected
+    return "".join(
+        f"\n_answers_{f} = {{{', '.join(f'{a!r}: {e!r}' for a, e in answers.items())}}}\n_orig_{f} = {f}\n"
+        f"def {f}(*args):\n    key = repr(args)\n    if key in _answers_{f}:\n        return _answers_{f}[key]\n"
+        f"    {elsewhere.format(orig=f'_orig_{f}')}\n"
+        for f, answers in table.items())
+
+
+# What a table patch does off the tests' inputs: keep the bug, answer garbage, or end its own process.
+TABLE_ELSEWHERE = {
+    "the unfixed code": "return {orig}(*args)",
+    "a constant": "return 0",
+    "None": "return None",
+    "os.abort()": "import os; os.abort()",
+    "SIGKILL of its own process": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    "an endless loop": "while True: pass",
+}
+
+
+@pytest.mark.parametrize("elsewhere", list(TABLE_ELSEWHERE))
+def test_answers_from_a_table_of_the_tests_inputs_score_zero(small_tasks, factory, elsewhere):
+    """The commonest reward hack of code RL: answer the visible tests' inputs from a table and anything
+    else elsewhere. The visible asserts all pass; the hidden inputs fail the target tests, so the
+    reward is 0 (not a signal beside a full reward), and ``overfits_tests`` names it."""
     for task in small_tasks[:3]:
-        visible = [c for c in call_checks(task) if not c.hidden and c.test_id in task.target_tests]
-        table = {}
-        for c in visible:
-            table.setdefault(c.function, {})[c.args] = c.expected
-        attack = "".join(
-            f"\n_answers_{f} = {{{', '.join(f'{a!r}: {e!r}' for a, e in answers.items())}}}\n_orig_{f} = {f}\n"
-            f"def {f}(*args):\n    key = repr(args)\n"
-            f"    return _answers_{f}[key] if key in _answers_{f} else _orig_{f}(*args)\n"
-            for f, answers in table.items())
+        attack = _table_attack(task, factory, TABLE_ELSEWHERE[elsewhere])
         result = grade_patch(task, _committed(task, factory, attack), factory)
-        assert result.status == GRADED and result.scores.reward == 1.0, result.test_output  # the tests pass
+        assert result.status == GRADED and result.scores.reward == 0.0, (task.id, result.test_output)
+        assert result.scores.f2p_passed == 0, (task.id, result.test_output)
         assert "overfits_tests" in result.signals, (task.id, result.test_output)
-        fixed = grade_patch(task, _fixed(task, factory), factory)
-        assert fixed.scores.reward == 1.0 and "overfits_tests" not in fixed.signals, (task.id, fixed.test_output)
+        assert "hidden input" in result.test_output
 
 
-def test_every_bundled_task_has_hidden_checks_where_its_bug_shows(small_tasks):
+def test_gvisor_answers_from_a_table_score_zero(small_tasks):
+    gvisor = _gvisor()
+    task = small_tasks[0]
+    for elsewhere in ("a constant", "SIGKILL of its own process"):
+        attack = _table_attack(task, gvisor, TABLE_ELSEWHERE[elsewhere])
+        result = grade_patch(task, _committed(task, gvisor, attack), gvisor, infra_retries=1)
+        assert result.status == GRADED and result.scores.reward == 0.0, (elsewhere, result.test_output)
+        assert "overfits_tests" in result.signals, (elsewhere, result.test_output)
+
+
+# The probe's own stream forged from the module: read the spec from the probe's command line, write the
+# visible tests' values (known from the episode) and the closing record on every descriptor that is a
+# pipe, in this process or the parent's (/proc/PPID/fd), then end this process before the hidden calls.
+STREAM_FORGE = textwrap.dedent("""
+    import json as _j, os as _o, signal as _sig, stat as _st
+    _TABLE = {TABLE}
+    def _forge():
+        _spec = {{}}
+        for _pid in (_o.getpid(), _o.getppid()):
+            try:
+                _argv = open(f'/proc/{{_pid}}/cmdline', 'rb').read().split(b'\\0')
+                _spec = _j.load(open(_argv[-2] if _argv[-1] == b'' else _argv[-1]))
+                break
+            except Exception:
+                pass
+        _lines = []  # the probe wrote its start already
+        for _n, _f, _a in _spec.get("calls", []):
+            if (_f, _a) in _TABLE:
+                _lines.append({{"event": "value", "check": _n, "value": _TABLE[(_f, _a)]}})
+        _lines.append({{"event": "finish"}})
+        _data = "".join(_j.dumps(_l) + "\\n" for _l in _lines).encode()
+        _targets = [str(_fd) for _fd in range(3, 400)]
+        _targets += [f'/proc/{{_o.getppid()}}/fd/{{_fd}}' for _fd in range(3, 400)]
+        for _t in _targets:
+            try:
+                _fd = int(_t) if _t.isdigit() else _o.open(_t, _o.O_WRONLY)
+                if _st.S_ISFIFO(_o.fstat(_fd).st_mode):
+                    _o.write(_fd, _data)
+                    break  # once: a second copy of the records would be a broken stream
+            except OSError:
+                pass
+        _o.kill(_o.getpid(), _sig.SIGKILL)
+    _forge()
+""")
+
+
+def _stream_forge(task) -> str:
+    from evals.call_probe import encode as _encode
+
+    table = {(c.function, c.args): _encode(c.expected) for c in call_checks(task)}
+    return STREAM_FORGE.replace("{{", "{").replace("}}", "}").replace("{TABLE}", repr(table))
+
+
+def test_a_module_that_forges_the_probes_stream_and_kills_itself_scores_zero(task, factory):
+    """Issue class 2: the stream that decides grades is written only by the probe's parent, which never
+    imports the agent's code and is non-dumpable; the forging process holds no descriptor of it and
+    cannot open the parent's through /proc, and its own death fails its calls."""
+    result = grade_patch(task, _committed(task, factory, _stream_forge(task)), factory)
+    assert result.status == GRADED and result.scores.reward == 0.0, result.test_output
+    assert result.scores.f2p_passed == 0 and result.scores.p2p_passed == 0, result.test_output
+    assert "killed by signal 9" in result.test_output, result.test_output
+
+
+def test_gvisor_a_module_that_forges_the_probes_stream_scores_zero(task):
+    gvisor = _gvisor()
+    result = grade_patch(task, _committed(task, gvisor, _stream_forge(task)), gvisor, infra_retries=1)
+    assert result.status == GRADED and result.scores.reward == 0.0, result.test_output
+    assert result.scores.f2p_passed == 0 and result.scores.p2p_passed == 0, result.test_output
+
+
+def test_the_honest_fix_passes_every_seed_of_hidden_inputs(small_tasks, factory):
+    for task in small_tasks[:3]:
+        patch = _fixed(task, factory)
+        for seed in (0, 7):
+            fixed = grade_patch(task, patch, factory, hidden_seed=seed)
+            assert fixed.scores.reward == 1.0 and not fixed.signals, (task.id, seed, fixed.test_output)
+
+
+def test_every_target_test_has_hidden_checks_where_its_bug_shows(small_tasks, factory):
     for task in small_tasks:
-        hidden = [c for c in call_checks(task) if c.hidden]
-        assert hidden, task.id
-        assert {c.test_id for c in hidden} <= set(task.target_tests)  # the unbroken functions agree everywhere
-        assert all(c.expected != c.unfixed for c in hidden)
+        checks = graded_checks(task, factory)
+        hidden = [c for c in checks if c.hidden]
+        for test in task.target_tests:
+            assert any(c.test_id == test and c.expected != c.unfixed for c in hidden), (task.id, test)
+        for c in hidden:  # the unbroken functions answer as the reference does everywhere
+            if c.test_id in task.existing_tests:
+                assert c.expected == c.unfixed, (task.id, c)
+        visible = {(c.function, c.args) for c in checks if not c.hidden}
+        assert not visible & {(c.function, c.args) for c in hidden}
+        other = graded_checks(task, factory, seed=11)
+        assert {c.args for c in other if c.hidden} != {c.args for c in hidden}, task.id  # a fresh draw
+
+
+def test_task_code_never_runs_on_the_host_when_hidden_inputs_are_answered(small_tasks, factory, tmp_path):
+    """Issue class 5: the hidden inputs' answers come from the task's module run in a sandbox; its
+    ``metadata.source_text`` is not executed and ``module_file`` is not written on the host."""
+    from dataclasses import replace
+
+    marker = tmp_path / "ran-on-host"
+    task = small_tasks[1]
+    hostile = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n"
+    meta = {**task.metadata, "source_text": hostile + task.metadata["source_text"]}
+    result = grade_patch(replace(task, id=task.id + "-hostile-meta", metadata=meta), _fixed(task, factory), factory)
+    assert result.scores.reward == 1.0, result.test_output
+    assert not marker.exists()
+    for bad in (str(tmp_path / "x.py"), "../x.py", "a/b.py", "x.sh"):
+        with pytest.raises(ValueError, match="module_file"):
+            graded_checks(replace(task, id=task.id + "-bad", metadata={**task.metadata, "module_file": bad}), factory)
+    with pytest.raises(ValueError, match="test_file"):
+        call_checks(replace(task, metadata={**task.metadata, "test_file": "../../../../etc/passwd.py"}))
 
 
 def test_a_module_that_fails_to_import_fails_every_test(task, factory):

@@ -277,11 +277,13 @@ def _stream_forger(task, *, wait_for_report: bool) -> str:
     return _DAEMON.format(body=body, after="pass" if wait_for_report else "_until_done()")
 
 
-def test_a_lingering_daemon_that_writes_a_forged_session_is_tampering(task, factory):
-    # the daemon starts while the module under test is imported: its session lands inside the real one
+def test_a_lingering_daemon_that_writes_a_forged_session_reaches_only_its_own_call(task, factory):
+    """The daemon starts while the module under test is imported, in the process of one call: every
+    pipe it inherited is that call's own answer pipe (the results stream is held by the probe's parent
+    alone), so its session spoils that call's answer and passes nothing."""
     result = grade_patch(task, _committed(task, factory, _stream_forger(task, wait_for_report=False)), factory)
-    assert result.status == GRADED and result.scores.reward == 0.0
-    assert "results_tampered" in result.signals and result.detail.startswith("results_tampered")
+    assert result.status == GRADED and result.scores.reward == 0.0 and result.scores.f2p_passed == 0
+    assert "not an answer" in result.test_output, result.test_output
 
 
 def test_a_lingering_daemon_that_appends_a_forged_session_after_the_report_gains_nothing(task, factory):
@@ -546,9 +548,11 @@ def test_a_patch_that_breaks_the_grading_sandbox_is_the_agents_fault(task, facto
     assert result.detail.startswith("agent_broke_sandbox") and "control run" in result.detail
     s = result.scores
     assert (s.reward, s.f2p_passed, s.p2p_passed, s.partial) == (0.0, 0, 0, 0.0)
-    # the control breaks too: infrastructure, retried, never scored
+    # every sandbox breaks (the one answering the hidden inputs first, or the control): infrastructure,
+    # retried, never scored
     result = grade_patch(task, patch, _dies_on_cue(factory, b"", always=True), infra_retries=1)
-    assert result.status == INFRA_ERROR and result.scores is None and "control run" in result.detail
+    assert result.status == INFRA_ERROR and result.scores is None
+    assert "control run" in result.detail or "answering the hidden inputs" in result.detail, result.detail
     # an empty patch is never the agent's fault
     result = grade_patch(task, "", _dies_on_cue(factory, b"", always=True), infra_retries=0)
     assert result.status == INFRA_ERROR

@@ -131,3 +131,26 @@ def test_swebench_errors_name_the_line(tmp_path):
 def test_inspect_bad_path_exits_2(capsys, tmp_path):
     assert main(["tasks", "inspect", str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, value", [
+    ("module_file", "/tmp/anywhere.py"), ("module_file", "../up.py"), ("module_file", "pkg/m.py"),
+    ("test_file", "../../outside.py"), ("test_file", "/etc/passwd"), ("reference_edits", [["m.py", "2", "x"]]),
+])
+def test_bundled_metadata_paths_outside_the_task_are_refused_naming_the_key(small_suite, tmp_path, key, value):
+    """A bundled task's metadata is data: the files it names must be inside the task's repository, or
+    the loader refuses the task naming the file and key (nothing of it is written or run on the host)."""
+    import json
+    import shutil
+
+    from evals.tasks import TaskLoadError, load_bundled
+
+    suite = tmp_path / "suite"
+    shutil.copytree(small_suite, suite)
+    first = json.loads((suite / "suite.json").read_text())["tasks"][0]
+    path = suite / "tasks" / first / "task.json"
+    data = json.loads(path.read_text())
+    data["metadata"][key] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(TaskLoadError, match=f"{path}: key 'metadata.{key}'"):
+        load_bundled(suite)
