@@ -80,8 +80,21 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
         info={"stop_reason": traj.stop_reason, "turns": len(calls), "committed": traj.committed,
               "agent_s": traj.agent_s, "grade_s": traj.grade_s,
               "generation_s": round(sum(c.latency_s for c in calls), 4),  # of agent_s, the model calls'
-              "grade_status": getattr(getattr(traj, "grade", None), "status", None)},
+              "grade_status": getattr(getattr(traj, "grade", None), "status", None),
+              **committed_work(traj)},
     )
+
+
+MAX_STORED_PATCH_BYTES = 64 << 10
+
+
+def committed_work(traj: Any) -> dict[str, Any]:
+    """The committed patch a rollout was graded on, kept in its ``info`` so that ``posttrain audit``
+    can grade it again (a patch over :data:`MAX_STORED_PATCH_BYTES` is left out and said so)."""
+    patch = getattr(traj, "patch", "") or ""
+    if len(patch.encode()) > MAX_STORED_PATCH_BYTES:
+        return {"patch": None, "patch_bytes": len(patch.encode())}
+    return {"patch": patch}
 
 
 def episode_reward(traj: Any, reward: str = "reward") -> float:
@@ -205,7 +218,8 @@ class HarnessRunner(PooledGroupRunner):
                     task_id=task.id, adapter_step=adapter.step, reward=reward,
                     info={"stop_reason": traj.stop_reason, "committed": traj.committed, "scaffold": self.cfg.scaffold,
                           "agent_s": traj.agent_s, "grade_s": traj.grade_s,
-                          "grade_status": traj.grade.status if traj.grade else None, **graded})
+                          "grade_status": traj.grade.status if traj.grade else None, **committed_work(traj),
+                          **graded})
             except CaptureMissing as exc:  # the replica holding the session is gone: the serving side's fault
                 traj.error = str(exc)
         raise EpisodeInfraError(task.id, group_id, index, INFRA_RETRIES + 1, traj.error)
