@@ -21,6 +21,7 @@ from typing import Sequence
 import evals.cli
 import sandboxes.cli
 import serving.cli
+import training.audit
 import training.planner.cli
 from dagster_project.instance import ensure_dagster_home
 from dagster_project.processes import Supervisor
@@ -32,7 +33,7 @@ from training.planner.schema import EvalSection, PlanError, load_run_file, parse
 from viewer.links import DEFAULT_PORT as VIEWER_PORT, URL_ENV as VIEWER_URL_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DOMAIN_CLIS = (evals.cli, sandboxes.cli, serving.cli, training.planner.cli)
+DOMAIN_CLIS = (evals.cli, sandboxes.cli, serving.cli, training.planner.cli, training.audit)
 EVAL_DEFAULTS = vars(EvalSection())  # the [eval] defaults, shown in the options' help
 
 
