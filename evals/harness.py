@@ -37,11 +37,18 @@ answers 5xx (a router restarting, a replica gone), ends the episode with ``stop_
 What the agent breaks is its own failed attempt, never an infrastructure error (an agent that could
 turn a likely 0 into "not scored" would learn to): an edit of a path inside ``.git`` is refused (an
 error observation); a repository the agent's commands broke (:class:`evals.sandbox.AgentFault` from
-reading the committed patch) and a sandbox that its own command took down (the runtime's processes
-killed from inside, its memory or wall-time limit reached: :func:`agent_exhaustion`) end the episode
-with ``stop_reason`` set to the fault's label (:data:`AGENT_BROKE_SANDBOX`, ``agent_memory_limit``,
-``agent_wall_time``, ``agent_killed_sandbox``) and a grade of status ``agent_fault`` with zero scores.
-A sandbox that dies for no reason it can name stays an infrastructure error.
+reading the committed patch) ends the episode as ``agent_broke_repo``. Once an agent's command
+(``bash``, ``test``, ``commit``, ``reset``: :data:`AGENT_COMMANDS`) has run in the episode's sandbox,
+what it started may run on there, so a failure of that sandbox for a reason inside it, during any
+later action or while the committed patch is read (:class:`evals.sandbox.SandboxBroken`: its
+wall-time, memory or process limit reached, its runtime or gVisor's kernel ending by itself, its
+daemon starved at its own CPU or memory limit; :func:`agent_exhaustion`), ends the episode with
+``stop_reason`` set to the fault's label (:data:`evals.sandbox.AGENT_LABELS`: ``agent_pids_limit``,
+``agent_memory_limit``, ``agent_wall_time``, ``agent_broke_sandbox``, ...) and a grade of status
+``agent_fault`` with zero scores, the evidence (the runtime's exit status, what its cgroup counted)
+in ``error`` and the grade's detail. A sandbox that could not start (image missing, runtime
+failing), one killed from the host, and any failure before the agent's first command stay
+infrastructure errors.
 
 Other agent loops (mini-swe-agent: :mod:`evals.scaffolds`) are :class:`Scaffold` s: they talk to the
 model through the OpenAI chat API and are graded by the same :func:`grade_committed`; the trainer
@@ -65,7 +72,7 @@ from typing import Any, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
 from evals.grading import AGENT_FAULT, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
-from evals.sandbox import AgentFault, EpisodeSandbox, InfraError, SandboxFactory
+from evals.sandbox import AGENT_LABELS, AgentFault, EpisodeSandbox, InfraError, SandboxBroken, SandboxFactory
 from evals.tasks import Task
 from serving.chat_template import TemplateText
 from serving.client import EngineClient as HttpClient  # the HTTP ModelClient (replica, sidecar or router)
@@ -76,11 +83,9 @@ __all__ = ["HttpClient", "InProcessClient", "ModelCall", "ModelClient", "SCAFFOL
            "Trajectory", "check_scaffold", "fail_attempt", "grade_committed", "run_episode"]
 
 OBSERVATION_CAP_CHARS = 2000
-# stop reasons of an attempt the agent itself ended by breaking its sandbox (scored 0, never retried)
-AGENT_BROKE_SANDBOX = "agent_broke_sandbox"
-AGENT_KILLED_SANDBOX = "agent_killed_sandbox"
-AGENT_MEMORY_LIMIT = "agent_memory_limit"
-AGENT_WALL_TIME = "agent_wall_time"
+# stop reasons of an attempt the agent itself ended by breaking its sandbox (scored 0, never retried);
+# the others are evals.sandbox.AGENT_LABELS
+AGENT_BROKE_SANDBOX = AGENT_LABELS["runtime_exited"]
 EDIT_TOOLS = ("str_replace", "replace_line", "write_file")
 # actions that run code the agent wrote or controls (its commands, its tests, git hooks it may have left)
 AGENT_COMMANDS = ("bash", "test", "commit", "reset")
@@ -251,29 +256,37 @@ def inside_git(path: str) -> bool:
     return ".git" in posixpath.normpath(path.replace("\\", "/")).split("/")
 
 
-def agent_exhaustion(sandbox: EpisodeSandbox) -> tuple[str, str] | None:
-    """``(label, explanation)`` when a sandbox that stopped answering during the agent's own command
-    was ended by that command, else None (an infrastructure failure).
+def agent_exhaustion(sandbox: EpisodeSandbox, error: BaseException | None = None) -> tuple[str, str] | None:
+    """``(label, evidence)`` when the sandbox failed for a reason inside it, else None (an
+    infrastructure failure). The caller decides whether that makes it the agent's: it is when the
+    agent's own code has run in that sandbox.
 
-    The explanation is the runtime's (``sandboxes.runtimes.Sandbox.why_gone``): the wall-time limit
-    reached; the memory limit (the cgroup's OOM killer fired); or the runtime exited on its own with a
-    code above 128, which it does when the processes inside it were killed from inside (an agent's
-    ``kill -9 -1``, a test that kills its daemon). A runtime killed from the host (exit by a signal,
-    a lost node) or a daemon that hangs says nothing about the agent.
+    ``error`` is the failure the sandbox raised: a :class:`evals.sandbox.SandboxBroken` carries its
+    label and evidence (:meth:`sandboxes.runtimes.Sandbox.end_cause`: the wall-time limit; an OOM
+    kill at the memory limit; forks refused at the process limit; the runtime exiting by itself;
+    the daemon starved at its own limits); any other :class:`InfraError` was judged outside (killed
+    from the host, closed) and is None. Without ``error`` (a caller holding only the sandbox) the
+    sandbox is asked again (``end_cause``), where it can say.
     """
-    box = getattr(sandbox, "sandbox", sandbox)
-    why_gone, ended = getattr(box, "why_gone", None), getattr(box, "ended_from_inside", None)
-    if not (callable(why_gone) and callable(ended)):
+    if isinstance(error, SandboxBroken):
+        return error.label, error.evidence
+    if error is not None:
         return None
-    why = why_gone()  # waits briefly for the runtime to exit, so its exit code is known below
-    cause = ended()
-    if cause == "wall_time":
-        return AGENT_WALL_TIME, why
-    if cause == "memory_limit":
-        return AGENT_MEMORY_LIMIT, f"{why}; the sandbox's memory limit was reached (its cgroup's OOM killer fired)"
-    if cause == "killed_from_inside":
-        return AGENT_KILLED_SANDBOX, f"{why}; the processes inside the sandbox were killed from inside (signal {box.proc.returncode - 128})"
-    return None
+    box = getattr(sandbox, "sandbox", sandbox)
+    end_cause = getattr(box, "end_cause", None)
+    end = end_cause() if callable(end_cause) else None
+    if end is None or not end.inside:
+        return None
+    return AGENT_LABELS.get(end.cause, AGENT_BROKE_SANDBOX), end.evidence
+
+
+def _agent_ended(box: EpisodeSandbox, exc: InfraError, agent_ran: bool) -> "_AgentEnded | None":
+    """The agent's end of the episode when ``exc`` (a failure of ``box``) came from inside a
+    sandbox where the agent's code has run, else None."""
+    ended = agent_exhaustion(box, exc) if agent_ran else None
+    if ended is None:
+        return None
+    return _AgentEnded(ended[0], str(exc) if ended[1] in str(exc) else f"{exc}; {ended[1]}")
 
 
 class _AgentEnded(Exception):
@@ -404,6 +417,7 @@ def run_episode(
 
             context_ids = prompt_ids(tokenizer, task, action_format)
             written: dict[str, bytes] | None = {}  # what the edits wrote, while nothing else changed the tree
+            agent_ran = False  # an agent's command has run in the sandbox: what it started may still run
             for turn in range(max_turns):
                 if time.monotonic() > deadline:
                     traj.stop_reason = "time_limit"
@@ -449,15 +463,16 @@ def run_episode(
                         obs, committed = grade_cache[test_key], False
                     else:
                         box = sandbox()
+                        agent_ran = agent_ran or action.tool in AGENT_COMMANDS
                         try:
                             obs, committed = execute(action, task, box, written=written)
                         except InfraError as exc:
-                            ended = agent_exhaustion(box) if action.tool in AGENT_COMMANDS else None
+                            ended = _agent_ended(box, exc, agent_ran)
                             if ended is None:
                                 raise
-                            traj.steps.append(Step(turn, asdict(action), f"the sandbox is gone: {ended[1]}",
+                            traj.steps.append(Step(turn, asdict(action), f"the sandbox failed: {ended}",
                                                    time.monotonic() - s0))
-                            raise _AgentEnded(ended[0], str(exc) if ended[1] in str(exc) else f"{exc}; {ended[1]}") from exc
+                            raise ended from exc
                         if test_key is not None:
                             grade_cache[test_key] = obs
                     if action.tool == "bash":
@@ -476,8 +491,14 @@ def run_episode(
                 context_ids = context_ids + output_ids + observation_ids(tokenizer, results, action_format)
             else:
                 traj.stop_reason = "max_turns"
-            if grade:
-                traj.patch = committed_patch(opened[0], task.base_commit or "HEAD") if opened else ""
+            if grade and opened:
+                try:
+                    traj.patch = committed_patch(opened[0], task.base_commit or "HEAD")
+                except InfraError as exc:  # what the agent's commands left running may have ended the sandbox
+                    ended = _agent_ended(opened[0], exc, agent_ran)
+                    if ended is None:
+                        raise
+                    raise ended from exc
     except (AgentFault, _AgentEnded) as exc:  # the agent's failed attempt: scored 0, not retried
         traj.stop_reason = getattr(exc, "label", "") or AGENT_BROKE_SANDBOX
         traj.error = str(exc)

@@ -17,6 +17,18 @@ sandbox itself failed (died, could not start): graders retry it and never score 
 :class:`AgentFault` is what the grader raises when the agent broke what it controls (its repository,
 its sandbox): the attempt scores 0 and is not retried.
 
+Between the two, :class:`SandboxBroken`: a sandbox that had started and answered, then failed for a
+reason inside it (:meth:`sandboxes.runtimes.Sandbox.end_cause`: its wall-time, memory or process
+limit reached, its runtime or gVisor's kernel ending by itself, its daemon starved at its CPU or
+memory limit), with the evidence (the runtime's exit status, what its cgroup counted). Only the code
+that ran in the sandbox can have caused it, so whoever knows whose code that was decides: the
+harness scores it as the agent's failed attempt once the agent's commands have run there
+(:mod:`evals.harness`); the grader, which runs the agent's patch with the task's tests, treats it
+as the sandbox failing and lets a control run of the unpatched task decide (:mod:`evals.grading`).
+It is an :class:`InfraError` to code that does not know of it. Failures from outside the sandbox
+(it could not start: image missing, runtime not installed or failing, the host's disk full while
+making its root; it was killed from the host) stay a plain :class:`InfraError`.
+
 :func:`platform_sandbox_factory` is the implementation: each sandbox is a ``sandboxes`` sandbox
 (bubblewrap or gVisor, ``pxd`` inside) wrapped in :class:`PlatformSandbox`.
 """
@@ -46,13 +58,36 @@ class AgentFault(Exception):
     ``label`` names what broke, a stable name: ``agent_broke_repo`` (git cannot read the agent's
     repository: garbage in ``.git/HEAD``, missing objects), ``agent_patch_too_large`` (a committed
     patch over the grader's cap), ``agent_broke_sandbox`` (the patched tests killed the grading
-    sandbox while the unpatched task runs there). The message gives the evidence.
+    sandbox while the unpatched task runs there), and the labels of :data:`AGENT_LABELS` (the
+    agent's commands ran its own sandbox into a failure, :class:`SandboxBroken`). The message gives
+    the evidence.
     """
 
     def __init__(self, label: str, evidence: str = ""):
         super().__init__(f"{label}: {evidence}" if evidence else label)
         self.label = label
         self.evidence = evidence
+
+
+class SandboxBroken(InfraError):
+    """A started sandbox failed for a reason inside it (see the module docstring): ``label`` is the
+    stable name an agent's failed attempt takes (:data:`AGENT_LABELS`), ``evidence`` what the host saw."""
+
+    def __init__(self, label: str, evidence: str, message: str):
+        super().__init__(message)
+        self.label = label
+        self.evidence = evidence
+
+
+# the label of each inside cause of sandboxes.runtimes.SandboxEnd, as an agent's failed attempt
+AGENT_LABELS = {
+    "wall_time": "agent_wall_time",
+    "memory_limit": "agent_memory_limit",
+    "pids_limit": "agent_pids_limit",
+    "killed_from_inside": "agent_killed_sandbox",
+    "runtime_exited": "agent_broke_sandbox",
+    "unresponsive": "agent_stalled_sandbox",
+}
 
 
 class EpisodeSandbox(Protocol):
@@ -82,8 +117,10 @@ GIT_ENV = {
 class PlatformSandbox:
     """An :class:`EpisodeSandbox` over a running ``sandboxes`` sandbox (pxd inside, reached through its client).
 
-    Translates the runtime's failures into the grader's terms: a daemon that is gone or a sandbox
-    that cannot start is :class:`InfraError`; a path the daemon reports missing is ``FileNotFoundError``.
+    Translates the runtime's failures into the grader's terms: a daemon that is gone is
+    :class:`SandboxBroken` when the sandbox's own doing ended it, else :class:`InfraError`; a
+    command the daemon could not start because the sandbox is at its process or memory limit is
+    :class:`SandboxBroken` too; a path the daemon reports missing is ``FileNotFoundError``.
     """
 
     def __init__(self, sandbox):
@@ -106,20 +143,46 @@ class PlatformSandbox:
         try:
             r = self.sandbox.exec(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes, **kwargs)
         except PxdConnectionError as exc:
-            raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
+            raise self._lost(exc) from exc
         except PxdError as exc:
-            raise InfraError(f"sandbox {self.sandbox.id} refused a command: {exc}") from exc
+            raise self._refused(exc) from exc
         if isinstance(r, ExecResult):
             return r
         return ExecResult(r.exit_code, r.output, "", r.truncated, r.timed_out, r.duration_s,
                           results=getattr(r, "results", None),
                           results_truncated=bool(getattr(r, "results_truncated", False)))
 
+    def _lost(self, exc: PxdConnectionError) -> InfraError:
+        """The error of a daemon that is gone: :class:`SandboxBroken` when the sandbox says its own
+        doing ended it (``end_cause``; a pod of the cluster's pool does not say), else
+        :class:`InfraError`; the evidence is in the message either way."""
+        message = f"sandbox {self.sandbox.id}: {exc}"
+        end_cause = getattr(self.sandbox, "end_cause", None)
+        end = end_cause() if callable(end_cause) else None
+        if end is None:
+            return InfraError(message)
+        if end.evidence not in message:
+            message += f"; {end.evidence}"
+        if end.inside:
+            return SandboxBroken(AGENT_LABELS.get(end.cause, "agent_broke_sandbox"), end.evidence, message)
+        return InfraError(message)
+
+    def _refused(self, exc: PxdError) -> InfraError:
+        """A command the daemon did not start: :class:`SandboxBroken` when the sandbox is at its own
+        process or memory limit (``limits_reached``), else :class:`InfraError` (the harness built
+        the request)."""
+        limits_reached = getattr(self.sandbox, "limits_reached", None)
+        reached = limits_reached() if callable(limits_reached) else None
+        if reached is not None:
+            evidence = f"its daemon could not start a command ({exc.message}): {reached.evidence}"
+            return SandboxBroken(AGENT_LABELS[reached.cause], evidence, f"sandbox {self.sandbox.id}: {evidence}")
+        return InfraError(f"sandbox {self.sandbox.id} refused a command: {exc}")
+
     def read_file(self, path: str) -> bytes:
         try:
             return self.sandbox.read_file(path)
         except PxdConnectionError as exc:
-            raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
+            raise self._lost(exc) from exc
         except PxdError as exc:
             if exc.status == 404:
                 raise FileNotFoundError(path) from exc
@@ -129,7 +192,7 @@ class PlatformSandbox:
         try:
             self.sandbox.write_file(path, data)
         except PxdConnectionError as exc:
-            raise InfraError(f"sandbox {self.sandbox.id}: {exc}") from exc
+            raise self._lost(exc) from exc
         except PxdError as exc:
             raise ValueError(f"{path}: {exc.message}") from exc
 

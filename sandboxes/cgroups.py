@@ -3,6 +3,13 @@
 cgroup v2 where the host has it (``/sys/fs/cgroup/posttrain/<sandbox id>``), else the v1 ``cpu``,
 ``memory`` and ``pids`` controllers (``/sys/fs/cgroup/<controller>/posttrain/<sandbox id>``).
 Creating one needs root or a delegated cgroup.
+
+The kernel counts, per cgroup, each time a limit stopped the sandbox's processes
+(:meth:`Cgroup.limit_events`): a fork refused at ``pids.max`` (``pids.events``), the memory limit
+reached (v2 ``memory.events`` ``max``, v1 ``memory.failcnt``) and processes its OOM killer ended
+(``oom_kill``), CPU periods throttled at the quota (``cpu.stat``). A host that sees a sandbox die
+reads them to tell a sandbox that ran into its own limits from one that was killed from outside
+(:meth:`sandboxes.runtimes.Sandbox.end_cause`).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import os
 import shlex
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from sandboxes.errors import SandboxError
@@ -21,6 +29,59 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 def _hierarchies(name: str) -> list[Path]:
     """Where ``posttrain/<name>`` is in cgroup v2 and in each v1 hierarchy."""
     return [CGROUP_ROOT / "posttrain" / name, *CGROUP_ROOT.glob(f"*/posttrain/{name}")]
+
+
+@dataclass(frozen=True)
+class LimitEvents:
+    """What the kernel counted against one sandbox's limits so far (each counter only grows; the
+    difference of two readings, :meth:`since`, is what happened between them). Zero where the
+    kernel does not say."""
+
+    pids_max: int = 0  # forks refused because the cgroup was at pids.max
+    memory_max: int = 0  # times the memory use reached the limit (v2 memory.events max, v1 failcnt)
+    oom_kills: int = 0  # processes the OOM killer ended (v2 memory.events oom_kill, v1 oom_control)
+    cpu_throttled: int = 0  # CPU periods in which the cgroup used its whole quota and waited
+    pids_now: int = 0  # processes (tasks) in the cgroup when read
+    memory_now_bytes: int = 0  # memory charged to the cgroup when read
+
+    def since(self, before: "LimitEvents | None") -> "LimitEvents":
+        """The counters' growth since ``before`` (None: since the cgroup was made); the current
+        figures stay as read."""
+        if before is None:
+            return self
+        return LimitEvents(max(0, self.pids_max - before.pids_max), max(0, self.memory_max - before.memory_max),
+                           max(0, self.oom_kills - before.oom_kills), max(0, self.cpu_throttled - before.cpu_throttled),
+                           self.pids_now, self.memory_now_bytes)
+
+    @property
+    def memory_limit_kills(self) -> bool:
+        """The OOM killer ended a process while the cgroup was at its own memory limit (a kill by the
+        host's global OOM killer, with the cgroup under its limit, is not one)."""
+        return self.oom_kills > 0 and self.memory_max > 0
+
+    def describe(self) -> str:
+        """The counters as evidence: ``"pids.max refused 12 forks (64 tasks now); ..."``."""
+        parts = []
+        if self.pids_max:
+            parts.append(f"pids.max refused {self.pids_max} fork(s) ({self.pids_now} tasks now)")
+        if self.memory_max:
+            parts.append(f"memory use reached its limit {self.memory_max} time(s) "
+                         f"({self.memory_now_bytes / 2**20:.0f} MiB now)")
+        if self.oom_kills:
+            parts.append(f"the OOM killer ended {self.oom_kills} process(es)")
+        if self.cpu_throttled:
+            parts.append(f"its CPU quota was used up in {self.cpu_throttled} period(s)")
+        return "; ".join(parts) or "no limit of its cgroup was reached"
+
+
+def _counters(text: str) -> dict[str, int]:
+    """``key value`` lines (``memory.events``, ``pids.events``, ``cpu.stat``, ``memory.oom_control``)."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
 
 
 class Cgroup:
@@ -96,19 +157,34 @@ class Cgroup:
                     continue
         return None
 
-    def oom_kills(self) -> int:
-        """How many processes the cgroup's OOM killer ended (0 when the kernel does not say)."""
+    def _read(self, name: str) -> str | None:
         for p in self.paths:
-            for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
-                try:
-                    text = (p / name).read_text()
-                except OSError:
-                    continue
-                for line in text.splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill" and value.strip().isdigit():
-                        return int(value)
-        return 0
+            try:
+                return (p / name).read_text()
+            except OSError:
+                continue
+        return None
+
+    def limit_events(self) -> LimitEvents:
+        """What the kernel counted against this cgroup's limits so far (:class:`LimitEvents`), from
+        cgroup v2's ``pids.events``, ``memory.events``, ``cpu.stat`` or v1's ``pids.events``,
+        ``memory.failcnt``, ``memory.oom_control``, ``cpu.stat``."""
+        def number(name: str) -> int:
+            text = self._read(name)
+            return int(text) if text is not None and text.strip().isdigit() else 0
+
+        pids = _counters(self._read("pids.events") or "")
+        memory = _counters(self._read("memory.events") or "")
+        if memory:  # cgroup v2
+            memory_max, oom_kills = memory.get("max", 0), memory.get("oom_kill", 0)
+            memory_now = number("memory.current")
+        else:
+            memory_max = number("memory.failcnt")
+            oom_kills = _counters(self._read("memory.oom_control") or "").get("oom_kill", 0)
+            memory_now = number("memory.usage_in_bytes")
+        return LimitEvents(pids_max=pids.get("max", 0), memory_max=memory_max, oom_kills=oom_kills,
+                           cpu_throttled=_counters(self._read("cpu.stat") or "").get("nr_throttled", 0),
+                           pids_now=number("pids.current"), memory_now_bytes=memory_now)
 
     def kill(self) -> None:
         """SIGKILL every process of the sandbox (a fork bomb's too: it is one pass over a frozen list

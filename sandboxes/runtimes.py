@@ -53,6 +53,20 @@ layer, on the tmpfs of its disk limit, and go with the sandbox: the cached layer
 sandbox of the image never see them. Without it (the default, and the bundled suite's path) the
 root is read-only except ``/workspace``, ``/tmp`` and ``$HOME``.
 
+How a sandbox's end is read (:meth:`Sandbox.end_cause`): once pxd has answered, a sandbox that
+stops answering is either the host's doing (closed, its runtime killed from outside) or its own
+(its wall-time, memory or process limit reached, its runtime ending by itself, gVisor's kernel
+crashing). Every sandbox has a cgroup the host made, gVisor's too (runsc joins a cgroup that
+exists without changing it or removing it), so what the kernel counted against its limits since
+pxd last answered (:class:`sandboxes.cgroups.LimitEvents`) can be read after the runtime is gone.
+Under gVisor with ``--platform=ptrace`` each process of the sandbox costs about six host tasks
+(gVisor's threads and stub processes; measured with runsc 20221219 on 2 cores: 42 host tasks idle,
+115 with 10 sleeping processes, 231 with 30), so a fork bomb reaches the host side's
+``Limits.pids + GVISOR_PIDS_HEADROOM`` (about 55 processes with the defaults) long before gVisor's
+own RLIMIT_NPROC of ``Limits.pids``: gVisor's kernel cannot make a thread and exits (runsc status
+2), and ``pids.events`` shows the refused forks. :mod:`evals.sandbox` turns an end of the sandbox's
+own doing into an error the harness scores as the agent's.
+
 unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
 it runs only with ``allow_unisolated=True``; nothing ever falls back to it.
 """
@@ -79,7 +93,7 @@ from typing import Protocol
 
 from sandboxes.home import default_home
 from sandboxes.cache import LayerCache, Lease, cache_budget_bytes, node_cache
-from sandboxes.cgroups import Cgroup, remove_empty_cgroups
+from sandboxes.cgroups import Cgroup, LimitEvents, remove_empty_cgroups
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
 from sandboxes.errors import SandboxError
 from sandboxes.images import SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, build_image, image_name
@@ -157,6 +171,11 @@ READY_TIMEOUT_S = 30.0
 # user's files and folders (the workspace is theirs) giving new ones to them
 PXD_GVISOR_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
 GVISOR_OVERHEAD_MIB = 128  # memory for the gVisor sentry and gofer, added to a sandbox's limit
+# host processes and threads for gVisor's own threads and, on ptrace, its stub processes, added to a
+# sandbox's pids limit (the sandbox's own tasks are held to ``Limits.pids`` by RLIMIT_NPROC inside)
+GVISOR_PIDS_HEADROOM = 128
+# a runtime's exit status when the sandbox's first process or gVisor's kernel got SIGKILL
+_SIGKILLED_STATUS = 128 + signal.SIGKILL
 
 
 @dataclass(frozen=True)
@@ -316,8 +335,10 @@ class GvisorRuntime:
                     # the limit covers gVisor's own kernel too; give it room on top of the task's
                     "memory": {"limit": (limits.memory_mib + GVISOR_OVERHEAD_MIB) * 1024 * 1024},
                     "cpu": {"quota": max(1000, int(limits.cpus * 100_000)), "period": 100_000},
-                    # gVisor's own threads and, on ptrace, its stub processes count as host pids
-                    "pids": {"limit": limits.pids + 128},
+                    # gVisor's own threads and, on ptrace, its stub processes count as host pids. The
+                    # host makes this cgroup itself before runsc starts (Sandbox), and runsc joins a
+                    # cgroup that exists as it is: these figures are for the controllers it makes alone
+                    "pids": {"limit": limits.pids + GVISOR_PIDS_HEADROOM},
                 },
             },
         }
@@ -361,6 +382,26 @@ def default_cache() -> LayerCache:
     return node_cache()
 
 
+@dataclass(frozen=True)
+class SandboxEnd:
+    """Why a started sandbox stopped answering, or could not start a command, as far as the host can
+    tell (:meth:`Sandbox.end_cause`, :meth:`Sandbox.limits_reached`).
+
+    ``cause`` is a stable name: ``wall_time`` (its wall-time limit), ``memory_limit`` (its cgroup's
+    OOM killer fired at its memory limit), ``pids_limit`` (forks refused at its process limit),
+    ``killed_from_inside`` (its first process or kernel ended by a signal other than SIGKILL),
+    ``runtime_exited`` (the runtime ended on its own), ``unresponsive`` (the runtime runs, its
+    daemon does not answer), ``killed_from_host`` (the runtime, or the sandbox's first process or
+    kernel, got SIGKILL with no OOM kill at the limit: only the host sends that), ``closed`` (the
+    host closed it). ``inside``: the sandbox's own processes did it (its limits, its runtime ending
+    on its own), so whoever ran code there caused it. ``evidence`` says what the host saw: the
+    runtime's exit status and what its cgroup counted (:class:`sandboxes.cgroups.LimitEvents`)."""
+
+    cause: str
+    inside: bool
+    evidence: str
+
+
 class Sandbox:
     """A running sandbox. Talk to it through :attr:`pxd` (the full client) or the shortcuts below;
     :meth:`close` (or leaving the ``with`` block) removes it and everything it wrote."""
@@ -394,7 +435,13 @@ class Sandbox:
             self.cache_hit = self.lease.hit
             self.rootfs = Rootfs(self.run_dir, self.lease, limits.disk_mib)
             argv = self.runtime.command(self)
-            if runtime != "gvisor":  # runsc makes its own cgroup from the OCI spec
+            if runtime == "gvisor":
+                # made here, not by runsc: runsc joins a cgroup that exists without changing or
+                # removing it, so the host owns it and reads, even after runsc crashed, what its
+                # limits stopped (end_cause); runsc puts its sandbox and gofer in it
+                self.cgroup = Cgroup(self.id, cpus=limits.cpus, memory_mib=limits.memory_mib + GVISOR_OVERHEAD_MIB,
+                                     pids=limits.pids + GVISOR_PIDS_HEADROOM)
+            else:
                 self.cgroup = Cgroup(self.id, cpus=limits.cpus, memory_mib=limits.memory_mib, pids=limits.pids)
                 argv = self.cgroup.wrap(argv)
             # bwrap stays in the sandbox as its pid 1, whose /proc/1/environ the sandbox can read:
@@ -413,6 +460,9 @@ class Sandbox:
             except PxdConnectionError as exc:
                 raise SandboxError(f"{runtime} sandbox for image {image.name} did not start: {exc}; "
                                    f"stderr: {self._stderr_tail()}") from None
+            # what the cgroup had counted when the daemon last answered: end_cause reads what
+            # happened after it
+            self._answered = self._limit_events()
         except BaseException:
             self.close()
             raise
@@ -431,38 +481,79 @@ class Sandbox:
         except (OSError, ValueError):
             return ""
 
+    def _limit_events(self) -> LimitEvents:
+        return self.cgroup.limit_events() if self.cgroup is not None else LimitEvents()
+
     def why_gone(self) -> str:
-        """Why the sandbox stopped answering, as far as the host can tell."""
+        """Why the sandbox stopped answering, as far as the host can tell (:meth:`end_cause`'s evidence)."""
+        end = self.end_cause(wait_s=2.0)
+        return end.evidence if end is not None else ""
+
+    def limits_reached(self) -> SandboxEnd | None:
+        """``memory_limit`` or ``pids_limit`` when, since its daemon last answered, the sandbox's
+        cgroup killed a process at its memory limit or refused a fork at its process limit (its
+        daemon may then be unable to start a command); None when it counted neither."""
+        return self._reached(self._limit_events().since(getattr(self, "_answered", None)))
+
+    def _reached(self, events: LimitEvents) -> SandboxEnd | None:
+        gvisor = self.runtime.name == "gvisor"
+        if events.memory_limit_kills:
+            extra = f" + {GVISOR_OVERHEAD_MIB} MiB for gVisor" if gvisor else ""
+            return SandboxEnd("memory_limit", True, f"the sandbox reached its memory limit "
+                              f"({self.limits.memory_mib} MiB{extra}); its cgroup counted: {events.describe()}")
+        if events.pids_max:
+            extra = f" + {GVISOR_PIDS_HEADROOM} host tasks for gVisor's threads and stubs" if gvisor else ""
+            return SandboxEnd("pids_limit", True, f"the sandbox reached its process limit "
+                              f"({self.limits.pids}{extra}); its cgroup counted: {events.describe()}")
+        return None
+
+    def end_cause(self, wait_s: float = 5.0) -> SandboxEnd | None:
+        """Why the sandbox stopped answering (:class:`SandboxEnd`); None while its daemon's
+        connection is open (it still answers).
+
+        Read in this order: the wall-time limit; a close by the host; then, after waiting up to
+        ``wait_s`` for the runtime to exit, what the cgroup counted since the daemon last answered
+        (an OOM kill at the memory limit, forks refused at the process limit: the sandbox ran into
+        its own limits, whatever the runtime did next, gVisor's kernel crashing included); then the
+        runtime's exit. A runtime that ended by a signal, or reports SIGKILL of the sandbox's first
+        process or of gVisor's kernel, was killed from the host: nothing inside can signal the
+        runtime, pxd (PID 1, or another uid under gVisor) or gVisor's kernel (a host process).
+        Any other exit is the sandbox's own doing: pxd ends only when the host closes its stdin.
+        A runtime still running with a daemon that does not answer is ``unresponsive``, inside
+        when its cgroup was at its CPU quota or memory limit meanwhile (the daemon shares them
+        with the sandbox's processes), else the host's (an overloaded machine)."""
         if self.expired:
             self._removed.wait(60)
-            return f"the sandbox reached its wall-time limit of {self.limits.wall_s:g} s and was removed"
+            return SandboxEnd("wall_time", True,
+                              f"the sandbox reached its wall-time limit of {self.limits.wall_s:g} s and was removed")
         if self.closed:
-            return "the sandbox was closed"
-        if self.proc is not None:
-            try:
-                code = self.proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                return "the sandbox's runtime is still running but its daemon does not answer"
-            if self.cgroup is not None:  # the cgroup says whether its OOM killer fired
-                hint = " (the sandbox exceeded its memory limit)" if self.cgroup.oom_kills() > 0 else ""
-            else:  # runsc's own cgroup is not read here
-                hint = " (the sandbox exceeded its memory limit?)" if code in (-9, 137) else ""
-            return f"the {self.runtime.name} runtime exited with code {code}{hint}"
-        return ""
-
-    def ended_from_inside(self) -> str | None:
-        """What ended the sandbox when its own processes did: ``wall_time`` (its wall-time limit),
-        ``memory_limit`` (its cgroup's OOM killer fired) or ``killed_from_inside`` (the runtime exited
-        with a code above 128, as it does when the processes inside it were killed from inside); None
-        when nothing says so (killed from the host, lost, or still running)."""
-        if self.expired:
-            return "wall_time"
-        if self.cgroup is not None and self.cgroup.oom_kills() > 0:
-            return "memory_limit"
-        code = self.proc.poll() if self.proc is not None else None
-        if code is not None and code > 128:
-            return "killed_from_inside"
-        return None
+            return SandboxEnd("closed", False, "the sandbox was closed")
+        pxd = getattr(self, "pxd", None)
+        if self.proc is None or pxd is None or not pxd.closed:
+            return None
+        try:
+            code = self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        events = self._limit_events().since(getattr(self, "_answered", None))
+        name = self.runtime.name
+        status = (f"the {name} runtime exited with code {code}" if code is not None
+                  else f"the {name} runtime is still running but its daemon does not answer")
+        evidence = f"{status}; since the daemon last answered its cgroup counted: {events.describe()}"
+        reached = self._reached(events)
+        if reached is not None:
+            return SandboxEnd(reached.cause, True, f"{status}; {reached.evidence}")
+        if code is None:
+            return SandboxEnd("unresponsive", events.cpu_throttled > 0 or events.memory_max > 0, evidence)
+        if code < 0:
+            return SandboxEnd("killed_from_host", False, f"{evidence} (the runtime itself got signal {-code}: "
+                              "sent from the host)")
+        if code == _SIGKILLED_STATUS:
+            return SandboxEnd("killed_from_host", False, f"{evidence} (SIGKILL of the sandbox's first process or "
+                              "kernel with no OOM kill at its limit: sent from the host)")
+        if code > 128:
+            return SandboxEnd("killed_from_inside", True, f"{evidence} (signal {code - 128} inside the sandbox)")
+        return SandboxEnd("runtime_exited", True, f"{evidence} (it ended on its own, not closed by the host)")
 
     def _expire(self) -> None:
         self.expired = True
@@ -480,14 +571,19 @@ class Sandbox:
         (up to 1 MiB, ``results_truncated`` beyond), on a channel the command's output cannot mix
         into. ``kill_others``: after the command ends, every other process of the sandbox is killed
         before the answer is made, so nothing it left behind writes to results or files later."""
-        return self.pxd.run(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes, cwd=cwd, env=env,
-                            results_fd=results_fd, kill_others=kill_others)
+        result = self.pxd.run(command, timeout_s=timeout_s, output_cap_bytes=output_cap_bytes, cwd=cwd, env=env,
+                              results_fd=results_fd, kill_others=kill_others)
+        self._answered = self._limit_events()
+        return result
 
     def read_file(self, path: str) -> bytes:
-        return self.pxd.read_file(path)
+        data = self.pxd.read_file(path)
+        self._answered = self._limit_events()
+        return data
 
     def write_file(self, path: str, data: bytes | str) -> None:
         self.pxd.write_file(path, data)
+        self._answered = self._limit_events()
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -512,15 +608,15 @@ class Sandbox:
                 proc.stdin.close()  # pxd sees EOF and exits (gVisor: the sandbox then shuts down)
             except OSError:
                 pass
-            if self.cgroup is not None:
-                self.cgroup.kill()  # no grace needed: the sandbox's files go away with it
-            elif self.runtime.name == "gvisor":
+            if self.runtime.name == "gvisor":
                 _wait_eof(proc.stdout, 3.0)
                 if proc.poll() is None:
                     try:
                         self.runtime.stop(self)
                     except (OSError, subprocess.SubprocessError):
                         pass
+            elif self.cgroup is not None:
+                self.cgroup.kill()  # no grace needed: the sandbox's files go away with it
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -530,9 +626,9 @@ class Sandbox:
             for f in (proc.stdout, proc.stderr):
                 f.close()
         if self.cgroup is not None:
-            self.cgroup.remove()
-        elif self.runtime.name == "gvisor":
-            remove_empty_cgroups(self.id)  # runsc leaves its cgroup behind when its sandbox is killed
+            self.cgroup.remove()  # under gVisor too: what a crashed runsc left running in it goes
+        if self.runtime.name == "gvisor":
+            remove_empty_cgroups(self.id)  # the controllers runsc made itself, left behind when it is killed
         if self.rootfs is not None:
             self.rootfs.remove()
         else:
