@@ -363,7 +363,7 @@ class TaskStream:
                  retry_after_steps: int = 8, max_retries: int = 2, retry_share: float = 0.25,
                  buffer_per_level: int = 4, workers: int = 2, floor: float = 0.05, ema: float = 0.5,
                  sandbox_runtime: str = "bwrap", by_kind: bool = True, min_accept: float = 0.1,
-                 kind_ema: float = 0.25,
+                 kind_ema: float = 0.25, canary_share: float = 0.05,
                  generate: Callable[..., Any] | None = None, sandbox_factory: Any = None) -> None:
         for name, value, low in (("open_hard_after_steps", open_hard_after_steps, 0),
                                  ("retry_after_steps", retry_after_steps, 1), ("max_retries", max_retries, 0),
@@ -371,7 +371,7 @@ class TaskStream:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"task stream: key {name!r} must be an integer >= {low}, got {value!r}")
         for name, value in (("retry_share", retry_share), ("floor", floor), ("ema", ema), ("min_accept", min_accept),
-                            ("kind_ema", kind_ema)):
+                            ("kind_ema", kind_ema), ("canary_share", canary_share)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"task stream: key {name!r} must lie in 0..1, got {value!r}")
         if not isinstance(by_kind, bool):
@@ -385,6 +385,10 @@ class TaskStream:
         self.floor, self.ema, self.sandbox_runtime = float(floor), float(ema), sandbox_runtime
         self.by_kind, self.min_accept = by_kind, float(min_accept)
         self.kind_ema = float(kind_ema)
+        self.canary_share = float(canary_share)
+        self.canaries: list[str] = []  # canaries served (never trained on)
+        self.canary_groups = self.canary_passed = 0  # canary groups recorded, and their attempts that passed
+        self.canary_attempts = 0
         rates = {int(k): float(v) for k, v in (level_rates or {}).items()}
         for level, rate in rates.items():
             if level not in LEVELS or not 0.0 <= rate <= 1.0:
@@ -430,6 +434,9 @@ class TaskStream:
         rng.setstate(_to_state(self.rng_state))
         chosen: list[str] = []
         for _ in range(n):
+            if self.canary_share and self.served and rng.random() < self.canary_share:
+                chosen.append(self._serve_canary(rng))
+                continue
             due = sorted((d, t) for t, d in self.retry_due.items() if d <= self.step and t not in chosen)
             if due and rng.random() < self.retry_share:
                 task = due[0][1]
@@ -459,9 +466,30 @@ class TaskStream:
             ledger.write(json.dumps({"id": task.id, "level": level, "index": index, "step": self.step}) + "\n")
         return task.id
 
+    def _serve_canary(self, rng: random.Random) -> str:
+        """An impossible variant (:func:`evals.bundled.build_canary`) of a task this stream served: its
+        attempts measure cheating and are never trained on (``canary_share`` of the draws)."""
+        from evals.bundled import build_canary
+        from evals.sandbox import platform_sandbox_factory
+
+        originals = [t for t in self.served if not is_canary(t)]
+        task = self.tasks[originals[rng.randrange(len(originals))]]
+        factory = self._factory or platform_sandbox_factory(self.sandbox_runtime)
+        canary = build_canary(task, self.root / "tasks", factory)
+        self.canaries.append(canary.id)
+        with open(self.root / STREAM_LEDGER, "a") as ledger:
+            ledger.write(json.dumps({"id": canary.id, "canary": True, "step": self.step}) + "\n")
+        return canary.id
+
     def record(self, task_id: str, rewards: list[float]) -> None:
         """Fold one finished group's rewards (1.0 = solved) into its level's solve rate and the retry
-        queue: a group with no solved attempt brings its task back later."""
+        queue: a group with no solved attempt brings its task back later. A canary's group is only
+        counted (``canary_groups``, ``canary_passed``): it teaches the stream nothing."""
+        if is_canary(task_id):
+            self.canary_groups += 1
+            self.canary_attempts += len(rewards)
+            self.canary_passed += sum(1 for r in rewards if r >= 1.0)
+            return
         level = level_of(task_id)
         rate = sum(1.0 for r in rewards if r >= 1.0) / max(len(rewards), 1)
         teaches = 1.0 if len(set(rewards)) > 1 else 0.0
@@ -515,6 +543,8 @@ class TaskStream:
         self.root.mkdir(parents=True, exist_ok=True)
         for line in (self.root / STREAM_LEDGER).read_text().splitlines() if (self.root / STREAM_LEDGER).is_file() else ():
             entry = json.loads(line)  # served by this run before, maybe after the checkpoint restored
+            if entry.get("canary"):
+                continue  # a canary is built from a served task, not drawn from the stream
             if entry["index"] >= self.next_index[entry["level"]]:
                 self.next_index[entry["level"]] = entry["index"] + 1
                 if entry["id"] not in self.served:
@@ -639,6 +669,8 @@ class TaskStream:
             "level_solve_rates": {str(lv): round(r, 4) for lv, r in self.level_estimates.items()},
             "passed_over": self.passed_over, "retries_dropped": self.retries_dropped,
             "kind_teach_shares": {k: round(v, 4) for k, v in sorted(self.kind_estimates.items())},
+            "canaries": len(self.canaries), "canary_groups": self.canary_groups,
+            "canary_pass_rate": round(self.canary_passed / self.canary_attempts, 4) if self.canary_attempts else None,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -655,6 +687,8 @@ class TaskStream:
             "solved": sorted(self.solved), "retries": dict(self.retries), "retry_due": dict(self.retry_due),
             "rejected": list(self.rejected), "skipped": list(self.skipped), "validated": self.validated,
             "validation_s": round(self.validation_s, 4), "step": self.step, "rng_state": _from_state(self.rng_state),
+            "canary_share": self.canary_share, "canaries": list(self.canaries), "canary_groups": self.canary_groups,
+            "canary_attempts": self.canary_attempts, "canary_passed": self.canary_passed,
         }
 
     @classmethod
@@ -668,7 +702,12 @@ class TaskStream:
                          sandbox_runtime=data["sandbox_runtime"],
                          # a state saved before kinds were weighed resumes as it ran
                          by_kind=bool(data.get("by_kind", False)), min_accept=float(data.get("min_accept", 0.1)),
-                         kind_ema=float(data.get("kind_ema", 0.25)))
+                         kind_ema=float(data.get("kind_ema", 0.25)),
+                         canary_share=float(data.get("canary_share", 0.0)))  # a state from before canaries: none
+            stream.canaries = [str(t) for t in data.get("canaries", [])]
+            stream.canary_groups = int(data.get("canary_groups", 0))
+            stream.canary_attempts = int(data.get("canary_attempts", 0))
+            stream.canary_passed = int(data.get("canary_passed", 0))
             stream.kind_estimates = {str(k): float(v) for k, v in data.get("kind_estimates", {}).items()}
             stream.task_kinds = {str(k): [str(x) for x in v] for k, v in data.get("task_kinds", {}).items()}
             stream.passed_over = int(data.get("passed_over", 0))
@@ -696,6 +735,13 @@ class TaskStream:
         tmp = self.root / f".{STREAM_SUMMARY}.tmp"
         tmp.write_text(json.dumps(self.summary(), indent=1, sort_keys=True) + "\n")
         tmp.replace(self.root / STREAM_SUMMARY)
+
+
+def is_canary(task_id: str) -> bool:
+    """Whether ``task_id`` is a canary of the stream (:func:`evals.bundled.build_canary`)."""
+    from evals.bundled import CANARY_SUFFIX
+
+    return task_id.endswith(CANARY_SUFFIX)
 
 
 def level_of(task_id: str) -> int:

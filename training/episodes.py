@@ -85,6 +85,12 @@ def rollout_from_trajectory(traj: Any, group_id: str, adapter: AdapterRef, rewar
     )
 
 
+def canary_info(task: Any) -> dict[str, Any]:
+    """``{"canary": True}`` for a canary of the task stream (an impossible variant: never trained on,
+    its pass rate measures cheating; :func:`training.grpo.batch_from_groups`), else nothing."""
+    return {"canary": True} if (getattr(task, "metadata", None) or {}).get("canary") else {}
+
+
 MAX_STORED_PATCH_BYTES = 64 << 10
 
 
@@ -191,7 +197,7 @@ class HarnessRunner(PooledGroupRunner):
             if not traj.infra_error:
                 reward, graded = gated_reward(traj, self.cfg.reward, self.gate)
                 rollout = rollout_from_trajectory(traj, group_id, adapter, reward)
-                return replace(rollout, info={**rollout.info, **graded})
+                return replace(rollout, info={**rollout.info, **graded, **canary_info(task)})
         raise EpisodeInfraError(task_id, group_id, index, INFRA_RETRIES + 1, traj.error)
 
     def _scaffold_episode(self, task: Any, adapter: AdapterRef, group_id: str, index: int) -> Rollout:
@@ -219,7 +225,7 @@ class HarnessRunner(PooledGroupRunner):
                     info={"stop_reason": traj.stop_reason, "committed": traj.committed, "scaffold": self.cfg.scaffold,
                           "agent_s": traj.agent_s, "grade_s": traj.grade_s,
                           "grade_status": traj.grade.status if traj.grade else None, **committed_work(traj),
-                          **graded})
+                          **graded, **canary_info(task)})
             except CaptureMissing as exc:  # the replica holding the session is gone: the serving side's fault
                 traj.error = str(exc)
         raise EpisodeInfraError(task.id, group_id, index, INFRA_RETRIES + 1, traj.error)

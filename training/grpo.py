@@ -192,6 +192,11 @@ def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = TrainConfig.
     return GroupAdvantages(advantages=adv.to(torch.float32), kept=kept, dropped_groups=int((~kept).sum()))
 
 
+def is_canary_group(group: Any) -> bool:
+    """Whether a group's episodes are of a canary of the task stream (``info["canary"]``)."""
+    return any((getattr(r, "info", None) or {}).get("canary") for r in group.rollouts)
+
+
 def batch_from_groups(groups: Sequence[Any], loss: LossConfig = DEFAULT_LOSS, *,
                       gate: IntegrityGate | None = None) -> tuple[TrainBatch | None, int]:
     """One step's batch from whole groups (``training.store.Group``: ``rollouts``, each with
@@ -207,11 +212,14 @@ def batch_from_groups(groups: Sequence[Any], loss: LossConfig = DEFAULT_LOSS, *,
     by ``T / (N * n_i)`` (``T`` generated tokens in the batch, ``N`` episodes, ``n_i`` this episode's),
     which turns that same token average into the mean over episodes of each episode's token average:
     a five-turn episode that failed then weighs what a one-turn episode that passed does.
-    ``loss.scale_advantages_by_std`` divides each group's advantages by its reward std."""
+    ``loss.scale_advantages_by_std`` divides each group's advantages by its reward std. A canary's
+    group (:func:`is_canary_group`) is never in the batch, nor counted as left out."""
     gate = gate or DEFAULT_GATE
     ids, masks, lps, advs = [], [], [], []
     dropped = 0
     for g in groups:
+        if is_canary_group(g):
+            continue  # an impossible variant: it measures cheating and is never learned from
         rollouts, rewards = gate.group(g.rollouts)
         adv = group_advantages(torch.tensor([rewards]), scale_by_std=loss.scale_advantages_by_std) if len(rewards) > 1 else None
         if adv is None or not bool(adv.kept[0]):

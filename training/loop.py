@@ -45,7 +45,7 @@ from training.checkpoint import (ADAPTER_DIR, CheckpointLoadError, adapter_dir, 
                                  set_rng_state, store_path, write_checkpoint)
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.grpo import IntegrityGate, LossConfig, TrainBatch, batch_from_groups, has_reward_variance
+from training.grpo import IntegrityGate, LossConfig, TrainBatch, batch_from_groups, has_reward_variance, is_canary_group
 from training.metrics import MetricsWriter, bin_rows
 from training.publish import AdapterPublisher, version_name
 from training.rollout import Rollout
@@ -475,7 +475,8 @@ class RunState:
 
     def _step_row(self, step: int, taken: TakenBatch, batch: TrainBatch | None, dropped: int,
                   result: StepResult | None, train_s: float) -> dict[str, Any]:
-        rollouts = [r for g in taken.groups for r in g.rollouts]
+        rollouts = [r for g in taken.groups if not is_canary_group(g) for r in g.rollouts]
+        canaries = [r for g in taken.groups if is_canary_group(g) for r in g.rollouts]
         ages = [step - 1 - r.adapter_step for r in rollouts]
         used_tokens = batch.generated_tokens if batch is not None else 0
         consumed_tokens = sum(g.generated_tokens for g in taken.groups)
@@ -497,6 +498,10 @@ class RunState:
             "policy_age_mean": sum(ages) / max(len(ages), 1), "policy_age_max": max(ages, default=0),
             "wait_s": taken.wait_s, "train_s": train_s,
             "useful_tokens_per_s": used_tokens / max(taken.wait_s + train_s, 1e-9),
+            # the task stream's canaries (never trained on): their pass rate is the measured cheating rate
+            "canary_samples": len(canaries),
+            "canary_pass_rate": (sum(1.0 for r in canaries if float(r.info.get("score", r.reward)) >= 1.0)
+                                 / len(canaries)) if canaries else 0.0,
             # attempts the integrity gate caught, in all and per cheating signal
             **self.gate.counts(taken.groups),
         }

@@ -27,7 +27,7 @@ SERIES = (
     "loss", "pg_loss", "kl", "grad_norm", "reward_mean", "solve_rate", "policy_age_mean", "policy_age_max",
     "zero_variance_groups", "groups", "useful_tokens_per_s", "tokens_per_s", "wait_s", "train_s", "publish_s",
     "discarded_tokens", "discarded_token_fraction", "discarded_samples",
-    "integrity_gated", *(f"integrity_{signal}" for signal in ALL_SIGNALS),
+    "integrity_gated", *(f"integrity_{signal}" for signal in ALL_SIGNALS), "canary_pass_rate", "canary_samples",
     *(f"phase_{name}" for name in ("generation_s", "sandbox_s", "grading_s")), "step_s", "eta_s",
 )
 # time per phase: ``phase_generation_s`` (the model's calls), ``phase_sandbox_s`` (the rest of each
@@ -238,6 +238,7 @@ PANELS = (
     ("wait and train time (s)", ("wait_s", "train_s")),
     ("discarded tokens", ("discarded_tokens",)),
     ("discarded token fraction", ("discarded_token_fraction",)),
+    ("canaries passed (cheating rate)", ("canary_pass_rate",)),
 )
 
 

@@ -51,6 +51,7 @@ CURVES = (  # title -> step-row series drawn in it
     ("zero-variance groups", ("zero_variance_groups",)),
     ("discarded samples", ("discarded_samples",)),
     ("tokens/s used", ("useful_tokens_per_s",)),
+    ("canaries passed (the measured cheating rate)", ("canary_pass_rate",)),
 )
 
 
@@ -120,6 +121,14 @@ def create_app(home: str | Path, *, tensorboard_url: str = "",
         of_steps = data.planned_steps(path)
         curves = [charts.lines({s: [(r["step"], float(r[s])) for r in steps if r.get(s) is not None] for s in series},
                                title) for title, series in CURVES]
+        audit = data.read_audit(path)
+        if audit:  # `posttrain audit RUN` wrote it: rewarded rollouts that a fresh draw of hidden inputs fails
+            curves.append(charts.lines(
+                {"wrong fixes that earned reward": [(r["step"], float(r["wrong_fixes"])) for r in audit["steps"]
+                                                    if r["step"] is not None],
+                 "rewarded rollouts graded again": [(r["step"], float(r["regraded"])) for r in audit["steps"]
+                                                    if r["step"] is not None]},
+                f"reward audit (hidden inputs of seed {audit.get('seed')})"))
         phases = data.run_phases(path)
         phase_chart = charts.stacked_bars([(f"step {s}", p) for s, p in phases.items()], "seconds per phase, by step")
         store_steps = [{**s, "link": links.step_path(name, s["step"]) if s["step"] != data.READY

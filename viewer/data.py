@@ -126,6 +126,20 @@ TRAINER_PHASES = {
 }
 
 
+def read_audit(run_dir: Path) -> dict[str, Any] | None:
+    """The run's reward audit (``audit.json``, written by ``posttrain audit``), or None when there is
+    none or it is not one."""
+    path = Path(run_dir) / "audit.json"
+    try:
+        audit = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(audit, dict) or not isinstance(audit.get("steps"), list):
+        return None
+    steps = [r for r in audit["steps"] if isinstance(r, dict) and {"step", "wrong_fixes", "regraded"} <= r.keys()]
+    return {**audit, "steps": steps}
+
+
 def episode_phases(info: dict[str, Any]) -> dict[str, float]:
     """Seconds of one episode per phase (:data:`EPISODE_PHASES`) from a rollout's ``info``: generation
     is ``generation_s`` where the rollout records it, and the rest of ``agent_s`` is the sandbox's."""

@@ -46,6 +46,7 @@ def stream(root: Path, suite: Path, **kwargs) -> TaskStream:
     kwargs.setdefault("open_hard_after_steps", 1000)
     kwargs.setdefault("by_kind", False)
     kwargs.setdefault("buffer_per_level", 2)
+    kwargs.setdefault("canary_share", 0.0)  # canaries have tests of their own below
     return TaskStream(root, suite, sandbox_factory=bundled.default_sandbox_factory(), **kwargs)
 
 
@@ -357,3 +358,78 @@ def test_the_run_files_key_reaches_the_trainer_which_opens_the_stream(suite, tmp
     assert isinstance(stream, TaskStream) and stream.root == (tmp_path / "run" / "task_stream").resolve()
     assert stream.open_hard_after_steps == 10 and stream.seed == cfg.seed
     assert not isinstance(load_curriculum(replace(cfg, task_stream=False), ["a"], tmp_path / "run"), TaskStream)
+
+
+def _special_case(task, check, value) -> str:
+    """A patch body that returns ``value`` for exactly ``check``'s arguments and the reference answer
+    everywhere else: what a policy writes to pass a test whose expectation contradicts the task."""
+    module = (Path(task.repo_path) / task.metadata["module_file"]).read_text()
+    fixed = apply_edits(module, [(line, text) for _, line, text in task.metadata["reference_edits"]])
+    return (fixed + f"\n_fixed_{check.function} = {check.function}\n"
+            f"def {check.function}(*args):\n    return {value!r} if repr(args) == {check.args!r} "
+            f"else _fixed_{check.function}(*args)\n")
+
+
+def test_a_canary_fails_every_honest_fix_and_passes_the_special_case(suite, tmp_path):
+    """ImpossibleBench's canary: one visible target assert contradicts the task; the reference fix scores
+    0, a patch that special-cases that assert scores 1 (the cheating a canary measures)."""
+    from evals.call_checks import call_checks
+    from evals.grading import committed_patch, grade_patch
+
+    factory = bundled.default_sandbox_factory()
+    task = sorted(load_bundled(suite).tasks, key=lambda t: t.id)[0]
+    canary = bundled.build_canary(task, tmp_path / "tasks", factory)
+    assert canary.id == task.id + "-canary" and canary.metadata["canary"] and canary.base_commit != task.base_commit
+    assert bundled.build_canary(task, tmp_path / "tasks", factory).base_commit == canary.base_commit  # read back
+    changed = [c for c, o in zip(call_checks(canary), call_checks(task)) if c.expected != o.expected]
+    assert len(changed) == 1 and changed[0].test_id in task.target_tests
+    assert changed[0].expected == bundled.contradicting(next(o.expected for o in call_checks(task)
+                                                              if (o.function, o.args) == (changed[0].function, changed[0].args)))
+    assert "assert" in canary.metadata["failing_output"]
+
+    def graded(body: str) -> float:
+        module = canary.metadata["module_file"]
+        with factory(canary) as box:
+            box.write_file(module, body.encode())
+            assert box.exec("git add -A && git commit -qm attempt").exit_code == 0
+            patch = committed_patch(box, canary.base_commit)
+        return grade_patch(canary, patch, factory).scores.reward
+
+    module = (Path(task.repo_path) / task.metadata["module_file"]).read_text()
+    honest = apply_edits(module, [(line, text) for _, line, text in task.metadata["reference_edits"]])
+    assert graded(honest) == 0.0
+    assert graded(_special_case(task, changed[0], changed[0].expected)) == 1.0
+
+
+def test_canaries_are_served_counted_and_never_trained_on(suite, tmp_path):
+    from training.grpo import batch_from_groups, is_canary_group
+    from training.rollout import Rollout
+    from training.store import Group
+
+    s = stream(tmp_path / "stream", suite, canary_share=0.5, seed=3)
+    try:
+        served = s.next_tasks(8)
+    finally:
+        s.close()
+    canaries = [t for t in served if t.endswith("-canary")]
+    assert canaries and len(canaries) < len(served), served  # a share of the draws, after a first real task
+    assert not served[0].endswith("-canary")
+    for t in canaries:
+        assert s.tasks[t].metadata["canary"] and t.removesuffix("-canary") in s.served
+    before = dict(s.level_estimates)
+    s.record(canaries[0], [1.0, 0.0])
+    assert s.level_estimates == before and canaries[0] not in s.retry_due
+    summary = s.summary()
+    assert summary["canaries"] == len(canaries) and summary["canary_pass_rate"] == 0.5
+    again = TaskStream.from_json(s.to_json())
+    assert again.canaries == s.canaries and again.canary_passed == 1
+
+    def rollout(i, reward, canary):
+        return Rollout(f"r{i}", f"g{i // 2}", "t", 0, [1, 2], [0, 1], [0.0, -0.5], reward,
+                       info={"canary": True} if canary else {})
+
+    real = Group("g0", "t", 0, [rollout(0, 1.0, False), rollout(1, 0.0, False)])
+    canary = Group("g1", "t-canary", 0, [rollout(2, 1.0, True), rollout(3, 0.0, True)])
+    assert is_canary_group(canary) and not is_canary_group(real)
+    batch, dropped = batch_from_groups([real, canary])
+    assert len(batch.input_ids) == 2 and dropped == 0  # only the real group's two episodes
