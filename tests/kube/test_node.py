@@ -9,6 +9,8 @@ scripts/test.sh``) the module starts the node itself and stops it afterwards.
 The pool acts with its own service account's token (the run's Role), creates the episode's pod from
 ``sandboxes.k8s.pod_spec`` under gVisor, attaches to pxd over the API server's websocket (through
 the kubelet), and the trainer's side reaches it through the pool's HTTP API, as an episode does.
+With PodSecurityPolicy admission on (scripts/kube-local.sh), the controllers create the run's own
+pods under ``posttrain-workload``.
 """
 
 from __future__ import annotations
@@ -145,3 +147,30 @@ def test_an_episode_gets_a_gvisor_sandbox_pod_through_the_pool_and_its_api(admin
     finally:
         server.shutdown()
         pool.shutdown()
+
+
+def test_the_controllers_create_the_runs_pods_under_the_workload_policy(admin, namespace, node):
+    """With PodSecurityPolicy admission on, the run's pods are created by the controllers (ReplicaSet,
+    StatefulSet, Job), which may use ``posttrain-workload``; no account of the run may. Each
+    workload gets its pod admitted under that policy (they stay Pending here: the example asks for
+    GPUs and a ReadWriteMany volume), and the pool's pod gets its token."""
+    from kubernetes import client
+
+    manifests = k8s.build_manifests(resolve(example_in(namespace, "podsec")))
+    runner.apply_k8s(manifests, api_client=admin)
+    core = client.CoreV1Api(admin)
+    wanted = {"trainer", "engine", "router", "sandbox-pool"}
+    deadline = time.monotonic() + 120
+    seen: dict[str, object] = {}
+    while time.monotonic() < deadline and set(seen) != wanted:
+        for pod in core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/instance=podsec").items:
+            seen.setdefault(pod.metadata.labels["app.kubernetes.io/component"], pod)
+        time.sleep(0.5)
+    events = [f"{e.involved_object.kind}/{e.involved_object.name}: {e.reason}: {e.message}"
+              for e in core.list_namespaced_event(namespace).items if e.reason == "FailedCreate"]
+    assert set(seen) == wanted, events
+    for component, pod in seen.items():
+        assert pod.metadata.annotations["kubernetes.io/psp"] == "posttrain-workload", component
+    pool_volumes = [v for v in seen["sandbox-pool"].spec.volumes if v.secret or v.projected]
+    assert pool_volumes, "the pool's pod has no service-account token"
+    runner.delete_k8s(manifests, api_client=admin)
