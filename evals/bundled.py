@@ -377,7 +377,8 @@ def build_canary(task: Task, out: str | Path, sandbox_factory: SandboxFactory) -
         lines = text.split("\n")
         lines[line - 1] = lines[line - 1].rsplit(" == ", 1)[0] + f" == {contradicting(target.expected)!r}"
         path.write_text("\n".join(lines))
-        _git(tmp / "repo", "commit", "-q", "-am", f"{test_file}: tests")
+        # the base commit amended, message and dates kept: a canary's history looks like any task's
+        _git(tmp / "repo", "commit", "-q", "-a", "--amend", "--no-edit")
         data = {**json.loads((Path(task.repo_path).parent / "task.json").read_text())}
         data.update(id=final.name, base_commit=_git(tmp / "repo", "rev-parse", "HEAD"),
                     metadata={**data["metadata"], "canary": True, "canary_of": task.id})

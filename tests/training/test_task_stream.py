@@ -386,6 +386,12 @@ def test_a_canary_fails_every_honest_fix_and_passes_the_special_case(suite, tmp_
     assert changed[0].expected == bundled.contradicting(next(o.expected for o in call_checks(task)
                                                               if (o.function, o.args) == (changed[0].function, changed[0].args)))
     assert "assert" in canary.metadata["failing_output"]
+    import subprocess
+
+    def history(t):
+        return subprocess.run(["git", "-C", t.repo_path, "log", "--format=%s %ad %cd"], capture_output=True,
+                              text=True, check=True).stdout
+    assert history(canary) == history(task)  # one commit, same message and dates: nothing tells it apart
 
     def graded(body: str) -> float:
         module = canary.metadata["module_file"]
