@@ -50,6 +50,7 @@ from typing import Any
 
 from sandboxes.k8s import LABEL_PREFIX, RUNTIME_CLASSES, SANDBOX_POD_SECURITY_POLICY, label_value, sandbox_selector
 from serving import sglang
+from training.config import TrainConfig
 from training.planner.resolve import Plan
 from training.planner.runner import CREDENTIAL_COMPONENT, CREDENTIAL_KEY, TRAINER_MODULE, trainer_args, trainer_launcher
 
@@ -73,6 +74,10 @@ MANAGED_BY = "posttrain"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 # The run's pods that may call the router: the trainer, a checkpoint's eval Job, and the engines
 ROUTER_CLIENTS = ("trainer", "eval", "engine")
+
+# a vLLM CPU replica's startup probe: 10 s apart, this many failures (30 minutes) before a restart
+START_PROBE_FAILURES = 180
+
 
 def k8s_name(name: str) -> str:
     """A DNS-1123 label made from a run name (lowercase alphanumerics and '-', at most 40 chars)."""
@@ -117,6 +122,14 @@ def _meta(plan: Plan, name: str, component: str) -> dict[str, Any]:
 
 def run_dir_in_pod(plan: Plan) -> str:
     return f"{DATA_MOUNT}/runs/{plan.run_name}"
+
+
+def engine_model_path(plan: Plan) -> str:
+    """The model a replica serves, as a pod reads it: an absolute ``[model] path`` as it is, a relative
+    one from the run volume's root (every workload container's working directory, as the directory
+    posttrain runs in is locally), else ``[model] name``."""
+    rf = plan.run_file
+    return rf.model.path or rf.model.name or "MODEL"
 
 
 def _env(plan: Plan) -> list[dict[str, str]]:
@@ -189,6 +202,9 @@ def _pod_spec(plan: Plan, containers: list[dict[str, Any]], *, gpus: int = 0, se
     ]
     for c in containers:
         c.setdefault("securityContext", dict(CONTAINER_SECURITY))
+        # relative paths of the run file (the model, tasks) are the run volume's, as they are the
+        # working directory's locally
+        c.setdefault("workingDir", DATA_MOUNT)
     spec: dict[str, Any] = {
         "containers": containers, "volumes": volumes, "securityContext": dict(POD_SECURITY),
         "automountServiceAccountToken": token, "enableServiceLinks": False, **_scheduling(plan, gpus), **extra,
@@ -231,6 +247,101 @@ def _http_service(plan: Plan, component: str, port: int) -> dict[str, Any]:
         "kind": "Service",
         "metadata": _meta(plan, component, component),
         "spec": {"selector": _selector(plan, component), "ports": [{"name": "http", "protocol": "TCP", "port": port, "targetPort": port}]},
+    }
+
+
+def _sglang_engines(plan: Plan, engine_service_name: str, plan_hash: dict[str, str]) -> dict[str, Any]:
+    """The SGLang fleet (GPUs): one engine pod is serving's launch spec (SGLang on the pod IP for its
+    probes, the capture sidecar in front of it on localhost, the run volume mounted for adapters);
+    here it becomes a StatefulSet so each replica has a name."""
+    rf, kube, image, ns = plan.run_file, plan.run_file.kubernetes, plan.run_file.kubernetes.image, plan.run_file.kubernetes.namespace
+    base = k8s_name(plan.run_name)
+    engine_gpus = rf.inference.gpus_per_engine
+    if rf.inference.gpu == "cpu":
+        raise ValueError("[inference] engine = \"sglang\" on Kubernetes needs GPUs (SGLang's image); gpu = \"cpu\" "
+                         "is served by engine = \"vllm\" (vLLM's CPU build in the project's image)")
+    try:
+        engine_image = sglang.pinned_image(rf.inference.sglang_image)
+    except ValueError as exc:
+        raise ValueError(f"[inference] sglang_image: {exc}") from None
+    engines = sglang.sglang_launch_spec(
+        plan.sglang_knobs(), name=engine_service_name, image=engine_image, sidecar_image=image,
+        replicas=rf.inference.engines, namespace=ns, gpus=engine_gpus,
+        adapters_volume_claim=f"{base}-data", pool="reserved",
+    )
+    engines["kind"] = "StatefulSet"
+    engines["metadata"]["labels"].update(_labels(plan, "engine"))
+    engines["spec"]["selector"] = {"matchLabels": _selector(plan, "engine")}
+    template = engines["spec"]["template"]
+    template["metadata"]["labels"].update(_labels(plan, "engine"))
+    template["metadata"]["annotations"] = dict(plan_hash)
+    engines["spec"]["serviceName"] = engine_service_name
+    engines["spec"]["podManagementPolicy"] = "Parallel"  # replicas start together, not one by one
+    sglang_c, capture_c = template["spec"]["containers"]
+    sglang_c["resources"]["requests"].update(cpu=plan.pods["engine"]["cpu"], memory=plan.pods["engine"]["memory"])
+    sglang_c["resources"]["limits"]["memory"] = sglang_c["resources"]["requests"]["memory"]
+    capture_c["resources"] = _resources("1", "2Gi")
+    tmp_mount = {"name": "tmp", "mountPath": "/tmp"}
+    for c in (sglang_c, capture_c):
+        c["securityContext"] = dict(CONTAINER_SECURITY)
+        c["volumeMounts"].append(tmp_mount)
+        c["env"] = [*c.get("env", []), {"name": "HOME", "value": "/tmp/home"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]
+    capture_c["env"].append(_credential_env(plan))  # SGLang itself gets none: it is reached only through the sidecar
+    template["spec"]["volumes"].append({"name": "tmp", "emptyDir": {"sizeLimit": "50Gi"}})
+    template["spec"].update(securityContext=dict(POD_SECURITY), automountServiceAccountToken=False,
+                            enableServiceLinks=False, **_scheduling(plan, engine_gpus))
+    if kube.service_account:
+        template["spec"]["serviceAccountName"] = kube.service_account
+    return engines
+
+
+def _vllm_engines(plan: Plan, engine_service_name: str, plan_hash: dict[str, str]) -> dict[str, Any]:
+    """The CPU fleet: each pod is one replica as the local path runs it (``python -m serving.replica
+    --engine vllm``: vLLM's CPU build on the pod's loopback, the capture front on the pod IP), from the
+    run's image, loading the newest adapter of the run volume before it serves. A StatefulSet, as the
+    SGLang fleet is, so that each replica has a name the router is given."""
+    from serving.engines.vllm import lora_rank_slot
+
+    rf, kube = plan.run_file, plan.run_file.kubernetes
+    if rf.inference.gpu != "cpu":
+        raise ValueError(f"[inference] engine = \"vllm\" on Kubernetes serves with vLLM's CPU build (the project's image); "
+                         f"gpu = {rf.inference.gpu!r} needs engine = \"sglang\"")
+    size = plan.pods["engine"]
+    labels = _labels(plan, "engine")
+    probe = {"httpGet": {"path": "/health", "port": CAPTURE_PORT}, "periodSeconds": 5, "timeoutSeconds": 5}
+    command = ["python", "-m", "serving.replica", "--engine", "vllm", "--model", engine_model_path(plan),
+               "--host", "0.0.0.0", "--port", str(CAPTURE_PORT), "--adapters-dir", f"{run_dir_in_pod(plan)}/adapters",
+               "--max-loras", str(plan.resolved["sglang_max_loras_per_batch"]),
+               "--max-lora-rank", str(lora_rank_slot(rf.trainer.lora_rank or TrainConfig().lora_rank)),
+               "--kv-cache-gib", str(size["kv_cache_gib"]), "--max-model-len", str(plan.max_context_length),
+               "--max-running-requests", str(plan.admission)]
+    container = {
+        "name": "replica",
+        "image": kube.image,
+        "command": command,
+        "workingDir": DATA_MOUNT,
+        "ports": [{"name": "capture", "containerPort": CAPTURE_PORT}],
+        # the front answers /health once vLLM does; vLLM's CPU build loads and warms up in minutes
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": START_PROBE_FAILURES},
+        "readinessProbe": probe,
+        "env": [*_env(plan), _credential_env(plan)],
+        "volumeMounts": _MOUNTS,
+        "resources": _resources(size["cpu"], size["memory"]),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(plan, "engine", "engine"),
+        "spec": {
+            "replicas": rf.inference.engines,
+            "serviceName": engine_service_name,
+            "podManagementPolicy": "Parallel",  # replicas start together, not one by one
+            "selector": {"matchLabels": _selector(plan, "engine")},
+            "template": {
+                "metadata": {"labels": labels, "annotations": dict(plan_hash)},
+                "spec": _pod_spec(plan, [container]),
+            },
+        },
     }
 
 
@@ -295,49 +406,18 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url},
                             {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}, _credential_env(plan)],
                     "volumeMounts": [*_MOUNTS, *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus > 1 else [])],
-                    "resources": _resources(str(max(4, 4 * gpus)), f"{max(32, 32 * gpus)}Gi", gpus),
+                    "resources": _resources(plan.pods["trainer"]["cpu"], plan.pods["trainer"]["memory"], gpus),
                 }], gpus=gpus, service_account=trainer_account,
                     extra_volumes=[_shm(16)] if gpus > 1 else None, restartPolicy="Never"),
             },
         },
     }  # fmt: skip
 
-    # One engine pod is serving's launch spec (SGLang on the pod IP for its probes, the capture sidecar
-    # in front of it on localhost, the run volume mounted for adapters); here it becomes a StatefulSet
-    # so each replica has a name.
     engine_gpus = rf.inference.gpus_per_engine
-    try:
-        engine_image = sglang.pinned_image(rf.inference.sglang_image)
-    except ValueError as exc:
-        raise ValueError(f"[inference] sglang_image: {exc}") from None
-    engines = sglang.sglang_launch_spec(
-        plan.sglang_knobs(), name=engine_service_name, image=engine_image, sidecar_image=image,
-        replicas=rf.inference.engines, namespace=ns, gpus=engine_gpus,
-        adapters_volume_claim=f"{base}-data", pool="reserved",
-    )
-    engines["kind"] = "StatefulSet"
-    engines["metadata"]["labels"].update(_labels(plan, "engine"))
-    engines["spec"]["selector"] = {"matchLabels": _selector(plan, "engine")}
-    template = engines["spec"]["template"]
-    template["metadata"]["labels"].update(_labels(plan, "engine"))
-    template["metadata"]["annotations"] = dict(plan_hash)
-    engines["spec"]["serviceName"] = engine_service_name
-    engines["spec"]["podManagementPolicy"] = "Parallel"  # replicas start together, not one by one
-    sglang_c, capture_c = template["spec"]["containers"]
-    sglang_c["resources"]["requests"].update(cpu=str(max(4, 4 * (engine_gpus or 1))), memory=f"{max(32, 32 * (engine_gpus or 1))}Gi")
-    sglang_c["resources"]["limits"]["memory"] = sglang_c["resources"]["requests"]["memory"]
-    capture_c["resources"] = _resources("1", "2Gi")
-    tmp_mount = {"name": "tmp", "mountPath": "/tmp"}
-    for c in (sglang_c, capture_c):
-        c["securityContext"] = dict(CONTAINER_SECURITY)
-        c["volumeMounts"].append(tmp_mount)
-        c["env"] = [*c.get("env", []), {"name": "HOME", "value": "/tmp/home"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]
-    capture_c["env"].append(_credential_env(plan))  # SGLang itself gets none: it is reached only through the sidecar
-    template["spec"]["volumes"].append({"name": "tmp", "emptyDir": {"sizeLimit": "50Gi"}})
-    template["spec"].update(securityContext=dict(POD_SECURITY), automountServiceAccountToken=False,
-                            enableServiceLinks=False, **_scheduling(plan, engine_gpus))
-    if kube.service_account:
-        template["spec"]["serviceAccountName"] = kube.service_account
+    if plan.engine == "vllm":
+        engines = _vllm_engines(plan, engine_service_name, plan_hash)
+    else:
+        engines = _sglang_engines(plan, engine_service_name, plan_hash)
     engine_service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -387,7 +467,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
                     "env": [*_env(plan), _credential_env(plan)],
                     "volumeMounts": _MOUNTS,
-                    "resources": _resources("2", "4Gi"),
+                    "resources": _resources(plan.pods["router"]["cpu"], plan.pods["router"]["memory"]),
                 }]),
             },
         },
@@ -458,7 +538,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                             _credential_env(plan)],  # its API answers only to the run's credential
                     "volumeMounts": _MOUNTS,
                     # two stream threads and their buffers per connected sandbox: about 2 MiB each
-                    "resources": _resources("2", f"{max(2, -(-max_sandboxes * 2 // 1024))}Gi"),
+                    "resources": _resources(plan.pods["sandbox_pool"]["cpu"], plan.pods["sandbox_pool"]["memory"]),
                 }], service_account=pool_name, token=True),
             },
         },

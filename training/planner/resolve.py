@@ -76,6 +76,13 @@ class Plan:
     throughput: Mapping[str, Any]
     tips: tuple[Advice, ...]
     warnings: tuple[Advice, ...]
+    pods: Mapping[str, Any] = field(default_factory=dict)  # the Kubernetes requests of each workload's pod
+
+    @property
+    def engine(self) -> str:
+        """The server of each replica: ``[inference] engine``, else vLLM (its CPU build) for
+        ``gpu = "cpu"`` and SGLang on GPUs."""
+        return engine_of(self.run_file)
 
     @property
     def admission(self) -> int:
@@ -151,6 +158,7 @@ class Plan:
                 "profile": self.profile,
                 "engines": rf.inference.engines,
                 "gpu": rf.inference.gpu,
+                "engine": self.engine,
                 "gpus_per_engine": rf.inference.gpus_per_engine,
                 "gpu_memory_gib": self.gpu_memory_gib,
                 "max_context_length": self.max_context_length,
@@ -166,7 +174,7 @@ class Plan:
             "sandbox": {**_section_json(rf.sandbox),
                         "max_sandboxes": rf.sandbox.max_sandboxes or self.producer_budget_samples},
             "curriculum": _section_json(rf.curriculum),
-            "kubernetes": _section_json(rf.kubernetes),
+            "kubernetes": {**_section_json(rf.kubernetes), "pods": json.loads(json.dumps(self.pods))},
             "eval": _section_json(rf.eval),
             "runtime": {
                 "memory": dict(self.memory),
@@ -296,6 +304,8 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
             "takes the admission and the token budget: inference.local_engine_args",
         ))  # fmt: skip
 
+    pods = pod_sizes(rf, geometry, resolved, memory, capacity)
+
     name = rf.run.name or (Path(src).stem if src != "<dict>" else "run")
     return Plan(
         run_file=rf,
@@ -312,7 +322,117 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
         throughput=throughput,
         tips=tuple(tips),
         warnings=tuple(warnings),
+        pods=pods,
     )
+
+
+def engine_of(rf: RunFile) -> str:
+    """``[inference] engine``, else ``vllm`` on CPUs and ``sglang`` on GPUs."""
+    return rf.inference.engine or ("vllm" if rf.inference.gpu == "cpu" else "sglang")
+
+
+# --- Kubernetes requests ---------------------------------------------------------------------------
+# Memory a vLLM CPU replica holds besides the weights and KV cache it is given (``[inference]
+# gpu_memory_gib``): the interpreter with torch and vLLM imported, its engine core and the capture
+# front in the same pod. An allowance, not a measurement of one model: docs/kubernetes.md.
+VLLM_CPU_RUNTIME_GIB = 3
+# The router and the sandbox pool mostly wait on sockets: a tenth of a core each, and 1 GiB (the pool
+# adds about 2 MiB per sandbox it may hold: two stream threads and their buffers).
+SERVICE_CPUS = 0.1
+SERVICE_MEMORY_GIB = 1
+POOL_MIB_PER_SANDBOX = 2
+# The least a trainer or an engine replica is planned with on a sized node.
+MIN_WORKLOAD_CPUS = 0.2
+MIN_TRAINER_MEMORY_GIB = 4
+
+
+def _cpu(cpus: float) -> str:
+    return f"{max(1, int(cpus * 1000))}m"
+
+
+def pod_sizes(rf: RunFile, geometry: Geometry, resolved: Mapping[str, Any], memory: Mapping[str, Any],
+              capacity: Mapping[str, Any]) -> dict[str, Any]:
+    """The requests of each workload's pod (``trainer``, ``engine`` per replica, ``router``,
+    ``sandbox_pool``) and what the sandboxes may ask together, as ``training.planner.k8s`` sets them.
+
+    Without ``[kubernetes] node_cpus``/``node_memory_gib`` these are a GPU cluster's fixed requests
+    (4 CPUs and 32 GiB per trainer GPU or engine device, 2 CPUs for the router and the pool). With
+    them, the run's pods are planned onto one node of that allocatable size: the sandboxes first
+    (the pool's ``max_sandboxes``, each asking ``sandboxes.k8s.PodSettings``' share of its limits),
+    then the router and the pool (a tenth of a core, 1 GiB), then each engine replica's memory
+    (vLLM: ``gpu_memory_gib`` for weights and KV cache plus ``VLLM_CPU_RUNTIME_GIB``); the trainer
+    and the engines split the CPUs left evenly and the trainer takes the memory left. A node too
+    small for that is a ``PlanError`` with the sums. Memory limits equal the requests; CPU has no
+    limit, so an idle pod's share is used by the others."""
+    from sandboxes.k8s import PodSettings
+
+    kube, inf, sbx = rf.kubernetes, rf.inference, rf.sandbox
+    engine = engine_of(rf)
+    gpus = rf.trainer.gpus
+    max_sandboxes = sbx.max_sandboxes or capacity["producer_budget_samples"]
+    settings = PodSettings()
+    sandboxes = {"count": max_sandboxes,
+                 "cpu": _cpu(max_sandboxes * sbx.cpus * settings.cpu_request_fraction),
+                 "memory_gib": round(max_sandboxes * sbx.memory_gib * settings.memory_request_fraction, 3)}
+    kv_cache_gib = None
+    if engine == "vllm":
+        # the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB): the plan's pool, at least 1
+        kv = memory.get("kv_pool_gib")
+        kv_cache_gib = max(1, -(-kv // 1)) if kv is not None else 1
+        kv_cache_gib = int(kv_cache_gib)
+        engine_memory = VLLM_CPU_RUNTIME_GIB + (inf.gpu_memory_gib if inf.gpu_memory_gib is not None
+                                                 else (geometry.weights_gib or 0) + kv_cache_gib)
+        engine_memory = int(-(-engine_memory // 1))
+    else:
+        engine_memory = max(32, 32 * inf.gpus_per_engine)
+    pool_memory = max(SERVICE_MEMORY_GIB, -(-max_sandboxes * POOL_MIB_PER_SANDBOX // 1024))
+    node_keys = [k for k in ("node_cpus", "node_memory_gib") if getattr(kube, k) is not None]
+    if not node_keys:
+        return {
+            "node": None,
+            "trainer": {"cpu": str(max(4, 4 * gpus)), "memory": f"{max(32, 32 * gpus)}Gi"},
+            "engine": {"cpu": str(max(4, 4 * inf.gpus_per_engine)) if engine == "sglang" else "2",
+                       "memory": f"{engine_memory}Gi", "kv_cache_gib": kv_cache_gib},
+            "router": {"cpu": "2", "memory": "4Gi"},
+            "sandbox_pool": {"cpu": "2", "memory": f"{max(2, pool_memory)}Gi"},
+            "sandboxes": sandboxes,
+        }
+    src = rf.source
+    if len(node_keys) == 1:
+        other = "node_memory_gib" if node_keys == ["node_cpus"] else "node_cpus"
+        raise PlanError([f"{src}: [kubernetes] {other}: required with {node_keys[0]} (the node's allocatable "
+                         "CPUs and memory size every pod together)"])
+    if gpus or (engine == "sglang" and inf.gpu != "cpu"):
+        raise PlanError([f"{src}: [kubernetes] node_cpus: a sized node plans CPU pods only; this run asks for GPUs "
+                         f"([trainer] gpus = {gpus}, [inference] engine = {engine!r}, gpu = {inf.gpu!r})"])
+    cpus, mem = kube.node_cpus, kube.node_memory_gib
+    sandbox_cpus = max_sandboxes * sbx.cpus * settings.cpu_request_fraction
+    left_cpus = cpus - sandbox_cpus - 2 * SERVICE_CPUS
+    share = left_cpus / (1 + inf.engines)
+    left_memory = mem - sandboxes["memory_gib"] - SERVICE_MEMORY_GIB - pool_memory - inf.engines * engine_memory
+    problems = []
+    if share < MIN_WORKLOAD_CPUS:
+        problems.append(
+            f"{src}: [kubernetes] node_cpus: {cpus:g} CPUs leave {max(share, 0):.2f} each to the trainer and "
+            f"{inf.engines} engine replica(s) (expected at least {MIN_WORKLOAD_CPUS:g}) after {sandbox_cpus:g} for "
+            f"{max_sandboxes} sandboxes ([sandbox] max_sandboxes x cpus x {settings.cpu_request_fraction:g}) and "
+            f"{2 * SERVICE_CPUS:g} for the router and the pool; lower [sandbox] max_sandboxes or cpus, or [inference] engines")
+    if left_memory < MIN_TRAINER_MEMORY_GIB:
+        problems.append(
+            f"{src}: [kubernetes] node_memory_gib: {mem:g} GiB leave {left_memory:.2f} GiB to the trainer (expected at "
+            f"least {MIN_TRAINER_MEMORY_GIB}) after {inf.engines} x {engine_memory} GiB for the engines, "
+            f"{sandboxes['memory_gib']:g} GiB for {max_sandboxes} sandboxes, {SERVICE_MEMORY_GIB} GiB for the router "
+            f"and {pool_memory} GiB for the pool; lower [inference] engines or gpu_memory_gib, or [sandbox] max_sandboxes")
+    if problems:
+        raise PlanError(problems)
+    return {
+        "node": {"cpus": cpus, "memory_gib": mem},
+        "trainer": {"cpu": _cpu(share), "memory": f"{int(left_memory * 1024)}Mi"},
+        "engine": {"cpu": _cpu(share), "memory": f"{engine_memory}Gi", "kv_cache_gib": kv_cache_gib},
+        "router": {"cpu": _cpu(SERVICE_CPUS), "memory": f"{SERVICE_MEMORY_GIB}Gi"},
+        "sandbox_pool": {"cpu": _cpu(SERVICE_CPUS), "memory": f"{pool_memory}Gi"},
+        "sandboxes": sandboxes,
+    }
 
 
 def _trainer_replicas(rf: RunFile, problems: list[str], warnings: list[Advice]) -> None:

@@ -22,6 +22,9 @@ from sandboxes.files import read_regular_bytes
 from serving.sglang import SGLANG_IMAGE
 from training.config import BACKENDS, INTEGRITY_GATES, LOSS_WEIGHTINGS, REWARDS, TrainConfig
 
+# The engine servers a replica may run (python -m serving.replica --engine vllm on CPUs, SGLang on GPUs).
+ENGINES = ("sglang", "vllm")
+
 # Constraint tags carried in field metadata.
 POSITIVE = "positive"
 NON_NEGATIVE = "non-negative"
@@ -76,6 +79,9 @@ class InferenceSection:
     """
 
     profile: str = field(default="generic", metadata=_key(doc="generic, or a preset name"))
+    engine: str | None = field(default=None, metadata=_key(choices=ENGINES, doc=(
+        "the server of each replica: sglang (GPUs) or vllm (vLLM's CPU build behind the capture front, "
+        "python -m serving.replica); default: vllm for gpu = \"cpu\", sglang otherwise")))
     engines: int = field(default=1, metadata=_key(POSITIVE))
     gpu: str = field(default="cpu", metadata=_key(doc="hardware name: cpu, h100, h200, b200, b300, ..."))
     gpus_per_engine: int = field(default=1, metadata=_key(POSITIVE, doc="tensor-parallel size of one engine"))
@@ -209,6 +215,11 @@ class KubernetesSection:
     priority_class: str | None = field(default=None, metadata=_key(doc="priorityClassName of every pod of the run"))
     keep_fleet: bool = field(default=False, metadata=_key(
         doc="rl_run leaves the engines, router and sandbox pool running when the trainer ends (false: deleted with it)"))
+    node_cpus: float | None = field(default=None, metadata=_key(POSITIVE, doc=(
+        "allocatable CPUs of the node the run's pods share: the planner sizes every pod's requests to fit it "
+        "(with node_memory_gib; unset: the fixed requests of a GPU cluster's pods)")))
+    node_memory_gib: float | None = field(default=None, metadata=_key(POSITIVE, doc=(
+        "allocatable memory of that node, GiB")))
 
 
 @dataclass(frozen=True)
