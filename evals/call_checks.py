@@ -132,18 +132,24 @@ def hidden_inputs(task, visible: Sequence[CallCheck], seed: int = 0) -> list[tup
             continue
         args = safe_ast.literal_eval(check.args)
         for i, arg in enumerate(args):
-            for variant in _variants(arg, rng):
+            siblings = [a for j, a in enumerate(args) if j != i and type(a) is int]
+            for variant in _variants(arg, rng, siblings):
                 text = repr((*args[:i], variant, *args[i + 1:]))
                 if (check.function, text) not in shown:
                     calls.setdefault((check.function, text), check.test_id)
     return [(test_id, function, args) for (function, args), test_id in calls.items()]
 
 
-def _variants(arg: Any, rng: random.Random) -> list[Any]:
+def _variants(arg: Any, rng: random.Random, siblings: Sequence[int] = ()) -> list[Any]:
+    """Values near ``arg`` of its type; for an integer also the other integer arguments' values and
+    their neighbours (``siblings``), where boundaries lie (``lo <= x <= hi``)."""
     if type(arg) is bool:
         return [not arg]
     if type(arg) is int:
-        return [arg + rng.randint(1, 9), arg - rng.randint(1, 9), arg * rng.randint(2, 5) + rng.randint(1, 7)]
+        near = [arg + rng.randint(1, 9), arg - rng.randint(1, 9), arg * rng.randint(2, 5) + rng.randint(1, 7)]
+        edges = [v + d for v in siblings for d in (0, 1, -1)]
+        rng.shuffle(edges)
+        return near + [v for v in edges[:4] if v != arg]
     if type(arg) is str:
         letters = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 4)))
         return [arg + letters, letters + arg, " ".join(reversed(arg.split())) + " " + letters]
@@ -228,7 +234,7 @@ def _answers(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
     """What the module in ``sandbox``'s work tree returns for each call (by position), as plain data;
     calls that raise are left out. Runs the probe as grading does; :class:`InfraError` when it
     cannot."""
-    command = install_probe(sandbox, GRADER_DIR, probe_spec(module_name(task), calls))
+    command = install_probe(sandbox, GRADER_DIR, probe_spec(module_name(task), calls, 5.0, one_process=True))
     run = sandbox.exec(command, timeout_s=max(60.0, task.limits.test_timeout_s), output_cap_bytes=1 << 16,
                        env={"POSTTRAIN_RESULTS_FD": str(RESULTS_FD)}, results_fd=RESULTS_FD, kill_others=True)
     if run.timed_out or run.results is None:
@@ -284,9 +290,12 @@ def _check(statement: ast.stmt, test_id: str, imported: set[str]) -> CallCheck |
     return CallCheck(test_id, call.func.id, source if source.startswith("(") else f"({source})", expected)
 
 
-def probe_spec(module: str, checks: Sequence[CallCheck], call_timeout_s: float = 10.0) -> bytes:
-    """The probe's spec: the module and, per check, its number, function and arguments; no expected value."""
-    return json.dumps({"module": module, "call_timeout_s": call_timeout_s,
+def probe_spec(module: str, checks: Sequence[CallCheck], call_timeout_s: float = 10.0, *,
+               one_process: bool = False) -> bytes:
+    """The probe's spec: the module and, per check, its number, function and arguments; no expected
+    value. ``one_process`` (only for a module of the grader's own, never the agent's): the calls are
+    made in one process instead of one each."""
+    return json.dumps({"module": module, "call_timeout_s": call_timeout_s, "one_process": one_process,
                        "calls": [[i, c.function, c.args] for i, c in enumerate(checks)]}).encode()
 
 

@@ -15,7 +15,9 @@ the sandbox's daemon):
 - **the parent** reads the spec, deletes it, makes itself non-dumpable (so no process of its uid
   can trace it, read its memory or take its descriptors through ``/proc/PID/fd`` or
   ``pidfd_getfd``), and never imports the task's module;
-- **one child per call**, forked from the parent: it closes the results pipe before anything else,
+- **one child per call** (or one for all the calls when the spec says ``one_process``, which the
+  grader does only for the reference solution and the base code answering hidden inputs in a sandbox
+  no agent touched), forked from the parent: it closes the results pipe before anything else,
   imports the module, makes its one call and writes what came back on a pipe of its own, as one
   JSON object. Its only output is its own return value: whatever the agent's code does in that
   process (rewrite this file's functions, find descriptors, kill itself, fork, hang), it cannot
@@ -116,24 +118,28 @@ def _error(exc: BaseException) -> str:
         return "an exception whose text cannot be shown"
 
 
-def _child(results_fd, answer_fd: int, module_name: str, function: str, args_source: str) -> None:
-    """One call, in a forked child; never returns. Runs the agent's code, so nothing it writes is
-    trusted beyond being this call's answer."""
+def _child(results_fd, answer_fd: int, module_name: str, calls: list) -> None:
+    """``calls`` (``[function, args]`` pairs) in a forked child; never returns. Runs the agent's code,
+    so nothing it writes is trusted beyond being these calls' answers: ``{"answers": [...]}``, one
+    ``{"value": V}`` or ``{"raised": E}`` a call, or ``{"import_error": E}``."""
     try:
         if results_fd is not None:
             os.close(results_fd)  # before any agent code: the grades' stream is out of this process
         os.setpgid(0, 0)  # its own group, so that the parent can end whatever the call starts
-        args = eval(args_source, {"__builtins__": {}})  # noqa: S307 - the grader's own literals
+        parsed = [(function, eval(args_source, {"__builtins__": {}})) for function, args_source in calls]  # noqa: S307 - the grader's own literals
         sys.path.insert(0, os.getcwd())
         try:
             module = __import__(module_name)
         except BaseException as exc:  # noqa: BLE001 - any failure to import is the patch's
             answer = {"import_error": _error(exc)}
         else:
-            try:
-                answer = {"value": encode(getattr(module, function)(*args))}
-            except BaseException as exc:  # noqa: BLE001 - a call that raises fails its check
-                answer = {"raised": _error(exc)}
+            answers = []
+            for function, args in parsed:
+                try:
+                    answers.append({"value": encode(getattr(module, function)(*args))})
+                except BaseException as exc:  # noqa: BLE001 - a call that raises fails its check
+                    answers.append({"raised": _error(exc)})
+            answer = {"answers": answers}
         view = memoryview(json.dumps(answer).encode())
         while view:
             view = view[os.write(answer_fd, view):]
@@ -182,13 +188,28 @@ def _wait_answer(pid: int, answer_fd: int, timeout_s: float) -> tuple[dict | Non
         answer = json.loads(b"".join(chunks))
     except (ValueError, RecursionError):
         answer = None
-    if isinstance(answer, dict) and len(answer) == 1 and next(iter(answer)) in ("value", "raised", "import_error"):
+    if isinstance(answer, dict) and len(answer) == 1 and next(iter(answer)) in ("answers", "import_error"):
         return answer, ""
     if os.WIFSIGNALED(status):
         return None, f"the call's process was killed by signal {os.WTERMSIG(status)}"
     if not chunks:
         return None, "the call's process ended without an answer"
     return None, "the call's process wrote something that is not an answer"
+
+
+def _emit_answer(emit, number: int, answer, why: str) -> None:
+    """The record of check ``number`` from its answer (a dict of one key), or ``raised`` with ``why``."""
+    if not isinstance(answer, dict) or len(answer) != 1:
+        emit(event="raised", check=number, error=why or "the call's process wrote something that is not an answer")
+    elif "raised" in answer:
+        emit(event="raised", check=number, error=str(answer["raised"])[:500])
+    elif "value" in answer:
+        try:
+            emit(event="value", check=number, value=answer["value"])
+        except (ValueError, RecursionError):  # nested past what json writes: not plain data
+            emit(event="raised", check=number, error="the call's answer is not plain data")
+    else:
+        emit(event="raised", check=number, error="the call's process wrote something that is not an answer")
 
 
 def main(argv) -> int:
@@ -210,29 +231,29 @@ def main(argv) -> int:
         pass
     _not_dumpable()
     timeout_s = float(spec.get("call_timeout_s", DEFAULT_CALL_TIMEOUT_S))
+    calls = spec["calls"]
+    # one process a call, unless the spec says the module is the grader's own (the reference solution
+    # answering hidden inputs in a sandbox no agent touched): then one process makes them all
+    batches = [calls] if spec.get("one_process") else [[call] for call in calls]
     emit(event="start")
-    for position, (number, function, args_source) in enumerate(spec["calls"]):
+    for batch in batches:
         answer_read, answer_write = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(answer_read)
-            _child(fd, answer_write, spec["module"], function, args_source)
+            _child(fd, answer_write, spec["module"], [[function, args] for _, function, args in batch])
         os.close(answer_write)
-        answer, why = _wait_answer(pid, answer_read, timeout_s)
+        answer, why = _wait_answer(pid, answer_read, timeout_s * len(batch))
         if answer is not None and "import_error" in answer:
-            if position == 0:
+            if batch[0] is calls[0]:
                 emit(event="import_error", error=str(answer["import_error"])[:500])
                 break
             answer, why = None, f"importing the module raised {str(answer['import_error'])[:300]}"
-        if answer is None:
-            emit(event="raised", check=number, error=why)
-        elif "raised" in answer:
-            emit(event="raised", check=number, error=str(answer["raised"])[:500])
-        else:
-            try:
-                emit(event="value", check=number, value=answer["value"])
-            except (ValueError, RecursionError):  # nested past what json writes: not plain data
-                emit(event="raised", check=number, error="the call's answer is not plain data")
+        answers = answer["answers"] if answer is not None else None
+        if not isinstance(answers, list) or len(answers) != len(batch):
+            answers, why = [None] * len(batch), why or "the call's process wrote something that is not an answer"
+        for (number, _, _), one in zip(batch, answers):
+            _emit_answer(emit, number, one, why)
     emit(event="finish")
     for s in (sys.stdout, sys.stderr):
         try:
