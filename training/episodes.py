@@ -91,7 +91,7 @@ def canary_info(task: Any) -> dict[str, Any]:
     return {"canary": True} if (getattr(task, "metadata", None) or {}).get("canary") else {}
 
 
-MAX_STORED_PATCH_BYTES = 64 << 10
+MAX_STORED_PATCH_BYTES = 1 << 20  # a policy must not escape the audit by committing a large patch
 
 
 def committed_work(traj: Any) -> dict[str, Any]:
