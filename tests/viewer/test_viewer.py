@@ -160,3 +160,23 @@ def test_screenshots_of_the_pages(served, viewer_home, tmp_path):
             browser.goto(served + path)
             png = browser.screenshot(out / name, max_height=1100)
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_run_page_draws_the_reward_audit_and_the_canary_curve(served, viewer_home):
+    """`posttrain audit RUN` writes runs/RUN/audit.json; the run page draws its wrong fixes per step, and
+    the canaries' pass rate is one of the step curves. A malformed audit file is left out, not an error."""
+    from training.audit import StepAudit, write_audit
+    from training.checkpoint import run_path
+
+    home, _ = viewer_home
+    run_dir = run_path(home, RUN)
+    write_audit(run_dir, [StepAudit(1, rewarded=3, regraded=3, wrong_fixes=1), StepAudit(2, rewarded=4, regraded=4)], 5)
+    try:
+        status, page = get(served + links.run_path(RUN))
+        assert status == 200 and "reward audit (hidden inputs of seed 5)" in page
+        assert "wrong fixes that earned reward" in page and "canaries passed" in page
+        (run_dir / "audit.json").write_text("{not json")
+        status, page = get(served + links.run_path(RUN))
+        assert status == 200 and "reward audit" not in page
+    finally:
+        (run_dir / "audit.json").unlink()
