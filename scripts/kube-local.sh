@@ -36,12 +36,21 @@
 #                         (system:masters may use every policy).
 #
 # `start-node` adds a node to the running plane, so that pods run: kube-scheduler,
-# kube-controller-manager and a kubelet (cgroupfs driver) built from the same source, containerd and
-# runc from Debian with a bridge network (containernetworking-plugins) and gVisor (`runsc`, the
-# RuntimeClass `gvisor`) as a second runtime, and two images built here from this machine's files
-# and imported with `ctr`: `posttrain.local/pause:N` (Debian's static busybox, sleeping) and
-# `posttrain.local/python:N` (this machine's python3 and its standard library in the skeleton of a
-# task image, pxd at /opt/pxd/pxd.py). It needs root.
+# kube-controller-manager, kube-proxy (iptables mode) and a kubelet (cgroupfs driver) built from the
+# same source, containerd and runc from Debian with a bridge network (containernetworking-plugins,
+# bridge pt0 on 10.244.0.0/24) and gVisor (`runsc`, the RuntimeClass `gvisor`) as a second runtime,
+# and two images built here from this machine's files and imported with `ctr`:
+# `posttrain.local/pause:N` (Debian's static busybox, sleeping) and `posttrain.local/python:N` (this
+# machine's python3 and its standard library in the skeleton of a task image, pxd at
+# /opt/pxd/pxd.py). It needs root. What a run needs of a cluster besides: cluster DNS (Debian's
+# dnsmasq on the bridge's address, the kubelet's --cluster-dns, answering
+# <svc>.<ns>.svc.cluster.local and a StatefulSet pod's <host>.<svc>.<ns>.svc.cluster.local from
+# hosts files the plane agent writes from the API), Services' ClusterIPs (kube-proxy), the API
+# server reachable from pods (it listens on every address, advertises the bridge's for the
+# `kubernetes` Service, and an INPUT rule drops its port to anything but this machine and the pod
+# network), and volumes: the plane agent gives each Pending claim without a storage class a hostPath
+# PersistentVolume of its own under STATE/volumes/<namespace>/<claim>. A test plane: one node,
+# hostPath volumes, fixed node ports (10250, 53 on the bridge), so one node plane per machine.
 #
 # Settings (environment): POSTTRAIN_KUBE_CACHE (build cache, shared: builds take a lock),
 # POSTTRAIN_KUBE_STATE (where a running plane keeps its data, certificates, logs, pids and ports;
@@ -60,6 +69,11 @@ checkout_id=$(basename "$repo" | sed 's/[^A-Za-z0-9._-]/-/g')-$(printf '%s' "$re
 state=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local/$checkout_id}
 namespace=${POSTTRAIN_KUBE_NAMESPACE:-posttrain}
 service_cidr=10.96.0.0/24
+# The node's pod network: the bridge pt0 (made by start-node, then used by the CNI bridge plugin) and
+# its address, where pods reach the API server (the `kubernetes` Service's endpoint) and cluster DNS.
+pod_cidr=10.244.0.0/24
+bridge_ip=10.244.0.1
+cluster_domain=cluster.local
 
 log() { echo "kube-local: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -190,13 +204,17 @@ end_pid() {
 make_pki() {
     local pki=$state/pki
     make_kubelet_client_cert
+    # kube-proxy's token (planes made before it had one get it here; read at the API server's start)
+    if [[ -f $pki/tokens.csv ]] && ! grep -q ',system:kube-proxy,' "$pki/tokens.csv"; then
+        echo "$(openssl rand -hex 16),system:kube-proxy,system:kube-proxy" >>"$pki/tokens.csv"
+    fi
     [[ -f $pki/apiserver.crt ]] && return 0
     mkdir -p "$pki"
     openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=posttrain-kube-local-ca \
         -keyout "$pki/ca.key" -out "$pki/ca.crt" 2>/dev/null
     openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver \
         -keyout "$pki/apiserver.key" -out "$pki/apiserver.csr" 2>/dev/null
-    printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n' >"$pki/san.ext"
+    printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:10.244.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n' >"$pki/san.ext"
     openssl x509 -req -in "$pki/apiserver.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
         -days 3650 -extfile "$pki/san.ext" -out "$pki/apiserver.crt" 2>/dev/null
     openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null
@@ -207,6 +225,7 @@ make_pki() {
         echo "$(openssl rand -hex 16),system:node:posttrain-node,system:node:posttrain-node,system:nodes"
         echo "$(openssl rand -hex 16),system:kube-controller-manager,system:kube-controller-manager"
         echo "$(openssl rand -hex 16),system:kube-scheduler,system:kube-scheduler"
+        echo "$(openssl rand -hex 16),system:kube-proxy,system:kube-proxy"
     } >"$pki/tokens.csv"
     chmod 600 "$pki"/*.key "$pki/tokens.csv"
     make_kubelet_client_cert
@@ -283,7 +302,7 @@ start() {
     fi
     if ! pid_alive "$state/apiserver.pid"; then
         setsid "$cache/bin/kube-apiserver" \
-            --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$apiserver_port" \
+            --bind-address=0.0.0.0 --advertise-address="$bridge_ip" --secure-port="$apiserver_port" \
             --etcd-servers="http://127.0.0.1:$etcd_port" \
             --tls-cert-file="$state/pki/apiserver.crt" --tls-private-key-file="$state/pki/apiserver.key" \
             --client-ca-file="$state/pki/ca.crt" \
@@ -309,6 +328,7 @@ start() {
         sleep 0.2
     done
     apiserver_ready || die "kube-apiserver not ready after 120 s; see $state/logs/kube-apiserver.log"
+    guard_apiserver_port
     log "apiserver ready in $((($(date +%s%N) - t0) / 1000000)) ms on https://127.0.0.1:$apiserver_port"
     # The pod security policies first: with the admission plugin on, no pod is admitted without one.
     apply_pod_security_policies
@@ -370,7 +390,20 @@ apply_pod_security_policies() {
         subjects: [{kind: Group, apiGroup: rbac.authorization.k8s.io, name: 'system:serviceaccounts:kube-system'}]}"
 }
 
+# The API server listens on every address (pods reach it on the bridge's, through the `kubernetes`
+# Service): an INPUT rule drops what comes to its port from elsewhere than this machine's own
+# addresses and the pod network. Root only (without root the port stays open to the machine's networks).
+apiserver_guard_rule() { echo "INPUT -p tcp --dport $apiserver_port -m addrtype ! --src-type LOCAL ! -s $pod_cidr -j DROP"; }
+guard_apiserver_port() {
+    [[ $(id -u) -eq 0 ]] && command -v iptables >/dev/null || { log "not root: the API server's port is not guarded"; return 0; }
+    # shellcheck disable=SC2046
+    iptables -C $(apiserver_guard_rule) 2>/dev/null || iptables -I $(apiserver_guard_rule)
+}
+
 stop() {
+    load_ports
+    # shellcheck disable=SC2046
+    [[ $(id -u) -eq 0 ]] && command -v iptables >/dev/null && iptables -D $(apiserver_guard_rule) 2>/dev/null || true
     end_pid "$state/apiserver.pid"
     end_pid "$state/etcd.pid"
     log "stopped (state kept in $state; remove it for a fresh plane)"
@@ -378,7 +411,7 @@ stop() {
 
 status() {
     local what
-    for what in etcd apiserver node/containerd node/kubelet node/scheduler node/controller-manager; do
+    for what in etcd apiserver node/containerd node/kubelet node/scheduler node/controller-manager node/kube-proxy node/dnsmasq node/plane-agent; do
         if pid_alive "$state/$what.pid"; then echo "${what#node/}: running (pid $(cat "$state/$what.pid"))"; else echo "${what#node/}: stopped"; fi
     done
     [[ -f $state/kubeconfig ]] && echo "kubeconfig: $state/kubeconfig"
@@ -463,18 +496,110 @@ build_images() {
     rm -rf "$work"
 }
 
+# The plane's agent (python3, standard library only), run by start-node beside the node:
+# - cluster DNS: every Service as <svc>.<ns>.svc.cluster.local (its ClusterIP; a headless one's
+#   ready pod addresses, and <hostname>.<svc>.<ns>.svc.cluster.local for each pod with a hostname,
+#   as a StatefulSet's are) written as a hosts file into the folder dnsmasq watches;
+# - the run volume: each claim that is Pending with no storage class gets a hostPath
+#   PersistentVolume of its own under STATE/volumes/<namespace>/<claim> (owned by uid 1000, the
+#   workloads' user), bound to it by name, so the claim binds (what a storage provisioner does).
+# It polls the API server as the admin once a second; its log is STATE/logs/plane-agent.log.
+write_plane_agent() {
+    cat >"$1" <<'PLANE_AGENT'
+import hashlib, json, os, ssl, sys, time, urllib.request
+
+server, ca, token_file, hosts_dir, volumes_dir, domain = sys.argv[1:7]
+token = open(token_file).read().strip()
+context = ssl.create_default_context(cafile=ca)
+
+
+def call(method, path, body=None):
+    request = urllib.request.Request(server + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, context=context, timeout=10) as answer:
+        return json.load(answer)
+
+
+def hosts() -> str:
+    lines = []
+    endpoints = {(e["metadata"]["namespace"], e["metadata"]["name"]): e for e in call("GET", "/api/v1/endpoints")["items"]}
+    for svc in call("GET", "/api/v1/services")["items"]:
+        ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
+        names = f"{name}.{ns}.svc.{domain} {name}.{ns}.svc"
+        ip = svc["spec"].get("clusterIP")
+        if ip and ip != "None":
+            lines.append(f"{ip} {names}")
+            continue
+        for subset in (endpoints.get((ns, name)) or {}).get("subsets") or []:
+            for address in subset.get("addresses") or []:
+                lines.append(f"{address['ip']} {names}")
+                if address.get("hostname"):
+                    host = address["hostname"]
+                    lines.append(f"{address['ip']} {host}.{name}.{ns}.svc.{domain} {host}.{name}.{ns}.svc")
+    return "".join(f"{line}\n" for line in sorted(set(lines)))
+
+
+def provision():
+    for claim in call("GET", "/api/v1/persistentvolumeclaims")["items"]:
+        spec, meta = claim["spec"], claim["metadata"]
+        if claim.get("status", {}).get("phase") != "Pending" or spec.get("volumeName") or spec.get("storageClassName"):
+            continue
+        ns, name = meta["namespace"], meta["name"]
+        path = os.path.join(volumes_dir, ns, name)
+        os.makedirs(path, exist_ok=True)
+        os.chown(path, 1000, 1000)
+        os.chmod(path, 0o775)
+        volume = "kube-local-" + hashlib.sha256(f"{ns}/{name}/{meta['uid']}".encode()).hexdigest()[:16]
+        try:
+            call("POST", "/api/v1/persistentvolumes", {
+                "apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": volume, "labels": {"posttrain.dev/kube-local": "run-volume"}},
+                "spec": {"capacity": {"storage": spec["resources"]["requests"]["storage"]},
+                         "accessModes": spec.get("accessModes") or ["ReadWriteOnce"], "storageClassName": "",
+                         "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": path, "type": "Directory"},
+                         "claimRef": {"namespace": ns, "name": name, "uid": meta["uid"]}}})
+            print(f"volume {volume} at {path} for claim {ns}/{name}", flush=True)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
+
+
+os.makedirs(hosts_dir, exist_ok=True)
+written = None
+while True:
+    try:
+        text = hosts()
+        if text != written:
+            tmp = os.path.join(hosts_dir, ".cluster.tmp")
+            with open(tmp, "w") as out:
+                out.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, os.path.join(hosts_dir, "cluster"))
+            written = text
+        provision()
+    except Exception as exc:  # the API server restarting, a claim deleted meanwhile: try again
+        print(f"plane agent: {exc!r}", flush=True)
+    time.sleep(1)
+PLANE_AGENT
+}
+
 start_node() {
     [[ $(id -u) -eq 0 ]] || die "start-node needs root (containerd and the kubelet)"
     pid_alive "$state/apiserver.pid" || die "the control plane is not running: run start first"
     load_ports
-    build kubelet kube-scheduler kube-controller-manager
-    ensure_packages containerd runc runsc containernetworking-plugins busybox-static iptables rsync
+    build kubelet kube-scheduler kube-controller-manager kube-proxy
+    ensure_packages containerd runc runsc containernetworking-plugins busybox-static iptables rsync dnsmasq-base conntrack
     local node=$state/node i ready node_ip
     # the kubelet refuses a loopback node IP: the machine's first global IPv4 address (the
     # kubelet listens there, authenticating callers against the plane's CA and tokens)
     node_ip=$(ip -4 -o addr show scope global | awk '$2 != "pt0" {sub("/.*", "", $4); print $4; exit}')
     [[ -n $node_ip ]] || die "no global IPv4 address for the node (the kubelet refuses loopback)"
-    mkdir -p "$node/cni" "$node/kubelet"
+    mkdir -p "$node/cni" "$node/kubelet" "$node/dns" "$state/volumes"
+    # the pods' bridge, made here rather than by the CNI plugin at the first pod: cluster DNS listens
+    # on its address from the start
+    ip link show pt0 >/dev/null 2>&1 || ip link add pt0 type bridge
+    ip -4 addr show dev pt0 | grep -q " $bridge_ip/" || ip addr add "$bridge_ip/24" dev pt0
+    ip link set pt0 up
     # gVisor under containerd's runc shim (runsc speaks runc's command line)
     cat >"$node/runsc-wrapper" <<'RUNSC_WRAPPER'
 #!/bin/sh
@@ -567,6 +692,33 @@ CNI_CONF
             </dev/null >"$state/logs/kube-scheduler.log" 2>&1 &
         echo $! >"$node/scheduler.pid"
     fi
+    # cluster DNS: dnsmasq on the bridge's address, answering cluster.local from the hosts files the
+    # plane agent writes (re-read when they change), nothing else (no upstream: pods reach no internet)
+    if ! pid_alive "$node/dnsmasq.pid"; then
+        setsid dnsmasq --keep-in-foreground --conf-file=/dev/null --no-resolv --no-hosts --hostsdir="$node/dns" \
+            --listen-address="$bridge_ip" --bind-interfaces --port=53 --local="/$cluster_domain/" --domain-needed \
+            --user=root --pid-file= --log-facility="$state/logs/dnsmasq.log" \
+            </dev/null >>"$state/logs/dnsmasq.log" 2>&1 &
+        echo $! >"$node/dnsmasq.pid"
+    fi
+    write_plane_agent "$node/plane-agent.py"
+    token_for admin >"$node/agent.token" && chmod 600 "$node/agent.token"
+    if ! pid_alive "$node/plane-agent.pid"; then
+        setsid python3 "$node/plane-agent.py" "https://127.0.0.1:$apiserver_port" "$state/pki/ca.crt" "$node/agent.token" \
+            "$node/dns" "$state/volumes" "$cluster_domain" </dev/null >>"$state/logs/plane-agent.log" 2>&1 &
+        echo $! >"$node/plane-agent.pid"
+    fi
+    # Services' ClusterIPs (the `kubernetes` Service's included: the API server on the bridge's
+    # address), in iptables mode; every connection to a ClusterIP is masqueraded, so a reply between
+    # two pods of the bridge comes back through the host's conntrack
+    write_kubeconfig "$node/kube-proxy.kubeconfig" system:kube-proxy
+    if ! pid_alive "$node/kube-proxy.pid"; then
+        setsid "$cache/bin/kube-proxy" --kubeconfig "$node/kube-proxy.kubeconfig" --proxy-mode=iptables \
+            --hostname-override=posttrain-node --cluster-cidr="$pod_cidr" --masquerade-all \
+            --metrics-bind-address=127.0.0.1:10249 --healthz-bind-address=127.0.0.1:10256 --conntrack-max-per-core=0 \
+            </dev/null >"$state/logs/kube-proxy.log" 2>&1 &
+        echo $! >"$node/kube-proxy.pid"
+    fi
     if ! pid_alive "$node/kubelet.pid"; then
         setsid "$cache/bin/kubelet" --kubeconfig "$node/kubelet.kubeconfig" --hostname-override=posttrain-node \
             --node-ip="$node_ip" --address="$node_ip" --port=10250 --read-only-port=0 \
@@ -576,7 +728,7 @@ CNI_CONF
             --anonymous-auth=false --client-ca-file="$state/pki/ca.crt" --authentication-token-webhook=true \
             --authorization-mode=Webhook \
             --eviction-hard='memory.available<100Mi' --image-gc-high-threshold=100 --image-gc-low-threshold=99 \
-            --max-pods=64 --register-node=true \
+            --max-pods=64 --register-node=true --cluster-dns="$bridge_ip" --cluster-domain="$cluster_domain" \
             </dev/null >"$state/logs/kubelet.log" 2>&1 &
         echo $! >"$node/kubelet.pid"
     fi
@@ -596,7 +748,9 @@ CNI_CONF
 
 stop_node() {
     local what sock=$state/node/containerd.sock task
-    for what in kubelet scheduler controller-manager; do end_pid "$state/node/$what.pid"; done
+    for what in kubelet scheduler controller-manager kube-proxy plane-agent dnsmasq; do end_pid "$state/node/$what.pid"; done
+    # kube-proxy's iptables chains
+    [[ -x $cache/bin/kube-proxy ]] && "$cache/bin/kube-proxy" --cleanup >/dev/null 2>&1 || true
     # the pods' containers (and their shims) end with containerd's tasks
     if pid_alive "$state/node/containerd.pid"; then
         for task in $(ctr -a "$sock" -n k8s.io tasks ls -q 2>/dev/null); do

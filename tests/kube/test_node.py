@@ -174,3 +174,76 @@ def test_the_controllers_create_the_runs_pods_under_the_workload_policy(admin, n
     pool_volumes = [v for v in seen["sandbox-pool"].spec.volumes if v.secret or v.projected]
     assert pool_volumes, "the pool's pod has no service-account token"
     runner.delete_k8s(manifests, api_client=admin)
+
+
+CLIENT = r"""
+import json, socket, ssl, sys, time, urllib.request
+ns = sys.argv[1]
+deadline = time.monotonic() + 90
+def retry(what):
+    while True:
+        try:
+            return what()
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise
+            print("retry:", exc, file=sys.stderr, flush=True)
+            time.sleep(1)
+out = {}
+out["service_ip"] = retry(lambda: socket.gethostbyname(f"web.{ns}.svc"))
+out["served"] = retry(lambda: urllib.request.urlopen(f"http://web.{ns}.svc/served.txt", timeout=5).read().decode())
+out["pod_ip"] = retry(lambda: socket.gethostbyname(f"web-0.web-headless.{ns}.svc"))
+out["direct"] = retry(lambda: urllib.request.urlopen(f"http://web-0.web-headless.{ns}.svc:8080/served.txt", timeout=5).read().decode())
+insecure = ssl.create_default_context()
+insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+out["api"] = json.load(retry(lambda: urllib.request.urlopen("https://kubernetes.default.svc/version", timeout=5, context=insecure)))["gitVersion"]
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_pod_resolves_service_names_reaches_them_and_the_api_server_and_its_claim_binds(admin, namespace, node):
+    """The plane a run needs: a claim binds (a hostPath volume under the plane's state folder), a
+    Service name resolves (cluster DNS) to its ClusterIP, which answers (kube-proxy), a headless
+    Service's pod by its hostname (as the router reaches each engine of a StatefulSet), and the
+    ``kubernetes`` Service reaches the API server (as the pool's in-cluster client does)."""
+    import json
+    import os
+
+    from kubernetes import client
+
+    core = client.CoreV1Api(admin)
+    core.create_namespaced_persistent_volume_claim(namespace, {"metadata": {"name": "data"}, "spec": {
+        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    serve = ("import http.server, functools; open('/data/served.txt', 'w').write('from the claim'); "
+             "http.server.ThreadingHTTPServer(('', 8080), functools.partial(http.server.SimpleHTTPRequestHandler, "
+             "directory='/data')).serve_forever()")
+    core.create_namespaced_pod(namespace, {"metadata": {"name": "web", "labels": {"app": "web"}}, "spec": {
+        "hostname": "web-0", "subdomain": "web-headless", "automountServiceAccountToken": False,
+        "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never", "command": ["/usr/bin/python3", "-c", serve],
+                        "ports": [{"containerPort": 8080}], "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}],
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}})
+    service = core.create_namespaced_service(namespace, {"metadata": {"name": "web"}, "spec": {
+        "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}})
+    core.create_namespaced_service(namespace, {"metadata": {"name": "web-headless"}, "spec": {
+        "clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8080}]}})
+    web = wait_phase(core, namespace, "web", ("Running",), timeout_s=180)
+    claim = core.read_namespaced_persistent_volume_claim(namespace=namespace, name="data")
+    assert claim.status.phase == "Bound"
+    volume = client.CoreV1Api(admin).read_persistent_volume(claim.spec.volume_name)
+    core.create_namespaced_pod(namespace, {"metadata": {"name": "client"}, "spec": {
+        "restartPolicy": "Never", "automountServiceAccountToken": False,
+        "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/usr/bin/python3", "-c", CLIENT, namespace]}]}})
+    done = wait_phase(core, namespace, "client", ("Succeeded", "Failed"), timeout_s=180)
+    log = core.read_namespaced_pod_log("client", namespace, _preload_content=False).data.decode()
+    print(log)
+    assert done.status.phase == "Succeeded", log
+    seen = json.loads(log.strip().splitlines()[-1])
+    assert seen == {"service_ip": service.spec.cluster_ip, "served": "from the claim", "pod_ip": web.status.pod_ip,
+                    "direct": "from the claim", "api": "v1.20.2"}
+    # the claim's volume is a folder of this machine, and the pod wrote there
+    with open(os.path.join(volume.spec.host_path.path, "served.txt")) as f:
+        assert f.read() == "from the claim"
+    for name in ("web", "client"):
+        core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
