@@ -18,7 +18,7 @@
 # the rest). The root file system is packed as one uncompressed layer into an OCI archive
 # (OUT/posttrain-image.oci.tar) and, when the kube-local node of POSTTRAIN_KUBE_STATE runs (or
 # POSTTRAIN_CONTAINERD_SOCK names a containerd), imported with `ctr -n k8s.io images import` under
-# the tag POSTTRAIN_IMAGE (default posttrain.local/posttrain:latest, examples/embedded-k8s.toml's).
+# the tag POSTTRAIN_IMAGE (default posttrain.local/posttrain:local, examples/embedded-k8s.toml's).
 # Needs root (debootstrap, chroot). Run it niced on a shared machine: it installs about 4.5 GB.
 #
 # Settings: POSTTRAIN_IMAGE (the tag), POSTTRAIN_IMAGE_WORK (work folder, default
@@ -27,7 +27,7 @@
 # POSTTRAIN_CONTAINERD_SOCK, POSTTRAIN_IMAGE_NO_IMPORT=1 (only the archive).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-tag=${POSTTRAIN_IMAGE:-posttrain.local/posttrain:latest}
+tag=${POSTTRAIN_IMAGE:-posttrain.local/posttrain:local}
 work=${POSTTRAIN_IMAGE_WORK:-$HOME/.cache/posttrain/image}
 mirror=http://deb.debian.org/debian
 # Debian packages of the image besides minbase: the interpreter and venv, TLS roots, and the

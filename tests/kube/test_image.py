@@ -17,7 +17,7 @@ import pytest
 from tests.kube.test_node import node, wait_phase  # noqa: F401  (the node fixture)
 from training.planner import k8s
 
-IMAGE = os.environ.get("POSTTRAIN_IMAGE", "posttrain.local/posttrain:latest")
+IMAGE = os.environ.get("POSTTRAIN_IMAGE", "posttrain.local/posttrain:local")
 
 PROBE = r"""
 import importlib, json, os, sys

@@ -95,14 +95,15 @@ def test_each_engine_pod_is_one_vllm_replica_as_the_local_path_runs_it(manifests
     engine = next(m for m in manifests if m["kind"] == "StatefulSet")
     assert engine["spec"]["replicas"] == 1 and engine["spec"]["serviceName"] == "embedded-k8s-engine"
     (container,) = engine["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == "posttrain.local/posttrain:latest"
+    assert container["image"] == "posttrain.local/posttrain:local"
     command = container["command"]
     assert command[:3] == ["python", "-m", "serving.replica"]
     parser = argparse.ArgumentParser()
     replica.add_arguments(parser)
     args = parser.parse_args(command[3:])  # the replica's own parser: every flag is one it takes
     assert args.engine == "vllm" and args.host == "0.0.0.0" and args.port == k8s.CAPTURE_PORT
-    assert args.model == "posttrain-data/models/base" and container["workingDir"] == k8s.DATA_MOUNT
+    # the run file's relative path, under the run volume (the engine server runs in a folder of its own)
+    assert args.model == f"{k8s.DATA_MOUNT}/posttrain-data/models/base" and container["workingDir"] == k8s.DATA_MOUNT
     assert args.adapters_dir == f"{k8s.DATA_MOUNT}/runs/embedded-k8s/adapters"
     assert args.max_running_requests == 32  # the local-cpu-tiny-v1 admission, as --max-num-seqs
     assert args.max_model_len == 2048 and args.kv_cache_gib == plan.pods["engine"]["kv_cache_gib"] >= 1

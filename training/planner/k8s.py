@@ -126,10 +126,13 @@ def run_dir_in_pod(plan: Plan) -> str:
 
 def engine_model_path(plan: Plan) -> str:
     """The model a replica serves, as a pod reads it: an absolute ``[model] path`` as it is, a relative
-    one from the run volume's root (every workload container's working directory, as the directory
-    posttrain runs in is locally), else ``[model] name``."""
+    one under the run volume's root (every workload container's working directory, as the directory
+    posttrain runs in is locally; made absolute because the engine server runs in a folder of its
+    own), else ``[model] name``."""
     rf = plan.run_file
-    return rf.model.path or rf.model.name or "MODEL"
+    if rf.model.path:
+        return rf.model.path if rf.model.path.startswith("/") else f"{DATA_MOUNT}/{rf.model.path}"
+    return rf.model.name or "MODEL"
 
 
 def _env(plan: Plan) -> list[dict[str, str]]:
