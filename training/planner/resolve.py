@@ -300,8 +300,10 @@ def resolve(run: str | os.PathLike[str] | Mapping[str, Any] | RunFile, *, source
     if inf.gpu == "cpu":
         tips.append(Advice(
             "inference_local_engine",
-            "gpu = \"cpu\": the local engine (python -m serving.local_engine) serves this run; of the knobs it "
-            "takes the admission and the token budget: inference.local_engine_args",
+            f"gpu = \"cpu\": CPU replicas serve this run (python -m serving.replica: here the engine "
+            f"POSTTRAIN_ENGINE names, vLLM's CPU build unless it says local; on Kubernetes [inference] engine = "
+            f"{engine_of(rf)!r}); of the knobs they take the admission (and the local engine the token budget): "
+            "inference.local_engine_args",
         ))  # fmt: skip
 
     pods = pod_sizes(rf, geometry, resolved, memory, capacity)
