@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import base64
 import enum
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -358,7 +360,17 @@ def _session_statuses(phases: Mapping[str, dict[str, str]]) -> dict[str, Status]
     return statuses
 
 
-def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: int | None = None) -> ResultsStream:
+RESULTS_KEY_BYTES = 32  # the results plugin's key; as evals/pytest_results.py reads it
+_RATCHET_PREFIX = b"posttrain-results-ratchet\x00"  # the next session's key: sha256(prefix + key), as the plugin
+
+
+def _record_mac(key: bytes, number: int, body: bytes) -> bytes:
+    """The hex HMAC-SHA256 the results plugin appends to a record (``number``: its place in its session)."""
+    return hmac.new(key, b"%d\n" % number + body, hashlib.sha256).hexdigest().encode()
+
+
+def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: int | None = None,
+                         key: bytes | None = None) -> ResultsStream:
     """Statuses from the results stream, checked against the rules only the real pytest run keeps.
 
     The stream is a sequence of sessions, each ``start``, then ``report`` records of collectors that
@@ -374,9 +386,18 @@ def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: 
     A session that stops without ``finish`` (a timeout, a crash) is not tampering: what it reported
     counts and the rest is missing, hence failed. A test's status is its worst phase; a test that
     passed setup and never reported its call failed.
+
+    With ``key`` (the results plugin's, :func:`_install_plugin`), every line must be ``JSON<TAB>MAC``
+    with the MAC the plugin computes (:func:`_record_mac`) under its session's key: the first
+    session's is ``key``, each next one's ``sha256(_RATCHET_PREFIX + previous)``, and records count
+    from 0 in each session. A line the plugin did not sign (the code under test writing to the
+    pipe, say) is tampering, and so is a ``tampered`` record: the plugin's guard caught the code under
+    test changing pytest, or asking for a result outside pytest's own run (:mod:`evals.pytest_results`).
     """
     def tampered(why: str) -> ResultsStream:
         return ResultsStream({}, sessions, False, why)
+
+    session_key, next_key, signed_count = None, key, 0
 
     sessions = 0
     if truncated:
@@ -391,6 +412,16 @@ def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: 
     phases: dict[str, dict[str, str]] = {}
     set_up = 0
     for number, raw in enumerate(data.splitlines(), 1):
+        opens_session = False
+        if key is not None:
+            raw, tab, mac = raw.rpartition(b"\t")
+            if session_key is not None and tab and hmac.compare_digest(_record_mac(session_key, signed_count, raw), mac):
+                signed_count += 1
+            elif tab and hmac.compare_digest(_record_mac(next_key, 0, raw), mac):
+                session_key, next_key, signed_count = next_key, hashlib.sha256(_RATCHET_PREFIX + next_key).digest(), 1
+                opens_session = True
+            else:
+                return tampered(f"results record {number} is not signed by the grader's pytest plugin")
         try:
             record = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # nested past the parser's depth
@@ -398,6 +429,10 @@ def parse_results_stream(data: bytes, *, truncated: bool = False, max_sessions: 
         if not isinstance(record, dict) or not isinstance(record.get("session"), str):
             return tampered(f"results record {number} is not an object with a session id")
         event, session = record.get("event"), record["session"]
+        if key is not None and opens_session != (event == "start"):
+            return tampered(f"results record {number} is signed with the wrong session's key")
+        if event == "tampered":
+            return tampered(f"pytest's guard caught the code under test: {str(record.get('reason'))[:500]}")
         if event == "start":
             if current is not None:
                 return tampered(f"results record {number} starts a session while session {current} is open")
@@ -599,15 +634,20 @@ def committed_patch(sandbox, base_commit: str) -> str:
     return result.output
 
 
-def _install_plugin(sandbox) -> str:
-    """Write the results plugin into the grading sandbox under a random module name; return the name."""
+def _install_plugin(sandbox) -> tuple[str, bytes]:
+    """Write the results plugin into the grading sandbox under a random module name, with a fresh key
+    beside it (``<module>.key``, which the plugin reads and rewrites before any code under test runs);
+    return the module's name and the key, which only the host keeps (:func:`parse_results_stream`)."""
     module = f"_posttrain_results_{os.urandom(8).hex()}"
+    key = os.urandom(RESULTS_KEY_BYTES)
     encoded = base64.b64encode(PLUGIN_SOURCE.read_bytes()).decode()
     made = sandbox.exec(f"set -e; umask 077; mkdir -p {GRADER_DIR}; "
-                        f"printf %s {encoded} | base64 -d > {GRADER_DIR}/{module}.py", timeout_s=30)
+                        f"printf %s {encoded} | base64 -d > {GRADER_DIR}/{module}.py; "
+                        f"printf %s {base64.b64encode(key).decode()} | base64 -d > {GRADER_DIR}/{module}.key",
+                        timeout_s=30)
     if made.timed_out or made.exit_code != 0:
         raise InfraError(f"writing the results plugin to {GRADER_DIR} failed: {made.output[-300:]}")
-    return module
+    return module, key
 
 
 def _read_reports(task, sandbox) -> tuple[list[dict[str, Status]], list[str]]:
@@ -744,11 +784,12 @@ def _run_tests(task, sandbox, patch: str, checks: Sequence[CallCheck] | None = N
     streamed = _supports_results(sandbox)
     if checks is not None and streamed:
         return _run_call_checks(task, sandbox, checks)
-    kwargs = {}
+    kwargs, key = {}, None
     if streamed:
-        module = _install_plugin(sandbox)
+        module, key = _install_plugin(sandbox)
         kwargs = dict(env={"PYTHONPATH": GRADER_DIR, "PYTEST_ADDOPTS": f"-p {module}",
-                           "POSTTRAIN_RESULTS_FD": str(RESULTS_FD)},
+                           "POSTTRAIN_RESULTS_FD": str(RESULTS_FD),
+                           "POSTTRAIN_RESULTS_KEY": f"{GRADER_DIR}/{module}.key"},
                       results_fd=RESULTS_FD, kill_others=True)
     try:
         run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s, output_cap_bytes=1 << 20, **kwargs)
@@ -756,7 +797,7 @@ def _run_tests(task, sandbox, patch: str, checks: Sequence[CallCheck] | None = N
         reports, missing = _read_reports(task, sandbox)
     except (InfraError, OSError) as exc:
         raise _TestsBroke(exc) from exc
-    return _score_run(task, run, reports, missing, streamed)
+    return _score_run(task, run, reports, missing, streamed, key)
 
 
 def _run_call_checks(task, sandbox, checks: Sequence[CallCheck]) -> GradeResult:
@@ -796,7 +837,10 @@ def _run_call_checks(task, sandbox, checks: Sequence[CallCheck]) -> GradeResult:
                        signals=(OVERFITS_TESTS,) if outcome.overfit else ())
 
 
-def _score_run(task, run, reports, missing, streamed: bool) -> GradeResult:
+def _score_run(task, run, reports, missing, streamed: bool, key: bytes | None = None) -> GradeResult:
+    """Grade one run of the tests. ``key`` is the results plugin's (:func:`_install_plugin`): pytest's
+    records must carry its MACs. The bundled suite's quick runner writes the same stream unsigned
+    (it is no pytest plugin), so a command that runs it is read without the key."""
     notes = [f"tests timed out after {task.limits.test_timeout_s:g}s"] if run.timed_out else []
     signals: list[str] = []
     expected = pytest_sessions(task.test_command)
@@ -805,7 +849,8 @@ def _score_run(task, run, reports, missing, streamed: bool) -> GradeResult:
         data = run.results
         if run.timed_out and not data.endswith(b"\n"):
             data = data[:data.rfind(b"\n") + 1]  # killed inside a write longer than a pipe keeps whole
-        stream = parse_results_stream(data, truncated=run.results_truncated, max_sessions=expected)
+        signed = key if RUNNER_FILE not in task.test_command else None
+        stream = parse_results_stream(data, truncated=run.results_truncated, max_sessions=expected, key=signed)
     output = run.output[-4000:]
     if stream.tampering:
         zero = zero_scores(task.target_tests, task.existing_tests)
