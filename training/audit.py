@@ -22,11 +22,13 @@ again as it was and counted as re-graded, never as a wrong fix unless its score 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sqlite3
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -121,6 +123,9 @@ def audit_run(run_dir: Path, *, seed: int = DEFAULT_SEED, workers: int = 2, sand
     problems: list[str] = []
     started = time.monotonic()
 
+    graded: dict[tuple[str, str], Any] = {}  # an identical patch of a task is graded once (grading is deterministic)
+    lock = threading.Lock()
+
     def regrade(rollout: Mapping[str, Any]):
         task = tasks.get(rollout["task_id"])
         patch = rollout["info"].get("patch")
@@ -128,7 +133,20 @@ def audit_run(run_dir: Path, *, seed: int = DEFAULT_SEED, workers: int = 2, sand
             return rollout, None, f"{rollout['rollout_id']}: task {rollout['task_id']} is not among the run's tasks"
         if not patch:
             return rollout, None, f"{rollout['rollout_id']}: no committed patch stored with the rollout"
-        result = grade_patch(task, patch, factory, hidden_seed=seed)
+        key = (task.id, hashlib.sha256(patch.encode()).hexdigest())
+        with lock:
+            future = graded.get(key)
+            if future is None:
+                future = graded[key] = Future()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                future.set_result(grade_patch(task, patch, factory, hidden_seed=seed))
+            except BaseException as exc:  # noqa: BLE001 - handed to every rollout of the patch
+                future.set_exception(exc)
+        result = future.result()
         if result.status == INFRA_ERROR or result.scores is None:
             return rollout, None, f"{rollout['rollout_id']}: grading failed again: {result.detail[:200]}"
         return rollout, result, ""
@@ -152,7 +170,8 @@ def audit_run(run_dir: Path, *, seed: int = DEFAULT_SEED, workers: int = 2, sand
                     row.wrong_fixes += 1
                     row.wrong_fix_ids.append(rollout["rollout_id"])
             if done % 25 == 0 or done == len(rollouts):
-                progress(f"audit: {done}/{len(rollouts)} rollouts graded again ({time.monotonic() - started:.0f} s)")
+                progress(f"audit: {done}/{len(rollouts)} rollouts graded again, {len(graded)} distinct patches "
+                         f"({time.monotonic() - started:.0f} s)")
     order = sorted(steps.values(), key=lambda r: (r.step is None, r.step or 0))
     return order, problems
 
