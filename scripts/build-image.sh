@@ -31,8 +31,9 @@ tag=${POSTTRAIN_IMAGE:-posttrain.local/posttrain:local}
 work=${POSTTRAIN_IMAGE_WORK:-$HOME/.cache/posttrain/image}
 mirror=http://deb.debian.org/debian
 # Debian packages of the image besides minbase: the interpreter and venv, TLS roots, and the
-# libraries torch's and vLLM's CPU kernels load (OpenMP, NUMA)
-base_packages=python3,python3-venv,ca-certificates,libnuma1,libgomp1
+# libraries torch's and vLLM's CPU kernels load (OpenMP, NUMA), and the C++ compiler and Python headers
+# torch.compile's CPU backend (inductor) builds vLLM's sampler with at the first request
+base_packages=python3,python3-venv,python3-dev,g++,ca-certificates,libnuma1,libgomp1
 venv=/opt/posttrain
 uid=1000
 
