@@ -186,7 +186,7 @@ def _guard(box, event, args):
     garbage collector off while it runs."""
     if event not in box[0]:
         return
-    (routed, gen, denied, refusal, protected, type_, id_, str_, bytes_, codetype, lock, gc_isenabled, gc_disable,
+    (_, gen, denied, refusal, protected, type_, id_, str_, bytes_, codetype, lock, gc_isenabled, gc_disable,
      gc_enable, sigmask, block, setmask, every_signal, flush, gettrace, getprofile, get_ident, main_thread,
      python_functions) = box
     if event == "object.__getattr__":
@@ -245,7 +245,7 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
     # builtins and the C functions the guard needs, bound before the code under test can rebind them
     len_, type_, id_, all_, any_, map_, dict_, zip_, list_, tuple_ = (
         len, type, id, all, any, map, dict, zip, list, tuple)
-    str_, bytes_, int_, bool_, float_, object_, memoryview_ = str, bytes, int, bool, float, object, memoryview
+    str_, bytes_, int_, bool_, float_, memoryview_ = str, bytes, int, bool, float, memoryview
     Exception_, OSError_, ValueError_, issubclass_, frozenset_ = Exception, OSError, ValueError, issubclass, frozenset
     write, getframe, encode_json, sha256, stat_fn = os.write, sys._getframe, _json.encode_basestring_ascii, \
         hashlib.sha256, os.stat
@@ -256,10 +256,9 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
     module_of = type.__dict__["__module__"].__get__
     instance_dict = object.__getattribute__
     cell_get = types.CellType.cell_contents.__get__ if hasattr(types, "CellType") else None
-    is_, getitem = operator.is_, operator.getitem
+    is_ = operator.is_
     chain_, repeat_, compress_ = itertools.chain, itertools.repeat, itertools.compress
     values_of = operator.methodcaller("values")
-    KeyError_ = KeyError
     FunctionType, MethodType, ModuleType, CodeType = types.FunctionType, types.MethodType, types.ModuleType, types.CodeType
     staticmethod_, classmethod_, property_ = staticmethod, classmethod, property
     EVENT_ = EVENT
@@ -275,11 +274,12 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
     sys_modules = sys.modules
     builtins_module = builtins
 
+    import unittest  # snapshotted with the framework: TestCase's asserts decide unittest-style tests
+
     from _pytest.main import wrap_session
     from _pytest.outcomes import Skipped, XFailed
     from _pytest.reports import CollectReport, TestReport
     from _pytest.runner import CallInfo
-    import unittest  # noqa: F401 - snapshotted with the framework: TestCase's asserts decide unittest tests
 
     skipish = (Skipped, XFailed, unittest.SkipTest)
     wrap_session_code = wrap_session.__code__
@@ -903,14 +903,16 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
                         caught = "the code under test called " + event + " (" + where(f) + ")"
                         verdict = "the grader's pytest plugin denies " + event + " to the code under test"
                 elif event == "compile" or event == "code.__new__":
+                    # code named after a file outside the repository, or after one of its tests, would
+                    # pass for that file's code; the direct caller decides (importlib compiling a module
+                    # the repository imports is framework code)
                     name = args[1]
-                    outside = not name.startswith(root_dir) or testish(name[root_len:]) \
+                    borrowed = not name.startswith(root_dir) or testish(name[root_len:]) \
                         if type_(name) is str_ and name.startswith("/") else False
-                    if guarded and outside:
-                        f = agent_on_stack(caller)
-                        if f is not None:
-                            caught = "the code under test made code named after " + name + " (" + where(f) + ")"
-                            verdict = "the grader's pytest plugin denies code named after files outside the repository"
+                    if guarded and borrowed and not trusted_frame(caller) \
+                            and agent_file(caller.f_code.co_filename, caller.f_globals):
+                        caught = "the code under test made code named after " + name + " (" + where(caller) + ")"
+                        verdict = "the grader's pytest plugin denies code named after another file"
                 elif event == "gc.get_objects" or event == "gc.get_referrers" or event == "gc.get_referents":
                     # the collector reaches every object, the guard's frame included: not for the code under
                     # test (hypothesis, the tests themselves may use it)
@@ -932,7 +934,7 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
                     emit(b'"event":"tampered","reason":' + quoted(tampered))
                 except OSError_:
                     pass
-            caller = f = args = obj = fields = report = None
+            caller = f = args = obj = fields = None
             event, args = yield verdict
 
     callers: dict = {}  # record kind -> ids of the plugin's code allowed to ask for it (filled by _start)
@@ -976,7 +978,7 @@ def _start() -> bool:
                sys.getprofile, _thread.get_ident, _thread.get_ident(), frozenset((types.FunctionType, types.MethodType)))
         sys.addaudithook(types.MethodType(_guard, box))
     else:  # a Python without audit hooks: the records are signed, nothing is guarded
-        _AUDIT = lambda *args: gen.send((EVENT, args))  # noqa: E731
+        _AUDIT = lambda *args: gen.send((EVENT, args))
     _AUDIT(EVENT, "start", os.getpid())
     return True
 
@@ -996,8 +998,7 @@ def _hook_caller_type():
 
 
 _HOOK_CALLER = _hook_caller_type()
-_NEW_STYLE_WRAPPERS = "wrapper" in getattr(getattr(pytest.hookimpl, "__call__", None), "__code__",
-                                           types.SimpleNamespace(co_varnames=())).co_varnames
+_NEW_STYLE_WRAPPERS = "wrapper" in type(pytest.hookimpl).__call__.__code__.co_varnames  # pluggy 1.1+
 
 
 def _deciding_functions(pm) -> tuple:
