@@ -169,6 +169,7 @@ print(f"{tag}: layer {layer_size / 2**30:.2f} GiB", file=sys.stderr)
 PY
 rm -f "$work/layer.tar"
 size=$(du -sh --apparent-size "$root" | cut -f1)
+rm -rf "$root"  # GBs; the next build starts again from the Debian base
 log "image $tag: root file system $size, archive $(du -h --apparent-size "$work/posttrain-image.oci.tar" | cut -f1) at $work/posttrain-image.oci.tar"
 
 # 5. Into the node's containerd.
