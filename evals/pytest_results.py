@@ -66,8 +66,8 @@ unchanged since; no report of a phase that raised (its ``CallInfo``, or the exce
 innermost ``pytest_runtest_call`` wrapper saw, which catches a report patched and restored within
 one test) says ``passed``. At once, when it happens: ``__code__``, ``__defaults__``,
 ``__kwdefaults__`` or ``__class__`` set on a framework function or module, ``__code__`` on a test
-function; a trace or profile function set by the code under test; code it compiles under the name of
-a file outside the repository; ``ctypes`` symbols of the interpreter's internals; opening this
+function; a trace or profile function or a ``sys.monitoring`` callback set by the code under test;
+code it compiles under the name of a file outside the repository or of one of its tests; ``ctypes`` symbols of the interpreter's internals; opening this
 process's ``/proc/<pid>/mem``. Each of these is refused where an audit hook can refuse it, and each
 ends in one signed ``tampered`` record. The cost: about 1 ms per test on a loaded 2-core machine
 (``docs/reliability.md``).
@@ -126,7 +126,8 @@ _PATCHABLE_BUILTINS = frozenset(("open", "input", "print", "__import__", "exit",
 _DENIED = frozenset(("sys.addaudithook",))
 _ROUTED = frozenset((EVENT, "object.__setattr__", "object.__delattr__", "object.__getattr__", "open", "exec",
                      "compile", "code.__new__", "sys.settrace", "sys.setprofile", "ctypes.dlsym",
-                     "ctypes.dlsym/handle", "gc.get_objects", "gc.get_referrers", "gc.get_referents")) | _DENIED
+                     "ctypes.dlsym/handle", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                     "sys.monitoring.register_callback")) | _DENIED
 _INTERNAL_SYMBOLS = ("_Py", "PyInterpreterState", "PyThreadState_Get", "PyEval_GetFrame", "PyFrame_", "PySys_",
                      "PyGILState_GetThisThreadState", "PyGC_", "Py_AuditHook")
 _EXIT = os._exit
@@ -897,7 +898,8 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
                             verdict = "the grader's pytest plugin denies reading this process's memory"
                     except (OSError_, ValueError_):
                         pass
-                elif event == "sys.settrace" or event == "sys.setprofile":
+                elif event == "sys.settrace" or event == "sys.setprofile" or event == "sys.monitoring.register_callback":
+                    # a trace, profile or (3.12+) monitoring callback runs inside whatever runs, the guard included
                     f = agent_on_stack(caller) if guarded else None
                     if f is not None:
                         caught = "the code under test called " + event + " (" + where(f) + ")"
@@ -978,7 +980,7 @@ def _start() -> bool:
                sys.getprofile, _thread.get_ident, _thread.get_ident(), frozenset((types.FunctionType, types.MethodType)))
         sys.addaudithook(types.MethodType(_guard, box))
     else:  # a Python without audit hooks: the records are signed, nothing is guarded
-        _AUDIT = lambda *args: gen.send((EVENT, args))
+        _AUDIT = lambda event, *args: gen.send((event, args))  # as sys.audit hands (event, args) to a hook
     _AUDIT(EVENT, "start", os.getpid())
     return True
 
