@@ -51,7 +51,7 @@ from evals.tasks import MODULE_FILE
 PROBE_SOURCE = Path(__file__).with_name("call_probe.py")
 GRADER_DIR = "/tmp/.posttrain-grader"  # outside the repository: no patch can ship a file there
 RESULTS_FD = 3
-MAX_HIDDEN_PER_TEST = 3
+MAX_HIDDEN_PER_TEST = 6
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,10 @@ def _variants(arg: Any, rng: random.Random, siblings: Sequence[int] = ()) -> lis
     if type(arg) is bool:
         return [not arg]
     if type(arg) is int:
-        near = [arg + rng.randint(1, 9), arg - rng.randint(1, 9), arg * rng.randint(2, 5) + rng.randint(1, 7)]
+        spread = (min(0, arg) - 5, 3 * abs(arg) + 12)
+        near = [arg + rng.randint(1, 9), arg - rng.randint(1, 9), arg * rng.randint(2, 5) + rng.randint(1, 7),
+                arg * rng.randint(2, 5),  # a multiple keeps what divides the argument
+                rng.randint(*spread), rng.randint(*spread)]
         edges = [v + d for v in siblings for d in (0, 1, -1)]
         rng.shuffle(edges)
         return near + [v for v in edges[:4] if v != arg]
@@ -215,19 +218,33 @@ def _hidden_checks(key: _TaskKey, line_edits: tuple[tuple[int, str], ...],
             reference = _answers(sandbox, task, probe_calls)
     except (InfraError, OSError) as exc:
         raise InfraError(f"task {task.id}: answering the hidden inputs in a fresh sandbox failed: {exc}") from exc
-    chosen: dict[str, list[CallCheck]] = {}
-    def bug_shows(i: int) -> bool:
-        return i not in unfixed or not _equal(reference.get(i), unfixed[i])
+    return _choose(calls, reference, unfixed)
 
-    ranked = sorted(range(len(calls)), key=lambda i: not bug_shows(i))
-    for i in ranked:
-        if i not in reference:
-            continue  # the reference raises there: not an input the task defines
-        test_id, function, args = calls[i]
-        picked = chosen.setdefault(test_id, [])
-        if len(picked) < MAX_HIDDEN_PER_TEST:
-            picked.append(CallCheck(test_id, function, args, reference[i], hidden=True, unfixed=unfixed.get(i)))
-    return tuple(check for test_id in dict.fromkeys(t for t, _, _ in calls) for check in chosen.get(test_id, ()))
+
+def _choose(calls: Sequence[tuple[str, str, str]], reference: Mapping[int, Any],
+            unfixed: Mapping[int, Any]) -> tuple[CallCheck, ...]:
+    """Up to :data:`MAX_HIDDEN_PER_TEST` hidden checks a test, among the calls the reference answers:
+    where the bug shows first (the base code answers otherwise), each time one whose expected value the
+    test's picks do not hold yet where there is one, so that a function of few outcomes (a bool) is
+    checked on each: a wrong fix that agrees with the reference on the common answer fails the rest."""
+    def bug_shows(i: int) -> bool:
+        return i not in unfixed or not _equal(reference[i], unfixed[i])
+
+    by_test: dict[str, list[int]] = {}
+    for i in sorted((i for i in range(len(calls)) if i in reference), key=lambda i: not bug_shows(i)):
+        by_test.setdefault(calls[i][0], []).append(i)
+    chosen = []
+    for test_id, candidates in by_test.items():
+        picked: list[int] = []
+        while candidates and len(picked) < MAX_HIDDEN_PER_TEST:
+            fresh = next((i for i in candidates if not any(_equal(reference[i], reference[j]) for j in picked)),
+                         candidates[0])
+            candidates.remove(fresh)
+            picked.append(fresh)
+        chosen += [CallCheck(test_id, calls[i][1], calls[i][2], reference[i], hidden=True, unfixed=unfixed.get(i))
+                   for i in picked]
+    order = list(dict.fromkeys(t for t, _, _ in calls))
+    return tuple(sorted(chosen, key=lambda c: order.index(c.test_id)))
 
 
 def _answers(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
@@ -434,7 +451,7 @@ def check_statuses(data: bytes, checks: Sequence[CallCheck], *, truncated: bool 
         if not passed:
             (hidden_failed if check.hidden else failed).setdefault(check.test_id, []).append(why)
     overfit = ""
-    if finished and not failed and hidden_failed:
+    if not failed and hidden_failed:  # the probe may have been ended by a hidden call that hung
         count = sum(len(v) for v in hidden_failed.values())
         overfit = (f"{OVERFITS_TESTS}: every visible assert passes, yet {count} hidden input(s) of "
                    f"{len(hidden_failed)} test(s) get the wrong answer")
