@@ -30,9 +30,11 @@ Commands that are not pytest (no stream) are graded from their report files, rea
 process was killed. Cheating signals of the patch itself come from :mod:`evals.signals`.
 
 The stream stops rewriting after the fact (exit hooks, lingering processes, report files edited by
-anything). It cannot stop code that runs inside the pytest process and targets the plugin (it shares
-that process); the static signals (``tampers_pytest``, ``touches_fds``, ``adds_os_exit``,
-``tampers_sys_modules``) flag the means such code needs.
+anything). Inside the pytest process the plugin signs every record with a key the code under test
+cannot reach and guards the framework with an audit hook installed before any of that code runs
+(:mod:`evals.pytest_results` says what it catches and what it cannot); an unsigned record or a
+``tampered`` one scores 0 with ``results_tampered``. The static signals (``tampers_pytest``,
+``touches_fds``, ``adds_os_exit``, ``tampers_sys_modules``) still flag the means such code needs.
 
 ``posttrain grade --config tests/config.json --report R1 --report R2 --json`` is :func:`grade_reports`.
 """
