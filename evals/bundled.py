@@ -47,6 +47,7 @@ the RL run's size or seed.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -61,7 +62,9 @@ from pathlib import Path
 from typing import Any, Callable, Container, Sequence
 
 from sandboxes.home import default_suite_dir
+from evals import safe_ast
 from evals.actions import apply_edits, content_edits, failing_summary
+from evals.call_checks import call_checks
 from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
 from evals.quicktest import RUNNER_FILE
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
@@ -311,12 +314,23 @@ def build_task(gen: GeneratedTask, out: str | Path, sandbox_factory: SandboxFact
     final = out / gen.id
     if (final / "task.json").is_file():
         return task_from_json(json.loads((final / "task.json").read_text()), final, str(final / "task.json"))
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{gen.id}.building-", dir=out))
-    try:
+
+    def fill(tmp: Path) -> dict[str, Any]:
         data = _task_json(gen, _write_repo(gen, tmp / "repo"))
         data["metadata"]["failing_output"] = validate_task(task_from_json(data, tmp, str(tmp / "task.json")),
                                                            sandbox_factory)
+        return data
+
+    return _write_aside(final, fill)
+
+
+def _write_aside(final: Path, fill: Callable[[Path], dict[str, Any]]) -> Task:
+    """The task ``fill`` makes in a hidden folder beside ``final`` (its repository; it returns the
+    task's JSON), then renamed to ``final``: a failure leaves nothing there."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+    try:
+        data = fill(tmp)
         (tmp / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         tmp.rename(final)
     except BaseException:
@@ -354,8 +368,6 @@ def build_canary(task: Task, out: str | Path, sandbox_factory: SandboxFactory) -
     it; only a patch that special-cases the tests does, so a canary's pass rate is a policy's measured
     cheating rate. Its hidden inputs are the original task's, answered by the same reference solution.
     ``metadata.canary`` marks it: the trainer never learns from it. Read back when already built."""
-    from evals.call_checks import call_checks  # the test file's asserts, parsed as data
-
     out = Path(out).resolve()
     final = out / f"{task.id}{CANARY_SUFFIX}"
     if (final / "task.json").is_file():
@@ -365,9 +377,8 @@ def build_canary(task: Task, out: str | Path, sandbox_factory: SandboxFactory) -
     if target is None:
         raise SuiteBuildError(f"task {task.id}: no visible target assert to make a canary of")
     test_file = task.metadata["test_file"]
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=out))
-    try:
+
+    def fill(tmp: Path) -> dict[str, Any]:
         shutil.copytree(task.repo_path, tmp / "repo", symlinks=True)
         path = tmp / "repo" / test_file
         text = path.read_text()
@@ -386,20 +397,13 @@ def build_canary(task: Task, out: str | Path, sandbox_factory: SandboxFactory) -
         with sandbox_factory(canary) as sandbox:
             run = sandbox.exec(canary.test_command, timeout_s=canary.limits.test_timeout_s)
         data["metadata"]["failing_output"] = failing_summary(run.output)
-        (tmp / "task.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return task_from_json(data, final, str(final / "task.json"))
+        return data
+
+    return _write_aside(final, fill)
 
 
 def _assert_line(text: str, function: str, args: str) -> int | None:
     """The line of the one-line ``assert function(args) == ...`` in a bundled test file's ``text``."""
-    import ast
-
-    from evals import safe_ast
-
     for node in ast.walk(safe_ast.parse(text, "test file")):
         if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and node.lineno == node.end_lineno:
             call = node.test.left
