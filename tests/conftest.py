@@ -18,6 +18,18 @@ def posttrain_home(tmp_path, monkeypatch):
     return home
 
 
+@pytest.fixture(scope="session")
+def rl_suite(tmp_path_factory):
+    """A built bundled suite of one task a level and one RL task a level (validated for real in
+    bubblewrap sandboxes), shared by the trainer-run tests of a test process."""
+    from evals.bundled import build_suite
+
+    os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(tmp_path_factory.mktemp("sandboxes")))
+    out = tmp_path_factory.mktemp("rl-suite") / "bundled"
+    build_suite(out, per_level=1, rl_per_level=1, extra_eval_per_level=0, workers=2)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests first, the end-to-end demo first of all: with the files shared out
     among workers (scripts/test.sh), the long ones start early and the workers end together."""

@@ -49,13 +49,14 @@ ORDER = ("git-head", "git-at-import", "kill-at-import", "solve")  # episode i of
 
 
 class Scripted:
-    """Answers every call of session ``group/i`` with ``answers[ORDER[i]]`` (SGLang's response shape)."""
+    """Answers every call of session ``group/i`` with ``answers[order[i]]`` (SGLang's response shape)."""
 
-    def __init__(self, tokenizer, answers: dict[str, str]):
+    def __init__(self, tokenizer, answers: dict[str, str], order: tuple[str, ...] = ORDER):
         self.ids = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in answers.items()}
+        self.order = order
 
     def generate(self, input_ids, sampling_params=None, *, return_logprob=False, lora_path=None, rid=None):
-        ids = self.ids[ORDER[int(str(rid).rsplit("/", 1)[-1]) % len(ORDER)]]
+        ids = self.ids[self.order[int(str(rid).rsplit("/", 1)[-1]) % len(self.order)]]
         return {"output_ids": list(ids), "meta_info": {"output_token_logprobs": [[0.0, t, None] for t in ids]}}
 
 
@@ -79,13 +80,8 @@ def hostile_env(cfg, run_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
-    from evals.bundled import build_suite
-
-    os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(tmp_path_factory.mktemp("sandboxes")))
-    out = tmp_path_factory.mktemp("suite") / "bundled"
-    build_suite(out, per_level=1, rl_per_level=1, extra_eval_per_level=0, workers=2)
-    return out
+def suite(rl_suite):
+    return rl_suite
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import pytest
 
 from tests.evals.test_call_checks import STREAM_FORGE
 from tests.reliability.conftest import REPO
+from tests.reliability.test_hostile_episodes import Scripted
 
 ORDER = ("table", "forge", "solve")  # episode i of a group plays ORDER[i]
 
@@ -60,17 +61,6 @@ def attacks(task) -> dict[str, str]:
             "solve": demonstration(task)[1]}
 
 
-class Scripted:
-    """Answers every call of session ``group/i`` with ``answers[ORDER[i]]`` (SGLang's response shape)."""
-
-    def __init__(self, tokenizer, answers: dict[str, str]):
-        self.ids = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in answers.items()}
-
-    def generate(self, input_ids, sampling_params=None, *, return_logprob=False, lora_path=None, rid=None):
-        ids = self.ids[ORDER[int(str(rid).rsplit("/", 1)[-1]) % len(ORDER)]]
-        return {"output_ids": list(ids), "meta_info": {"output_token_logprobs": [[0.0, t, None] for t in ids]}}
-
-
 def forging_env(cfg, run_dir: Path):
     """The trainer's harness environment (real bwrap sandboxes, real grading) with the scripted forgers
     as its policy, on the suite's first RL task."""
@@ -85,19 +75,14 @@ def forging_env(cfg, run_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
     runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, default_sandbox_factory(), cfg,
                            episode_workers=2)
-    runner.client = Scripted(tokenizer, attacks(task))
+    runner.client = Scripted(tokenizer, attacks(task), ORDER)
     curriculum = Curriculum.from_pass_rates({task.id: 0.5}, seed=cfg.seed)
     return Environment(runner=runner, curriculum=curriculum, receivers=[], close=runner.close)
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
-    from evals.bundled import build_suite
-
-    os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(tmp_path_factory.mktemp("sandboxes")))
-    out = tmp_path_factory.mktemp("suite") / "bundled"
-    build_suite(out, per_level=1, rl_per_level=1, extra_eval_per_level=0, workers=2)
-    return out
+def suite(rl_suite):
+    return rl_suite
 
 
 def test_table_and_stream_forge_episodes_score_zero_in_a_real_run(tmp_path: Path, suite):

@@ -22,13 +22,8 @@ from tests.reliability.conftest import REPO
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
-    from evals.bundled import build_suite
-
-    os.environ.setdefault("POSTTRAIN_SANDBOX_DIR", str(tmp_path_factory.mktemp("sandboxes")))
-    out = tmp_path_factory.mktemp("suite") / "bundled"
-    build_suite(out, per_level=1, rl_per_level=1, extra_eval_per_level=0, workers=2)
-    return out
+def suite(rl_suite):
+    return rl_suite
 
 
 def _rollout(rollout_id: str, group_id: str, task_id: str, patch: str, score: float):
