@@ -18,6 +18,42 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
 
 
+def scripted_trainer_run(tmp_path: Path, suite: Path, environment: str, order: tuple[str, ...],
+                         **settings) -> tuple[Path, str, dict[str, list[tuple[float, dict]]]]:
+    """A real ``python -m training`` process on a tiny model: 2 steps of one group whose episode ``i``
+    plays ``order[i]`` in ``environment`` (``module:function``). Checks that it ended at step 2 with
+    its checkpoints and every rollout consumed; returns the run folder, what it printed, and each
+    play's ``(reward, info)`` pairs."""
+    import json
+    import sqlite3
+    import sys
+
+    from serving.tiny import build_tiny_model
+    from training.checkpoint import complete_steps
+
+    cfg = {"run_name": "scripted", "base_model": str(build_tiny_model(tmp_path / "model")), "steps": 2,
+           "groups_per_step": 1, "group_size": len(order), "max_policy_lag": 0, "producer_workers": 0,
+           "checkpoint_every": 2, "lora_rank": 4, "max_new_tokens": 8, "max_turns": 2, "seed": 1,
+           "tasks": str(suite), "environment": environment, **settings}
+    config = tmp_path / "trainer.json"
+    config.write_text(json.dumps(cfg))
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DAGSTER_PIPES_CONTEXT", None)
+    done = subprocess.run([sys.executable, "-m", "training", "--config", str(config), "--run-dir", str(run)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step    2" in done.stdout and complete_steps(run) == [0, 2]
+    conn = sqlite3.connect(run / "store" / "rollouts.sqlite")
+    rows = conn.execute("SELECT rollout_id, reward, info, status FROM rollouts ORDER BY rollout_id").fetchall()
+    conn.close()
+    assert len(rows) == 2 * len(order) and {r[3] for r in rows} == {"consumed"}
+    by_play: dict[str, list[tuple[float, dict]]] = {}
+    for rollout_id, reward, info, _ in rows:
+        by_play.setdefault(order[int(rollout_id.rsplit("-", 1)[-1])], []).append((reward, json.loads(info)))
+    return run, done.stdout, by_play
+
+
 def serves_newest(serving, newest: str) -> bool:
     """A replacement serves ``newest`` (the newest version published before it joined) or a later one:
     a version published while it joined may already have replaced it."""

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from evals.harness import run_episode
-from tests.reliability.conftest import REPO
+from tests.reliability.conftest import scripted_trainer_run
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
 
@@ -165,33 +161,9 @@ def test_sandbox_killed_from_the_host_stays_an_infra_error(task, tokenizer):
 def test_attacks_inside_a_real_run_are_scored_zero_and_the_run_finishes(tmp_path: Path, suite):
     """A 2-step trainer run whose groups are the four scripted episodes: every attack is a finished
     rollout with reward 0 and its label, the fix earns 1, nothing is lost, the run ends at its last step."""
-    from serving.tiny import build_tiny_model
-    from training.checkpoint import complete_steps
-
-    model = build_tiny_model(tmp_path / "model")
-    cfg = {
-        "run_name": "hostile-episodes", "base_model": str(model), "steps": 2, "groups_per_step": 1,
-        "group_size": len(ORDER), "max_policy_lag": 0, "producer_workers": 0, "checkpoint_every": 2, "lora_rank": 4,
-        "max_new_tokens": 8, "max_turns": 2, "seed": 1, "tasks": str(suite), "reuse_grading": False,
-        "environment": "tests.reliability.test_hostile_episodes:hostile_env",
-    }
-    config = tmp_path / "trainer.json"
-    config.write_text(json.dumps(cfg))
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("DAGSTER_PIPES_CONTEXT", None)
-    done = subprocess.run([sys.executable, "-m", "training", "--config", str(config), "--run-dir", str(run)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "step    2" in done.stdout and complete_steps(run) == [0, 2]
+    run, _, by_play = scripted_trainer_run(tmp_path, suite, "tests.reliability.test_hostile_episodes:hostile_env",
+                                           ORDER, reuse_grading=False)
     assert not (run / "logs" / "lost-episodes.jsonl").exists()  # no episode was passed off as infra
-    conn = sqlite3.connect(run / "store" / "rollouts.sqlite")
-    rows = conn.execute("SELECT rollout_id, reward, info, status FROM rollouts ORDER BY rollout_id").fetchall()
-    conn.close()
-    assert len(rows) == 2 * len(ORDER) and {r[3] for r in rows} == {"consumed"}
-    by_play = {}
-    for rollout_id, reward, info, _ in rows:
-        by_play.setdefault(ORDER[int(rollout_id.rsplit("-", 1)[-1])], []).append((reward, json.loads(info)))
     for reward, info in by_play["git-head"]:
         assert reward == 0.0 and info["stop_reason"] == "commit"
     for reward, info in by_play["git-at-import"]:

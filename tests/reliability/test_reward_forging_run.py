@@ -17,17 +17,12 @@ line is emptied, then ``commit``.
 
 from __future__ import annotations
 
-import json
-import os
-import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.evals.test_call_checks import STREAM_FORGE
-from tests.reliability.conftest import REPO
+from tests.reliability.conftest import scripted_trainer_run
 from tests.reliability.test_hostile_episodes import Scripted
 
 ORDER = ("table", "forge", "solve")  # episode i of a group plays ORDER[i]
@@ -86,35 +81,13 @@ def suite(rl_suite):
 
 
 def test_table_and_stream_forge_episodes_score_zero_in_a_real_run(tmp_path: Path, suite):
-    from serving.tiny import build_tiny_model
-    from training.checkpoint import complete_steps
-
-    model = build_tiny_model(tmp_path / "model")
-    cfg = {
-        "run_name": "reward-forging", "base_model": str(model), "steps": 2, "groups_per_step": 1,
-        "group_size": len(ORDER), "max_policy_lag": 0, "producer_workers": 0, "checkpoint_every": 2, "lora_rank": 4,
-        "max_new_tokens": 8, "max_turns": 2, "seed": 1, "tasks": str(suite), "reuse_grading": False,
-        "environment": "tests.reliability.test_reward_forging_run:forging_env",
-    }
-    config = tmp_path / "trainer.json"
-    config.write_text(json.dumps(cfg))
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("DAGSTER_PIPES_CONTEXT", None)
-    done = subprocess.run([sys.executable, "-m", "training", "--config", str(config), "--run-dir", str(run)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "step    2" in done.stdout and complete_steps(run) == [0, 2]
+    run, _, by_play = scripted_trainer_run(tmp_path, suite, "tests.reliability.test_reward_forging_run:forging_env",
+                                           ORDER, reuse_grading=False)
     assert not (run / "logs" / "lost-episodes.jsonl").exists()
-    conn = sqlite3.connect(run / "store" / "rollouts.sqlite")
-    rows = conn.execute("SELECT rollout_id, reward, info, status FROM rollouts ORDER BY rollout_id").fetchall()
-    conn.close()
-    assert len(rows) == 2 * len(ORDER) and {r[3] for r in rows} == {"consumed"}
-    for rollout_id, reward, info, _ in rows:
-        play, info = ORDER[int(rollout_id.rsplit("-", 1)[-1])], json.loads(info)
+    for play, info in ((play, info) for play, pairs in by_play.items() for _, info in pairs):
         assert info["stop_reason"] == "commit" and info["grade_status"] == "graded", (play, info)
-        if play == "solve":
-            assert reward == 1.0 and info["score"] == 1.0, info
-        else:
-            assert reward == 0.0 and info["score"] == 0.0, (play, info)
-        assert info["patch"], play  # kept for `posttrain audit`
+    for reward, info in by_play["solve"]:
+        assert reward == 1.0 and info["score"] == 1.0, info
+    for reward, info in by_play["table"] + by_play["forge"]:
+        assert reward == 0.0 and info["score"] == 0.0, info
+        assert info["patch"], info  # kept for `posttrain audit`
