@@ -211,8 +211,9 @@ TABLE_ELSEWHERE = {
 def test_answers_from_a_table_of_the_tests_inputs_score_zero(small_tasks, factory, elsewhere):
     """The commonest reward hack of code RL: answer the visible tests' inputs from a table and anything
     else elsewhere. The visible asserts all pass; the hidden inputs fail the target tests, so the
-    reward is 0 (not a signal beside a full reward), and ``overfits_tests`` names it."""
-    for task in small_tasks[:3]:
+    reward is 0 (not a signal beside a full reward), and ``overfits_tests`` names it. (The endless loop
+    runs each hidden call to its timeout: one task.)"""
+    for task in small_tasks[:1 if elsewhere == "an endless loop" else 3]:
         attack = _table_attack(task, factory, TABLE_ELSEWHERE[elsewhere])
         result = grade_patch(task, _committed(task, factory, attack), factory)
         assert result.status == GRADED and result.scores.reward == 0.0, (task.id, result.test_output)
