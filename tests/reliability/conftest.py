@@ -18,6 +18,39 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
 
 
+class Scripted:
+    """A policy that answers every call of session ``group/i`` with ``answers[order[i]]`` (SGLang's
+    response shape, each token at ``logprob``): the play under test is scripted, not the model."""
+
+    def __init__(self, tokenizer, answers: dict[str, str], order: tuple[str, ...], logprob: float = 0.0):
+        self.ids = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in answers.items()}
+        self.order, self.logprob = order, logprob
+
+    def generate(self, input_ids, sampling_params=None, *, return_logprob=False, lora_path=None, rid=None):
+        ids = self.ids[self.order[int(str(rid).rsplit("/", 1)[-1]) % len(self.order)]]
+        return {"output_ids": list(ids), "meta_info": {"output_token_logprobs": [[self.logprob, t, None] for t in ids]}}
+
+
+def scripted_environment(cfg, plays, order: tuple[str, ...], logprob: float = 0.0):
+    """The trainer's harness environment (:class:`training.episodes.HarnessRunner`, real bwrap
+    sandboxes, real grading) on the suite's first RL task, whose policy plays ``plays(task)[order[i]]``
+    in episode ``i`` of each group."""
+    from transformers import AutoTokenizer
+
+    from evals.bundled import default_sandbox_factory
+    from training.curriculum import Curriculum
+    from training.episodes import Environment, HarnessRunner, training_tasks
+
+    tasks = training_tasks(cfg.tasks)
+    task = tasks[sorted(tasks)[0]]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, default_sandbox_factory(), cfg,
+                           episode_workers=2)
+    runner.client = Scripted(tokenizer, plays(task), order, logprob)
+    return Environment(runner=runner, curriculum=Curriculum.from_pass_rates({task.id: 0.5}, seed=cfg.seed),
+                       receivers=[], close=runner.close)
+
+
 def scripted_trainer_run(tmp_path: Path, suite: Path, environment: str, order: tuple[str, ...],
                          **settings) -> tuple[Path, str, dict[str, list[tuple[float, dict]]]]:
     """A real ``python -m training`` process on a tiny model: 2 steps of one group whose episode ``i``

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from evals.harness import run_episode
-from tests.reliability.conftest import scripted_trainer_run
+from tests.reliability.conftest import Scripted, scripted_environment, scripted_trainer_run
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")
 
@@ -44,35 +44,9 @@ def attacks(task) -> dict[str, str]:
 ORDER = ("git-head", "git-at-import", "kill-at-import", "solve")  # episode i of a group plays ORDER[i]
 
 
-class Scripted:
-    """Answers every call of session ``group/i`` with ``answers[order[i]]`` (SGLang's response shape)."""
-
-    def __init__(self, tokenizer, answers: dict[str, str], order: tuple[str, ...] = ORDER):
-        self.ids = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in answers.items()}
-        self.order = order
-
-    def generate(self, input_ids, sampling_params=None, *, return_logprob=False, lora_path=None, rid=None):
-        ids = self.ids[self.order[int(str(rid).rsplit("/", 1)[-1]) % len(self.order)]]
-        return {"output_ids": list(ids), "meta_info": {"output_token_logprobs": [[0.0, t, None] for t in ids]}}
-
-
 def hostile_env(cfg, run_dir: Path):
-    """The trainer's harness environment (:class:`training.episodes.HarnessRunner`, real bwrap
-    sandboxes, real grading) with the scripted attacks as its policy, on the suite's first RL task."""
-    from transformers import AutoTokenizer
-
-    from evals.bundled import default_sandbox_factory
-    from training.curriculum import Curriculum
-    from training.episodes import Environment, HarnessRunner, training_tasks
-
-    tasks = training_tasks(cfg.tasks)
-    task = tasks[sorted(tasks)[0]]
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
-    runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, default_sandbox_factory(), cfg,
-                           episode_workers=2)
-    runner.client = Scripted(tokenizer, attacks(task))
-    curriculum = Curriculum.from_pass_rates({task.id: 0.5}, seed=cfg.seed)
-    return Environment(runner=runner, curriculum=curriculum, receivers=[], close=runner.close)
+    """The scripted attacks of :data:`ORDER` as the policy of the trainer's real harness environment."""
+    return scripted_environment(cfg, attacks, ORDER)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +72,7 @@ def _episode(task, tokenizer, name: str, factory=None, action_format="compact"):
     from evals.bundled import default_sandbox_factory
 
     text = attacks(task)[name] if name in ORDER else name
-    model = Scripted(tokenizer, {n: text for n in ORDER})
+    model = Scripted(tokenizer, {n: text for n in ORDER}, ORDER)
     return run_episode(task, model, tokenizer, factory or default_sandbox_factory(), session_id="g/0",
                        action_format=action_format, max_turns=2)
 

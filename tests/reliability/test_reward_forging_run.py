@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.evals.test_call_checks import STREAM_FORGE
-from tests.reliability.conftest import scripted_trainer_run
-from tests.reliability.test_hostile_episodes import Scripted
+from tests.reliability.conftest import scripted_environment, scripted_trainer_run
 
 ORDER = ("table", "forge", "solve")  # episode i of a group plays ORDER[i]
 
@@ -57,22 +56,8 @@ def attacks(task) -> dict[str, str]:
 
 
 def forging_env(cfg, run_dir: Path):
-    """The trainer's harness environment (real bwrap sandboxes, real grading) with the scripted forgers
-    as its policy, on the suite's first RL task."""
-    from transformers import AutoTokenizer
-
-    from evals.bundled import default_sandbox_factory
-    from training.curriculum import Curriculum
-    from training.episodes import Environment, HarnessRunner, training_tasks
-
-    tasks = training_tasks(cfg.tasks)
-    task = tasks[sorted(tasks)[0]]
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
-    runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, default_sandbox_factory(), cfg,
-                           episode_workers=2)
-    runner.client = Scripted(tokenizer, attacks(task), ORDER)
-    curriculum = Curriculum.from_pass_rates({task.id: 0.5}, seed=cfg.seed)
-    return Environment(runner=runner, curriculum=curriculum, receivers=[], close=runner.close)
+    """The scripted forgers of :data:`ORDER` as the policy of the trainer's real harness environment."""
+    return scripted_environment(cfg, attacks, ORDER)
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from evals.actions import demonstration
-from tests.reliability.conftest import REPO
+from tests.reliability.conftest import Scripted, scripted_environment, scripted_trainer_run
 from training.config import TrainConfig
 from training.loop import AdapterRef
 from training.rollout import Rollout
@@ -60,18 +57,6 @@ def plays(task) -> dict[str, str]:
         "solve": fix,
         "nothing": "commit\n",
     }
-
-
-class Scripted:
-    """Answers every call of session ``group/i`` with the play ``order[i]`` (SGLang's response shape)."""
-
-    def __init__(self, tokenizer, answers: dict[str, str], order: tuple[str, ...]):
-        self.ids = {name: tokenizer.encode(text, add_special_tokens=False) for name, text in answers.items()}
-        self.order = order
-
-    def generate(self, input_ids, sampling_params=None, *, return_logprob=False, lora_path=None, rid=None):
-        ids = self.ids[self.order[int(str(rid).rsplit("/", 1)[-1]) % len(self.order)]]
-        return {"output_ids": list(ids), "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids]}}
 
 
 GROUP = ("equal-beside-fix", "solve", "nothing", "nothing")  # episode i of a group plays GROUP[i]
@@ -119,7 +104,7 @@ def graded_groups(task, tokenizer, tmp_path_factory):
             cfg = TrainConfig.from_mapping({"base_model": "scripted", "group_size": len(GROUP), "max_turns": 2, **keys})
             runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, default_sandbox_factory(), cfg,
                                    episode_workers=2)
-            runner.client = Scripted(tokenizer, plays(task), GROUP)
+            runner.client = Scripted(tokenizer, plays(task), GROUP, -0.5)
             runner.grade_cache = cache
             try:
                 rollouts = list(runner.run_group(task.id, AdapterRef(0, None, None), "g", len(GROUP), seed=0))
@@ -253,7 +238,7 @@ def test_the_scaffold_paths_rollout_carries_the_signals_and_the_gated_reward(tas
     from training.grpo import DEFAULT_GATE
 
     order = ("equal-beside-fix",)
-    traj = run_episode(task, Scripted(tokenizer, plays(task), order), tokenizer, default_sandbox_factory(),
+    traj = run_episode(task, Scripted(tokenizer, plays(task), order, -0.5), tokenizer, default_sandbox_factory(),
                        session_id="g/0", max_turns=2)
     assert traj.reward == 1.0 and "always_equal" in traj.grade.signals
     store = CaptureStore()
@@ -326,22 +311,8 @@ RUN = ("always-equal", "hijack", "solve", "nothing")  # episode i of each group 
 
 
 def scripted_env(cfg, run_dir: Path):
-    """The trainer's harness environment (:class:`training.episodes.HarnessRunner`, real bwrap
-    sandboxes, real grading) with the plays of :data:`RUN` as its policy, on the suite's first RL task."""
-    from transformers import AutoTokenizer
-
-    from evals.bundled import default_sandbox_factory
-    from training.curriculum import Curriculum
-    from training.episodes import Environment, HarnessRunner, training_tasks
-
-    tasks = training_tasks(cfg.tasks)
-    task = tasks[sorted(tasks)[0]]
-    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
-    runner = HarnessRunner({task.id: task}, "http://127.0.0.1:9", tokenizer, default_sandbox_factory(), cfg,
-                           episode_workers=2)
-    runner.client = Scripted(tokenizer, plays(task), RUN)
-    return Environment(runner=runner, curriculum=Curriculum.from_pass_rates({task.id: 0.5}, seed=cfg.seed),
-                       receivers=[], close=runner.close)
+    """The plays of :data:`RUN` as the policy of the trainer's real harness environment."""
+    return scripted_environment(cfg, plays, RUN, -0.5)
 
 
 @pytest.mark.slow
@@ -352,31 +323,8 @@ def test_a_trainer_run_rewards_cheating_attempts_zero_and_counts_them(tmp_path: 
     import pandas as pd
 
     from evals.signals import ALL_SIGNALS
-    from serving.tiny import build_tiny_model
-    from training.checkpoint import complete_steps
-
-    model = build_tiny_model(tmp_path / "model")
-    cfg = {
-        "run_name": "integrity", "base_model": str(model), "steps": 2, "groups_per_step": 1, "group_size": len(RUN),
-        "max_policy_lag": 0, "producer_workers": 0, "checkpoint_every": 2, "lora_rank": 4, "max_new_tokens": 8,
-        "max_turns": 2, "seed": 1, "tasks": str(suite), "environment": "tests.training.test_integrity_gate:scripted_env",
-    }
-    config = tmp_path / "trainer.json"
-    config.write_text(json.dumps(cfg))
-    run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("DAGSTER_PIPES_CONTEXT", None)
-    done = subprocess.run([sys.executable, "-m", "training", "--config", str(config), "--run-dir", str(run)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "step    2" in done.stdout and complete_steps(run) == [0, 2]
-    conn = sqlite3.connect(run / "store" / "rollouts.sqlite")
-    rows = conn.execute("SELECT rollout_id, reward, info, status FROM rollouts ORDER BY rollout_id").fetchall()
-    conn.close()
-    assert len(rows) == 2 * len(RUN) and {r[3] for r in rows} == {"consumed"}
-    by_play: dict[str, list[tuple[float, dict]]] = {}
-    for rollout_id, reward, info, _ in rows:
-        by_play.setdefault(RUN[int(rollout_id.rsplit("-", 1)[-1])], []).append((reward, json.loads(info)))
+    run, stdout, by_play = scripted_trainer_run(tmp_path, suite, "tests.training.test_integrity_gate:scripted_env",
+                                                RUN, run_name="integrity")
     for reward, info in by_play["always-equal"]:
         assert reward == 0.0 and "always_equal" in info["signals"], info
     for reward, info in by_play["solve"]:
@@ -390,4 +338,4 @@ def test_a_trainer_run_rewards_cheating_attempts_zero_and_counts_them(tmp_path: 
     for reward, info in by_play["hijack"]:
         assert reward == 0.0 and "tampers_frames" in info["signals"], info
     assert steps["integrity_tampers_frames"].tolist() == [1, 1] and steps["integrity_gated"].tolist() == [2, 2]
-    assert "gated 2" in done.stdout and '"integrity_gated": 4' in done.stdout
+    assert "gated 2" in stdout and '"integrity_gated": 4' in stdout
