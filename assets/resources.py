@@ -151,21 +151,13 @@ class WorkloadLauncher(dg.ConfigurableResource):
                              + ("; the fleet stays ([kubernetes] keep_fleet)" if keep_fleet else ""))
 
     def _wait_fleet(self, context: dg.AssetExecutionContext, fleet: list[dict[str, Any]], api: Any) -> None:
-        import time
-
         from training.planner import runner
 
-        deadline = time.monotonic() + self.fleet_ready_timeout_s
-        said = None
-        while waiting := runner.fleet_not_ready(fleet, api):
-            if waiting != said:
-                context.log.info(f"k8s: waiting for {', '.join(waiting)}")
-                said = waiting
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the fleet was not ready within {self.fleet_ready_timeout_s:g} s "
-                                   f"(launcher fleet_ready_timeout_s): {', '.join(waiting)}")
-            time.sleep(self.poll_interval_s)
-        context.log.info("k8s: engines, router and sandbox pool ready")
+        try:
+            runner.wait_fleet(fleet, api, timeout_s=self.fleet_ready_timeout_s, poll_s=self.poll_interval_s,
+                              log=lambda line: context.log.info(f"k8s: {line}"))
+        except runner.RunStartError as exc:
+            raise RuntimeError(f"{exc} (launcher fleet_ready_timeout_s)") from None
 
     def _api_client(self) -> Any:
         from kubernetes import client, config

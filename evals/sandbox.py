@@ -37,13 +37,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import os
+import tarfile
 import uuid
-from typing import Callable, ContextManager, Iterator, Protocol
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import sandboxes
 from evals.tasks import Task
 from sandboxes.client import ExecResult, PxdConnectionError, PxdError
+from sandboxes.images import WORKDIR
 from sandboxes.pool import PoolClient
 from sandboxes.runtimes import SandboxError
 
@@ -198,6 +202,40 @@ class PlatformSandbox:
 
 
 POOL_URL_VARIABLE = "POSTTRAIN_SANDBOX_POOL_URL"
+SANDBOX_IMAGE_VARIABLE = "POSTTRAIN_SANDBOX_IMAGE"
+_WORKSPACE_TAR = "/tmp/.posttrain-workspace.tar"
+
+
+def workspace_tar(repo: str | Path) -> bytes:
+    """The task repository folder ``repo`` (its ``.git`` included) as an uncompressed tar whose
+    members are relative to it, owned by nobody in particular (the sandbox user unpacks it)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(Path(repo).rglob("*")):
+            if path.is_symlink() or path.is_file() or path.is_dir():
+                info = tar.gettarinfo(str(path), arcname=path.relative_to(repo).as_posix())
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                if info.isreg():
+                    with path.open("rb") as f:
+                        tar.addfile(info, f)
+                else:
+                    tar.addfile(info)
+    return buffer.getvalue()
+
+
+def copy_workspace(box: Any, repo: str | Path) -> None:
+    """Unpack the task repository ``repo`` into the workspace of the fresh sandbox ``box`` (a pod of
+    the cluster's pool, whose image has an empty ``/workspace``), as its own user, before any agent
+    command runs there. A failure here is the infrastructure's: nothing of the agent ran yet."""
+    try:
+        box.write_file(_WORKSPACE_TAR, workspace_tar(repo))
+        unpacked = box.exec(f"tar -xof {_WORKSPACE_TAR} -C {WORKDIR} && rm -f {_WORKSPACE_TAR}", timeout_s=120)
+    except (PxdError, OSError) as exc:
+        raise SandboxError(f"copying the repository {repo} into sandbox {getattr(box, 'id', '?')}: {exc}") from exc
+    if unpacked.exit_code != 0:
+        raise SandboxError(f"copying the repository {repo} into sandbox {getattr(box, 'id', '?')}: tar exited "
+                           f"{unpacked.exit_code}: {unpacked.output[-2000:]}")
 
 
 def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxFactory:
@@ -207,12 +245,19 @@ def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxF
 
     A task with a local repository is started from that folder (built into a cached image on the
     fly); a task with an image name from that image in the store (on the cluster, the image every
-    pod of the task runs). The task's resource limits become the sandbox's (CPU, memory, wall time
-    from the agent timeout plus the test timeout).
+    pod of the task runs). On the cluster a task with a repository folder and no image (the bundled
+    suite, the task stream's tasks) runs in the sandbox image ``base_image`` (default
+    ``$POSTTRAIN_SANDBOX_IMAGE``, the run file's ``[sandbox] image``: python3, git, tar and pxd,
+    nothing of posttrain's), its repository copied in before the sandbox is handed out
+    (:func:`copy_workspace`), so a folder made while the run goes needs no image build. The
+    task's resource limits become the sandbox's (CPU, memory, wall time from the agent timeout plus
+    the test timeout).
     """
     pool = None
+    base_image = ""
     if runtime == "k8s":
         url = start_kwargs.pop("pool_url", None) or os.environ.get(POOL_URL_VARIABLE)
+        base_image = start_kwargs.pop("base_image", None) or os.environ.get(SANDBOX_IMAGE_VARIABLE, "")
         if not url:
             raise ValueError(f"sandbox runtime 'k8s' needs the sandbox pool's URL: set {POOL_URL_VARIABLE} "
                              "(the trainer's pod has it) or pass pool_url")
@@ -227,9 +272,19 @@ def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxF
         source = task.repo_path or task.image
         try:
             if pool is not None:
+                image = task.image or (base_image if task.repo_path else "")
+                if not image:
+                    raise SandboxError(
+                        f"task {task.id} names no image, and " + (
+                            f"no sandbox image is set for its repository folder ([sandbox] image, {SANDBOX_IMAGE_VARIABLE})"
+                            if task.repo_path else "has no repository folder either"))
+                box = pool.start(image, task_id=task.id, episode=uuid.uuid4().hex, limits=limits)
                 if not task.image:
-                    raise SandboxError(f"task {task.id} names no image; a pod needs one (build it with the image_cache asset)")
-                box = pool.start(task.image, task_id=task.id, episode=uuid.uuid4().hex, limits=limits)
+                    try:
+                        copy_workspace(box, task.repo_path)
+                    except BaseException:
+                        box.close()
+                        raise
             else:
                 box = sandboxes.start(source, runtime=runtime, limits=limits, **start_kwargs)
         except (SandboxError, OSError) as exc:

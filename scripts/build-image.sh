@@ -139,34 +139,12 @@ echo "$commit" >"$root$venv/POSTTRAIN_COMMIT"
 # 4. One layer, an OCI archive, streamed (the layer is GBs: never read into memory).
 log "packing the root file system"
 tar --numeric-owner --xattrs -C "$root" -cf "$work/layer.tar" .
-python3 - "$tag" "$work/layer.tar" "$work/posttrain-image.oci.tar" "$venv" "$commit" <<'PY'
-import hashlib, io, json, os, sys, tarfile
-tag, layer_path, out, venv, commit = sys.argv[1:]
-h = hashlib.sha256()
-with open(layer_path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-        h.update(block)
-layer_digest, layer_size = "sha256:" + h.hexdigest(), os.path.getsize(layer_path)
-digest = lambda b: "sha256:" + hashlib.sha256(b).hexdigest()
-config = json.dumps({"architecture": "amd64", "os": "linux",
-                     "config": {"Env": [f"PATH={venv}/bin:/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/tmp/home"],
-                                "User": "1000:1000", "WorkingDir": "/run-data", "Cmd": ["python", "-m", "training", "--help"],
-                                "Labels": {"org.opencontainers.image.revision": commit}},
-                     "rootfs": {"type": "layers", "diff_ids": [layer_digest]}}).encode()
-manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                       "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config), "size": len(config)},
-                       "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer_size}]}).encode()
-index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "digest": digest(manifest), "size": len(manifest), "annotations": {"io.containerd.image.name": tag}}]}).encode()
-with tarfile.open(out, "w") as tar:
-    for path, data in [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", index),
-                       (f"blobs/sha256/{digest(config)[7:]}", config), (f"blobs/sha256/{digest(manifest)[7:]}", manifest)]:
-        info = tarfile.TarInfo(path)
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    tar.add(layer_path, arcname=f"blobs/sha256/{layer_digest[7:]}")
-print(f"{tag}: layer {layer_size / 2**30:.2f} GiB", file=sys.stderr)
-PY
+cat >"$work/image-config.json" <<EOF
+{"Env": ["PATH=$venv/bin:/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/tmp/home"],
+ "User": "$uid:$uid", "WorkingDir": "/run-data", "Cmd": ["python", "-m", "training", "--help"],
+ "Labels": {"org.opencontainers.image.revision": "$commit"}}
+EOF
+python3 "$repo/scripts/oci-archive.py" "$tag" "$work/layer.tar" "$work/posttrain-image.oci.tar" "$work/image-config.json"
 rm -f "$work/layer.tar"
 size=$(du -sh --apparent-size "$root" | cut -f1)
 rm -rf "$root"  # GBs; the next build starts again from the Debian base

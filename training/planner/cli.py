@@ -15,7 +15,9 @@ from pathlib import Path
 
 from training.planner import k8s
 from training.planner.resolve import Plan, resolve
-from training.planner.runner import RunStartError, apply_k8s, default_run_dir, start_local, write_resolved_plan
+from training.planner.runner import (
+    RunStartError, apply_k8s, default_run_dir, is_plan, kube_api_client, start_local, wait_fleet, write_resolved_plan,
+)
 from training.planner.schema import PlanError
 
 BOX_WIDTH = 96
@@ -139,13 +141,21 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
         print(f"posttrain run: {exc}", file=sys.stderr)
         return EXIT_NOT_STARTED
     print(f"wrote {plan_path} (the pods read the same plan from ConfigMap {manifests[1]['metadata']['name']})")
+    # the fleet first, the trainer Job once the engines, router and pool are ready (as rl_run does)
+    fleet, job = manifests[:-1], manifests[-1]
     try:
-        created = apply_k8s(manifests, args.kubeconfig)
+        for what in apply_k8s(fleet, args.kubeconfig):
+            print(what, flush=True)
+        if args.no_wait:
+            print("not waiting for the fleet (--no-wait): the trainer starts now", file=sys.stderr)
+        else:
+            wait_fleet(fleet, kube_api_client(args.kubeconfig), timeout_s=args.fleet_timeout,
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
+        for what in apply_k8s([next(m for m in fleet if is_plan(m)), job], args.kubeconfig)[1:]:
+            print(what)
     except RunStartError as exc:
         print(f"posttrain run: {exc}", file=sys.stderr)
         return EXIT_NOT_STARTED
-    for what in created:
-        print(what)
     return 0
 
 
@@ -203,4 +213,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="overwrite a different resolved-plan.json already in the run directory")
     run.add_argument("--kubernetes-version", help="schema version to validate against (default: the newest bundled)")
     run.add_argument("--kubeconfig", help="kubeconfig file for --target k8s (default: in-cluster, else ~/.kube/config)")
+    run.add_argument("--no-wait", action="store_true",
+                     help="with --target k8s, apply the trainer Job at once instead of after the fleet is ready")
+    run.add_argument("--fleet-timeout", type=float, default=3600.0, metavar="SECONDS",
+                     help="with --target k8s, how long to wait for the engines, router and pool (default: 3600)")
     run.set_defaults(func=cmd_run)

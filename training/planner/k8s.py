@@ -407,7 +407,9 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     # one process per GPU (torchrun) when the pod has several: every GPU trains
                     "command": [*trainer_launcher(gpus), *trainer_args(f"{PLAN_MOUNT}/{PLAN_FILE}", run_dir_in_pod(plan))],
                     "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url},
-                            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}, _credential_env(plan)],
+                            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}, _credential_env(plan),
+                            # the sandbox pods of tasks that are folders, not images (evals.sandbox)
+                            *([{"name": "POSTTRAIN_SANDBOX_IMAGE", "value": rf.sandbox.image}] if rf.sandbox.image else [])],
                     "volumeMounts": [*_MOUNTS, *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus > 1 else [])],
                     "resources": _resources(plan.pods["trainer"]["cpu"], plan.pods["trainer"]["memory"], gpus),
                 }], gpus=gpus, service_account=trainer_account,

@@ -16,9 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sandboxes.files import NotARegularFile, read_regular_bytes
 from sandboxes.home import default_home
@@ -399,6 +400,24 @@ def fleet_not_ready(manifests: list[dict[str, Any]], api) -> list[str]:
         if ready < wanted:
             waiting.append(f"{manifest['kind']}/{manifest['metadata']['name']} {ready}/{wanted} ready")
     return waiting
+
+
+def wait_fleet(manifests: list[dict[str, Any]], api, *, timeout_s: float, poll_s: float = 5.0,
+               log: Callable[[str], None] = print) -> None:
+    """Wait until every long-running workload of ``manifests`` is ready (:func:`fleet_not_ready`),
+    saying each change of what is still awaited; ``RunStartError`` after ``timeout_s``. The
+    trainer starts after this: its first episodes would otherwise meet a router with no healthy
+    replica (an engine loads its model for minutes)."""
+    deadline = time.monotonic() + timeout_s
+    said = None
+    while waiting := fleet_not_ready(manifests, api):
+        if waiting != said:
+            log(f"waiting for {', '.join(waiting)}")
+            said = waiting
+        if time.monotonic() > deadline:
+            raise RunStartError(f"the fleet was not ready within {timeout_s:g} s: {', '.join(waiting)}")
+        time.sleep(poll_s)
+    log("engines, router and sandbox pool ready")
 
 
 def job_outcome(job: dict[str, Any] | None) -> str | None:

@@ -187,7 +187,9 @@ class SandboxSection:
     memory_gib: float = field(default=2.0, metadata=_key(POSITIVE, doc="memory per sandbox"))
     max_sandboxes: int | None = field(default=None, metadata=_key(POSITIVE, doc="default: the producer budget"))
     command_timeout_s: float = field(default=120.0, metadata=_key(POSITIVE))
-    image: str | None = None
+    image: str | None = field(default=None, metadata=_key(doc=(
+        "on Kubernetes, the sandbox pod image of a task that is a folder (the bundled suite, the task stream): "
+        "python3, git, tar, pxd at /opt/pxd/pxd.py; its repository is copied in at start")))
 
 
 @dataclass(frozen=True)
