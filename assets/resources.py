@@ -58,6 +58,9 @@ class PosttrainStorage(dg.ConfigurableResource):
         return self.path / "reports"
 
 
+TARGET_VARIABLE = "POSTTRAIN_TARGET"
+
+
 class WorkloadLauncher(dg.ConfigurableResource):
     """Runs a workload module as a local subprocess or a Kubernetes pod, through Dagster Pipes.
 
@@ -83,6 +86,21 @@ class WorkloadLauncher(dg.ConfigurableResource):
     # SGLang engines load a model for up to an hour (the startup probe's allowance)
     fleet_ready_timeout_s: float = 3600.0
     poll_interval_s: float = 5.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "WorkloadLauncher":
+        """The launcher a code location starts with: ``POSTTRAIN_TARGET`` (``local``, the default, or
+        ``k8s``), and on ``k8s`` the cluster of ``KUBECONFIG`` (else the in-cluster configuration,
+        where Dagster itself runs in a pod). The same variables as ``kubectl``'s and ``posttrain
+        run --target``'s, read once here."""
+        env = os.environ if environ is None else environ
+        target = env.get(TARGET_VARIABLE, "local") or "local"
+        if target not in ("local", "k8s"):
+            raise ValueError(f"{TARGET_VARIABLE}={target!r}: expected 'local' or 'k8s'")
+        if target == "local":
+            return cls()
+        kubeconfig = env.get("KUBECONFIG") or None
+        return cls(target="k8s", kubeconfig_file=kubeconfig, load_incluster_config=kubeconfig is None)
 
     def run_trainer(self, context: dg.AssetExecutionContext, plan: Any, plan_path: Path, run_dir: Path, *,
                     on_message: Callable[[Any], None] | None = None) -> dg.PipesClientCompletedInvocation:

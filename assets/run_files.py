@@ -59,3 +59,45 @@ def ensure_embedded_base(context: dg.AssetExecutionContext, data: dict[str, Any]
     if not (model / "config.json").is_file():
         raise FileNotFoundError(f"run file key model.path: {model} is not a Hugging Face model folder")
     return model
+
+
+# the keys of a run file that name files the trainer reads (the eval's are read by the eval's own pod)
+VOLUME_PATH_KEYS = (("model", "path"), ("curriculum", "tasks"), ("curriculum", "curriculum_file"),
+                    ("eval", "dataset"), ("eval", "sources"))
+
+
+def on_run_volume(data: dict[str, Any], storage: PosttrainStorage) -> dict[str, Any]:
+    """``data`` with its file paths as the pods of a Kubernetes run see them. The storage root is a
+    mount of the run volume (on the test plane, the volume's own folder), and every pod's working
+    directory is the volume's root, so a path under the storage root becomes relative to it; a
+    relative one stays (already the volume's). An absolute path elsewhere is on no pod: refused,
+    naming the key."""
+    root = storage.path
+    for section, key in VOLUME_PATH_KEYS:
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or not value or value == "bundled" or not Path(value).is_absolute():
+            continue
+        path = Path(value).resolve()
+        if not path.is_relative_to(root):
+            raise ValueError(f"run file key {section}.{key}: {value} is outside the storage root {root}, which is "
+                             "the run volume's mount: the pods would not see it (put it on the volume)")
+        table[key] = path.relative_to(root).as_posix()
+    return data
+
+
+def hand_to_workloads(*paths: Path) -> None:
+    """Make ``paths`` (and what is in them) the workloads' own (uid and gid of
+    :data:`training.planner.k8s.RUN_AS`) when this process is root: the pods of a run write their run
+    folder and eval rows on the volume as that user, and what Dagster made there as root they could
+    not. Not root: nothing to do (the files are already the user's who made them)."""
+    import os
+
+    from training.planner.k8s import RUN_AS
+
+    if os.geteuid() != 0:
+        return
+    for top in paths:
+        top.mkdir(parents=True, exist_ok=True)
+        for path in [top, *top.rglob("*")]:
+            os.lchown(path, RUN_AS, RUN_AS)

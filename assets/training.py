@@ -20,7 +20,7 @@ from assets.curriculum import difficulty_curriculum
 from assets.metadata import png_markdown, rounded
 from assets.partitions import checkpoints_partitions, parse_checkpoint_partition_key
 from assets.resources import PosttrainStorage, WorkloadLauncher
-from assets.run_files import ensure_embedded_base, run_file_dict
+from assets.run_files import EMBEDDED_MODEL_NAME, ensure_embedded_base, hand_to_workloads, on_run_volume, run_file_dict
 from training.checkpoint import list_checkpoints, metrics_dir, read_metadata
 from training.curriculum import CURRICULUM_FILE
 from training.planner import resolve, write_resolved_plan
@@ -134,11 +134,17 @@ def rl_run(
     curriculum_file = storage.curriculum_dir() / CURRICULUM_FILE
     if curriculum_file.is_file():
         data["curriculum"]["curriculum_file"] = str(curriculum_file)
-    if launcher.target == "local":  # on k8s, model.path is a path on the run volume, as the pods see it
+    # the embedded base is built under the storage root: on k8s that is the run volume's mount, and
+    # the plan then names it (and the tasks) as the pods see them
+    if launcher.target == "local" or data["model"].get("name") == EMBEDDED_MODEL_NAME:
         ensure_embedded_base(context, data, reuse_any=True)
+    if launcher.target == "k8s":
+        on_run_volume(data, storage)
     plan = resolve(data, source=source)
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)
+    if launcher.target == "k8s":
+        hand_to_workloads(run_dir, storage.evals_dir())
     context.log.info(f"run {plan.run_name}: plan {plan_path}")
     of_steps = int((data.get("trainer") or {}).get("steps") or 0)
     observer = StepObserver(context, run_dir, plan.run_name, of_steps)

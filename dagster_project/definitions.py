@@ -25,6 +25,7 @@ defs = dg.Definitions.merge(
     dg.Definitions(
         jobs=jobs,
         sensors=sensors,
-        resources={"storage": PosttrainStorage(), "launcher": WorkloadLauncher()},
+        # POSTTRAIN_HOME and POSTTRAIN_TARGET (with KUBECONFIG) choose where files live and where runs go
+        resources={"storage": PosttrainStorage(), "launcher": WorkloadLauncher.from_env()},
     ),
 )

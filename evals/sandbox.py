@@ -203,7 +203,7 @@ class PlatformSandbox:
 
 POOL_URL_VARIABLE = "POSTTRAIN_SANDBOX_POOL_URL"
 SANDBOX_IMAGE_VARIABLE = "POSTTRAIN_SANDBOX_IMAGE"
-_WORKSPACE_TAR = "/tmp/.posttrain-workspace.tar"
+_WORKSPACE_TAR = ".posttrain-workspace.tar"  # in the workspace (pxd writes nowhere else), removed once unpacked
 
 
 def workspace_tar(repo: str | Path) -> bytes:
@@ -230,7 +230,8 @@ def copy_workspace(box: Any, repo: str | Path) -> None:
     command runs there. A failure here is the infrastructure's: nothing of the agent ran yet."""
     try:
         box.write_file(_WORKSPACE_TAR, workspace_tar(repo))
-        unpacked = box.exec(f"tar -xof {_WORKSPACE_TAR} -C {WORKDIR} && rm -f {_WORKSPACE_TAR}", timeout_s=120)
+        unpacked = box.exec(f"tar -xof {_WORKSPACE_TAR} -C {WORKDIR}; status=$?; rm -f {_WORKSPACE_TAR}; exit $status",
+                             timeout_s=120)
     except (PxdError, OSError) as exc:
         raise SandboxError(f"copying the repository {repo} into sandbox {getattr(box, 'id', '?')}: {exc}") from exc
     if unpacked.exit_code != 0:
