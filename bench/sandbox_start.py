@@ -1,7 +1,7 @@
-"""Sandbox start latency, layer cache hit vs cold, per runtime, side by side.
+"""Sandbox start latency and CPU per start+stop, per runtime, this checkout beside a baseline commit.
 
-    .venv/bin/python bench/sandbox_start.py                 # about a minute on 2 cores
-    .venv/bin/python bench/sandbox_start.py --repeats 21 --runtimes bwrap
+    .venv/bin/python bench/sandbox_start.py                 # a few minutes on 2 cores
+    .venv/bin/python bench/sandbox_start.py --repeats 21 --runtimes bwrap --baseline 1ec7686
 
 "Start" is ``sandboxes.start(image)`` returning: the layers taken from the node cache (cold: the
 cache is emptied first, so both layers are unpacked from their zstd blobs), the overlay and tmpfs
@@ -9,11 +9,26 @@ mounted, the cgroup made, the runtime started and ``pxd`` answering (its ready l
 sandbox is removed before the next start. Cold and hit starts alternate, so both see the same load.
 Two images: a small task repository (the size of a bundled task) and a repository the size of
 the ``pip`` source tree (about 1000 files, 13 MB), where unpacking on a miss costs more.
+
+CPU, not wall: each tree is measured in a worker process of its own that first moves itself into a
+cgroup of its own on the unified (v2) hierarchy, whose ``cpu.stat`` ``usage_usec`` counts every
+process the worker starts and every one they start, ended ones included (the shell, ``setpriv``,
+bwrap, pxd, ``runsc`` and gVisor's sandbox and gofer): short-lived processes that a sampling
+profiler misses are counted in full. A sandbox's own cgroup (v1 ``cpu``/``memory``/``pids``) does
+not move it out of that one. The CPU of a hit start+stop is split into the worker's own process
+(``RUSAGE_SELF``: the harness's Python, the mount and cgroup system calls it makes) and everything
+else (the runtime's processes and pxd), and the harness's part by step (``Sandbox.host_cpu_s``,
+where the tree records it). Kernel work done later in kernel threads (a cgroup's release, an
+overlay's deferred cleanup) is in neither; the machine's whole ``/proc/stat`` busy time over the
+same starts is printed beside, which includes whatever else the machine runs (see the load average).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -22,9 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import sandboxes  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+UNIFIED = [Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")]  # hybrid hosts, then pure v2
 
 
 def make_repo(root: Path) -> Path:
@@ -43,11 +57,48 @@ def pct(values, q):
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--runtimes", default="bwrap,gvisor")
-    args = ap.parse_args()
+def own_cgroup() -> Path | None:
+    """Move this process into a fresh cgroup of the v2 hierarchy (hybrid hosts: ``unified``) and
+    return it; None where there is none to make (not root). Pure v2 hosts: the sandboxes' own
+    cgroups take their processes out of this one, so only hybrid hosts count the sandbox side."""
+    for base in UNIFIED:
+        if (base / "cgroup.procs").exists() and (base / "cgroup.controllers").exists():
+            group = base / f"posttrain-bench-{os.getpid()}"
+            try:
+                group.mkdir()
+                (group / "cgroup.procs").write_text(str(os.getpid()))
+                return group
+            except OSError:
+                return None
+    return None
+
+
+def usage_s(group: Path | None) -> float:
+    if group is None:
+        return float("nan")
+    for line in (group / "cpu.stat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "usage_usec":
+            return int(value) / 1e6
+    return float("nan")
+
+
+def machine_busy_s() -> float:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def worker(repeats: int, runtimes: list[str]) -> None:
+    """Measure with the ``sandboxes`` on ``sys.path``; print one JSON line per image and runtime."""
+    import sandboxes
+
+    group = own_cgroup()
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         store = sandboxes.ImageStore(work / "images")
@@ -58,23 +109,92 @@ def main() -> int:
         shutil.copytree(Path(pip.__file__).parent, big, ignore=shutil.ignore_patterns("__pycache__"))
         images = [sandboxes.build_image("small-task", make_repo(work), store),
                   sandboxes.build_image("pip-sized", big, store)]
-        print(f"{'image':<11} {'zstd kB':>8} {'runtime':<11} {'cold p50 ms':>12} {'hit p50 ms':>11} {'hit p90 ms':>11} "
-              f"{'cold/hit':>9}")
-        for image, runtime in [(i, r) for i in images for r in args.runtimes.split(",")]:
+        for image, runtime in [(i, r) for i in images for r in runtimes]:
             times = {"cold": [], "hit": []}
+            cpu = {"start": [], "stop": [], "harness": [], "machine": []}
+            steps: dict[str, list[float]] = {}
             sandboxes.start(image, runtime=runtime, store=store, cache=cache).close()  # warm the page cache
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 for kind in ("cold", "hit"):
                     if kind == "cold":
                         cache.evict(1)
+                    u0, s0, m0 = usage_s(group), self_cpu_s(), machine_busy_s()
                     t = time.perf_counter()
                     sb = sandboxes.start(image, runtime=runtime, store=store, cache=cache)
                     times[kind].append(time.perf_counter() - t)
+                    u1 = usage_s(group)
                     assert sb.cache_hit == (kind == "hit")
                     sb.close()
-            cold, hit = statistics.median(times["cold"]), statistics.median(times["hit"])
-            print(f"{image.name:<11} {image.size_bytes / 1e3:>8.0f} {runtime:<11} {cold * 1e3:>12.1f} {hit * 1e3:>11.1f} "
-                  f"{pct(times['hit'], 90) * 1e3:>11.1f} {cold / hit:>8.2f}x")
+                    u2, s2, m2 = usage_s(group), self_cpu_s(), machine_busy_s()
+                    if kind == "hit":
+                        cpu["start"].append(u1 - u0)
+                        cpu["stop"].append(u2 - u1)
+                        cpu["harness"].append(s2 - s0)
+                        cpu["machine"].append(m2 - m0)
+                        for name, value in getattr(sb, "host_cpu_s", {}).items():
+                            steps.setdefault(name, []).append(value)
+            print(json.dumps({"image": image.name, "size_bytes": image.size_bytes, "runtime": runtime,
+                              "cold_s": times["cold"], "hit_s": times["hit"], "cpu": cpu, "steps": steps}), flush=True)
+    if group is not None:
+        (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+        group.rmdir()
+
+
+def run_tree(tree: Path, repeats: int, runtimes: str) -> list[dict]:
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import runpy; "
+            "m = runpy.run_path(sys.argv[2]); m['worker'](int(sys.argv[3]), sys.argv[4].split(','))")
+    done = subprocess.run([sys.executable, "-c", code, str(tree), __file__, str(repeats), runtimes], cwd=tree,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"worker in {tree} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def ms(values) -> str:
+    return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--runtimes", default="bwrap,gvisor")
+    ap.add_argument("--baseline", default="1ec7686", help="commit measured beside this checkout ('' for none)")
+    args = ap.parse_args()
+    trees = [("this checkout", ROOT)]
+    worktree = None
+    if args.baseline:
+        worktree = Path(tempfile.mkdtemp(prefix="bench-sandbox-start-")) / "baseline"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(worktree), args.baseline],
+                       check=True)
+        trees.insert(0, (f"baseline {args.baseline}", worktree))
+    try:
+        results = {name: run_tree(tree, args.repeats, args.runtimes) for name, tree in trees}
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
+            shutil.rmtree(worktree.parent, ignore_errors=True)
+    print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)")
+    print(f"{'tree':<17} {'image':<11} {'runtime':<8} {'cold p50 ms':>11} {'hit p50 ms':>10} {'hit p90 ms':>10} "
+          f"| CPU ms per hit start+stop (p50): {'start':>6} {'stop':>6} {'total':>6} {'harness':>7} {'machine':>7}")
+    for name, rows in results.items():
+        for r in rows:
+            c = r["cpu"]
+            total = [a + b for a, b in zip(c["start"], c["stop"])]
+            print(f"{name:<17} {r['image']:<11} {r['runtime']:<8} {ms(r['cold_s']):>11} {ms(r['hit_s']):>10} "
+                  f"{pct(r['hit_s'], 90) * 1e3:>10.1f} | {'':>33} {ms(c['start']):>6} {ms(c['stop']):>6} "
+                  f"{ms(total):>6} {ms(c['harness']):>7} {ms(c['machine']):>7}")
+    for name, rows in results.items():
+        for r in rows:
+            if r["steps"]:
+                print(f"{name} {r['image']} {r['runtime']}: harness thread CPU ms by step (p50): " +
+                      ", ".join(f"{k} {ms(v)}" for k, v in r["steps"].items()))
+    if len(results) == 2:
+        (bname, base), (_, new) = results.items()
+        for b, n in zip(base, new):
+            bt = statistics.median([x + y for x, y in zip(b["cpu"]["start"], b["cpu"]["stop"])])
+            nt = statistics.median([x + y for x, y in zip(n["cpu"]["start"], n["cpu"]["stop"])])
+            print(f"{n['image']} {n['runtime']}: CPU per hit start+stop {nt * 1e3:.1f} ms vs {bt * 1e3:.1f} ms "
+                  f"({bname}): {nt / bt:.2f}x; hit p50 {ms(n['hit_s'])} ms vs {ms(b['hit_s'])} ms")
     return 0
 
 

@@ -425,16 +425,24 @@ class Sandbox:
         self._lock = threading.Lock()
         self._removed = threading.Event()
         started = time.perf_counter()
+        # CPU seconds of the starting (then closing) thread per step: what a start and a stop cost
+        # the harness's process, read by bench/sandbox_start.py
+        self.host_cpu_s: dict[str, float] = {}
+        self._cpu_mark = time.thread_time()
         # held for the sandbox's life: a run folder whose lock is free belongs to a dead owner
         self.run_dir = make_run_dir(cache, self.id)
         self._run_lock = os.open(self.run_dir / "lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._run_lock, fcntl.LOCK_EX)
         self.lease: Lease | None = None
         try:
+            self._step("run_dir")
             self.lease = cache.acquire(image, store)
             self.cache_hit = self.lease.hit
+            self._step("layers")
             self.rootfs = Rootfs(self.run_dir, self.lease, limits.disk_mib)
+            self._step("rootfs")
             argv = self.runtime.command(self)
+            self._step("command")
             if runtime == "gvisor":
                 # made here, not by runsc: runsc joins a cgroup that exists without changing or
                 # removing it, so the host owns it and reads, even after runsc crashed, what its
@@ -444,6 +452,7 @@ class Sandbox:
             else:
                 self.cgroup = Cgroup(self.id, cpus=limits.cpus, memory_mib=limits.memory_mib, pids=limits.pids)
                 argv = self.cgroup.wrap(argv)
+            self._step("cgroup")
             # bwrap stays in the sandbox as its pid 1, whose /proc/1/environ the sandbox can read:
             # start it with the sandbox's variables only, never the host's (tokens, keys).
             host_env = dict(self.env) if runtime == "bwrap" else None
@@ -455,6 +464,7 @@ class Sandbox:
                                          start_new_session=True, close_fds=True, env=host_env)
             self.pxd = PxdClient.over_fds(self.proc.stdout.fileno(), self.proc.stdin.fileno(), name=f"pxd[{self.id}]")
             self.pxd.explain_loss = self.why_gone
+            self._step("spawn")
             try:
                 self.pxd.wait_ready(READY_TIMEOUT_S)
             except PxdConnectionError as exc:
@@ -463,6 +473,7 @@ class Sandbox:
             # what the cgroup had counted when the daemon last answered: end_cause reads what
             # happened after it
             self._answered = self._limit_events()
+            self._step("ready")
         except BaseException:
             self.close()
             raise
@@ -470,6 +481,12 @@ class Sandbox:
         self._timer = threading.Timer(limits.wall_s, self._expire)
         self._timer.daemon = True
         self._timer.start()
+
+    def _step(self, name: str) -> None:
+        """Charge the thread's CPU since the last step to ``name`` (:attr:`host_cpu_s`)."""
+        now = time.thread_time()
+        self.host_cpu_s[name] = self.host_cpu_s.get(name, 0.0) + now - self._cpu_mark
+        self._cpu_mark = now
 
     def _stderr_tail(self) -> str:
         if self.proc is None:
@@ -599,6 +616,7 @@ class Sandbox:
             self._removed.set()
 
     def _remove(self) -> None:
+        self._cpu_mark = time.thread_time()
         timer = getattr(self, "_timer", None)
         if timer is not None:
             timer.cancel()
@@ -625,10 +643,12 @@ class Sandbox:
             proc.wait()
             for f in (proc.stdout, proc.stderr):
                 f.close()
+        self._step("stop")
         if self.cgroup is not None:
             self.cgroup.remove()  # under gVisor too: what a crashed runsc left running in it goes
         if self.runtime.name == "gvisor":
             remove_empty_cgroups(self.id)  # the controllers runsc made itself, left behind when it is killed
+        self._step("cgroup_remove")
         if self.rootfs is not None:
             self.rootfs.remove()
         else:
@@ -640,6 +660,7 @@ class Sandbox:
             self.run_dir.parent.rmdir()  # the cache's run folder, when this was its last sandbox
         except OSError:
             pass
+        self._step("rootfs_remove")
 
     def __enter__(self) -> "Sandbox":
         return self
