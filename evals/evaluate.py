@@ -276,6 +276,19 @@ def served_checkpoint(base_model: str | Path, engine_log: str | Path | None = No
             yield served
 
 
+def model_tokens(base_model: str | Path, *, what: str = "model") -> tuple[Any, tuple[int, ...]]:
+    """The tokenizer of ``base_model`` (a Hugging Face folder) and its end-of-sequence token ids,
+    which stop each turn; ``FileNotFoundError`` naming ``what`` when the folder has no tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer  # heavy: only serving a model needs it
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(base_model))
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"{what}: base model {base_model} has no tokenizer: {exc}") from None
+    eos = AutoConfig.from_pretrained(str(base_model)).eos_token_id
+    return tokenizer, tuple(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])))
+
+
 @contextlib.contextmanager
 def served_model(base_model: str | Path, engine_log: str | Path | None = None, *, what: str = "model",
                  **engine_settings: Any) -> Iterator[tuple[str, Any, tuple[int, ...]]]:
@@ -284,14 +297,7 @@ def served_model(base_model: str | Path, engine_log: str | Path | None = None, *
     its output in ``engine_log``, else a temporary file, removed after a block that ended without an
     error): yields the replica's URL, the model's tokenizer and its end-of-sequence token ids.
     ``engine_settings`` go to the replica (``max_lora_rank``, ``tool_call_parser``, ...)."""
-    from transformers import AutoConfig, AutoTokenizer  # heavy: only serving a model needs it
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(base_model))
-    except (OSError, ValueError) as exc:
-        raise FileNotFoundError(f"{what}: base model {base_model} has no tokenizer: {exc}") from None
-    eos = AutoConfig.from_pretrained(str(base_model)).eos_token_id
-    eos_ids = tuple(sorted(set(eos if isinstance(eos, list) else [eos] if eos is not None else [])))
+    tokenizer, eos_ids = model_tokens(base_model, what=what)
     scratch = None
     if engine_log is None:
         scratch = Path(tempfile.mkdtemp(prefix="posttrain-eval-"))

@@ -74,6 +74,8 @@ MANAGED_BY = "posttrain"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 # The run's pods that may call the router: the trainer, a checkpoint's eval Job, and the engines
 ROUTER_CLIENTS = ("trainer", "eval", "engine")
+POOL_CLIENTS = ("trainer", "eval")
+EVAL_MODULE = "evals.fleet_eval"  # a checkpoint's deepswe_eval as a pod of the run (eval_pod)
 
 # a vLLM CPU replica's startup probe: 10 s apart, this many failures (30 minutes) before a restart
 START_PROBE_FAILURES = 180
@@ -567,10 +569,11 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "kind": "NetworkPolicy",
         "metadata": _meta(plan, "sandbox-pool-ingress", "sandbox-pool"),
         "spec": {
-            # Only the run's trainer may ask for sandboxes; the pool's own egress (the API server) is open.
+            # Only the run's trainer and its checkpoints' eval pods may ask for sandboxes; the pool's own
+            # egress (the API server) is open.
             "podSelector": {"matchLabels": _selector(plan, "sandbox-pool")},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, "trainer")}}],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, c)}} for c in POOL_CLIENTS],
                          "ports": [{"protocol": "TCP", "port": POOL_PORT}]}],
         },
     }
@@ -592,6 +595,27 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                  engine_service, engines, engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
     # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
     return [as_served(m) for m in json.loads(json.dumps(manifests))]
+
+
+def eval_pod(plan: Plan, checkpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The metadata and spec of the pod that evaluates ``checkpoint`` of ``plan``'s run on the run's
+    own fleet (``python -m evals.fleet_eval``; ``deepswe_eval`` launches it through Dagster Pipes and
+    sets its command): the trainer's image, volume, credential, router and pool, component ``eval``
+    (which the router's and the pool's NetworkPolicies admit), no Kubernetes rights, locked down
+    like every workload. Small: the model runs on the engines and the episodes in sandbox pods."""
+    base = k8s_name(plan.run_name)
+    ns = plan.run_file.kubernetes.namespace
+    rf = plan.run_file
+    env = [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": f"http://{base}-router.{ns}.svc:{ROUTER_PORT}"},
+           {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": f"http://{base}-sandbox-pool.{ns}.svc:{POOL_PORT}"},
+           _credential_env(plan),
+           *([{"name": "POSTTRAIN_SANDBOX_IMAGE", "value": rf.sandbox.image}] if rf.sandbox.image else [])]
+    spec = _pod_spec(plan, [{
+        "name": "eval", "image": rf.kubernetes.image, "env": env, "volumeMounts": list(_MOUNTS),
+        "resources": _resources("250m", "2Gi"),
+    }], service_account=rf.kubernetes.service_account or f"{base}-trainer", restartPolicy="Never")
+    labels = {**_labels(plan, "eval"), f"{LABEL_PREFIX}/checkpoint": label_value(checkpoint)}
+    return {"labels": labels}, spec
 
 
 POOL_ACCOUNT_SUFFIX = "-sandbox-pool"  # the pool's service account is RUN-sandbox-pool

@@ -1,0 +1,103 @@
+"""A checkpoint's evaluation on the fleet of its own run: the eval pod of a Kubernetes run.
+
+``deepswe_eval`` on ``POSTTRAIN_TARGET=k8s`` launches ``python -m evals.fleet_eval`` in a pod of
+the run (:func:`training.planner.k8s.eval_pod`: the run's image, volume, credential, router and
+sandbox pool; Dagster Pipes in its environment) instead of serving the checkpoint with an engine
+of its own: the model calls go through the run's router to its engine pods, the episodes and their
+gradings run in sandbox pods of the run's pool, as the trainer's episodes do. The checkpoint's
+adapter is announced to the router first (``POST /publish_adapter``: every replica that lacks the
+version loads it from the run volume), and each call names that version, so the engines may go on
+serving the trainer's newer versions beside it. The attempt rows are written to ``--rows`` on the
+run volume, where the asset reads them.
+
+The method is :func:`evals.evaluate.evaluate`'s, unchanged: the same tasks, attempts, turns, seed
+and grading (only committed work graded; hidden inputs answered in sandboxes of the grader's own).
+What differs from a local evaluation is the engine: LoRA applied at run time on a shared replica
+rather than merged weights on a replica of its own (the same outputs up to floating-point order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from evals.attempts import write_rows
+from evals.evaluate import evaluate, load_eval_tasks, model_tokens, select_tasks
+from evals.harbor import eval_split
+from evals.harness import HttpClient, episode_context
+from evals.sandbox import platform_sandbox_factory
+from training.checkpoint import checkpoint_policy
+from training.loop import AdapterRef
+from training.remote_fleet import ROUTER_URL_VARIABLE, RemoteFleet
+
+SETTINGS = ("attempts", "max_turns", "max_new_tokens", "temperature", "seed", "workers")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.fleet_eval",
+        description="Evaluate a checkpoint of a Kubernetes run on the run's own engines (through its router, "
+                    f"${ROUTER_URL_VARIABLE}) and sandbox pool; deepswe_eval launches it in the run's eval pod.")
+    parser.add_argument("--checkpoint", required=True, help="the checkpoint's partition key, RUN-step_NNNNNN")
+    parser.add_argument("--checkpoint-dir", required=True, help="the checkpoint's folder on the run volume")
+    parser.add_argument("--rows", required=True, help="where the attempt rows go (Parquet, on the run volume)")
+    parser.add_argument("--settings", required=True,
+                        help="the eval settings as JSON: dataset, split, task_ids, attempts, max_turns, ... "
+                             "(deepswe_eval's config)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, log=print) -> Path:
+    """Evaluate and write the rows; returns their path."""
+    try:
+        settings: dict[str, Any] = json.loads(args.settings)
+    except ValueError as exc:
+        raise SystemExit(f"--settings: not JSON ({exc})") from None
+    router = os.environ.get(ROUTER_URL_VARIABLE)
+    if not router:
+        raise SystemExit(f"${ROUTER_URL_VARIABLE} is not set: the run's eval pod sets it to the run's router")
+    policy = checkpoint_policy(args.checkpoint_dir, name=args.checkpoint)
+    tasks = select_tasks(load_eval_tasks(settings.get("dataset", "bundled"), eval_split(settings.get("split", "eval")),
+                                         bundled_dir=Path(os.environ.get("POSTTRAIN_HOME", ".")) / "datasets" / "bundled"),
+                         list(settings.get("task_ids") or []), settings.get("dataset", "bundled"))
+    fleet = RemoteFleet(router, log=log)
+    version = None
+    if policy.adapter is not None:
+        version = policy.adapter_version
+        step = int(args.checkpoint.rsplit("step_", 1)[-1])
+        fleet.announce(AdapterRef(step=step, name=version, path=policy.adapter))
+        log(f"announced adapter {version} ({policy.adapter}) to the router {router}")
+    tokenizer, eos_ids = model_tokens(policy.base_model, what=f"checkpoint {args.checkpoint}")
+    log(f"evaluating {args.checkpoint} (adapter {version or 'none: the base model'}) on {len(tasks)} tasks x "
+        f"{settings.get('attempts', 8)} attempts through {router}")
+    rows = evaluate(tasks, HttpClient(router), tokenizer, platform_sandbox_factory("k8s"), checkpoint=args.checkpoint,
+                    adapter_version=version, stop_token_ids=eos_ids,
+                    **{**episode_context(policy.base_model), **{k: settings[k] for k in SETTINGS if k in settings}})
+    path = write_rows(rows, Path(args.rows))
+    log(f"{len(rows)} attempt rows written to {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
+
+    args = parse_args(argv)
+    if not os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
+        run(args)
+        return 0
+    with open_dagster_pipes() as pipes:
+        def log(message: str) -> None:
+            pipes.log.info(message)
+            print(message, flush=True)
+
+        path = run(args, log=log)
+        pipes.report_custom_message({"rows": str(path)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
