@@ -159,11 +159,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_model(args: argparse.Namespace, section) -> int:
-    """``posttrain eval --model``: checked here first (a bad folder or task id costs no run), then
-    registered and evaluated in the instance (:mod:`dagster_project.model_eval`)."""
+    """``posttrain eval --model``: checked here first (a bad folder, task id or dataset costs no run:
+    every task named must load and every image must build, exit 2 naming the task and its file),
+    then registered and evaluated in the instance (:mod:`dagster_project.model_eval`)."""
     # Dagster and the eval's own modules, loaded for this command only: see the module docstring
-    from dagster_project.model_eval import RegistrationError, evaluate_model
-    from evals.evaluate import write_rows
+    from assets.resources import PosttrainStorage
+    from dagster_project.model_eval import DatasetError, RegistrationError, check_harbor_dataset, evaluate_model
+    from evals.evaluate import eval_split, load_eval_tasks, select_tasks, write_rows
     from evals.harbor import is_harbor_dataset
 
     model = Path(args.model).expanduser().resolve()
@@ -175,6 +177,7 @@ def _eval_model(args: argparse.Namespace, section) -> int:
         print(f"posttrain eval: --adapter {args.adapter}: not a peft adapter folder (no adapter_config.json)",
               file=sys.stderr)
         return 2
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731 - the progress lines go to stderr
     if is_harbor_dataset(section.dataset):
         if not section.sources:
             print(f"posttrain eval: {args.dataset}: a Harbor dataset needs --sources (the folder of repository "
@@ -192,9 +195,25 @@ def _eval_model(args: argparse.Namespace, section) -> int:
             return 2
         if not section.task_ids:
             evals.cli.print_left_out("eval", task_set, section.sources, args.verbose)
+        try:
+            check_harbor_dataset(section, PosttrainStorage(), task_set, log=log)
+        except DatasetError as exc:
+            print(f"posttrain eval: {args.dataset} cannot be evaluated as asked; nothing was run or recorded:",
+                  file=sys.stderr)
+            for line in exc.problems:
+                print(f"  {line}", file=sys.stderr)
+            print("posttrain eval: fix those tasks, or leave them out with --tasks", file=sys.stderr)
+            return 2
+    elif section.dataset != "bundled":  # a task source: its tasks load and the ids name them, before any run
+        try:
+            select_tasks(load_eval_tasks(section.dataset, eval_split(section.split), bundled_dir=""),
+                         section.task_ids, section.dataset)
+        except (TaskLoadError, ValueError, OSError) as exc:
+            print(f"posttrain eval: {exc}", file=sys.stderr)
+            return 2
     try:
         flawed_lists = load_flawed_lists(ensure_flawed_lists(os.environ[HOME_ENV]))
-        done = evaluate_model(model, adapter, args.name, section, log=lambda m: print(m, file=sys.stderr),
+        done = evaluate_model(model, adapter, args.name, section, log=log,
                               log_level="DEBUG" if args.verbose else "INFO")
     except (RegistrationError, FlawedListError) as exc:
         print(f"posttrain eval: {exc}", file=sys.stderr)
@@ -203,11 +222,16 @@ def _eval_model(args: argparse.Namespace, section) -> int:
     if args.out:
         write_rows(rows, args.out)
     views = flawed_views(rows, flawed_lists, k=section.attempts)
+    path = str(done.path) if done.path.is_file() else None
     if args.json:
-        print(json.dumps({"checkpoint": done.key, "run_id": done.run_id, "rows": rows, "views": views}, default=str))
+        print(json.dumps({"checkpoint": done.key, "run_id": done.run_id, "rows_path": path, "rows": rows,
+                          "views": views}, default=str))
     else:
         print(views_markdown(views))
         print(f"checkpoint {done.key}, Dagster run {done.run_id}: `posttrain ui` shows it under deepswe_eval")
+    print(f"posttrain eval: attempt rows: {path or 'none written'}"
+          + (" (a failed run's, kept apart from the checkpoint's record)" if path and not done.success else ""),
+          file=sys.stderr)
     if not done.success:
         print(f"posttrain eval: the eval of {done.key} failed: {done.error}", file=sys.stderr)
         return 1

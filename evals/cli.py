@@ -154,7 +154,7 @@ def _harbor_tasks(command: str, dataset: str, sources: str, wanted: list[str], *
         try:
             b = build_task_image(task, sources, store, network=network)
         except Exception as exc:  # noqa: BLE001 - any build failure is that task's problem, with its reason
-            problems[task.id] = f"its image was not built: {str(exc)[-600:]}"
+            problems[task.id] = f"its image was not built ({task.metadata['environment']}): {exc}"
             print(f"posttrain {command}: cannot build {task.id}: {exc}", file=sys.stderr)
             continue
         print(f"posttrain {command}: image of {task.id}: {b.image.size_bytes / 1e6:.1f} MB, "
@@ -195,7 +195,7 @@ def print_closing_problems(command: str, problems: dict[str, str], tasks: int) -
         return 0
     print(f"posttrain {command}: {len(problems)} of {tasks} tasks could not be built, run or graded:", file=sys.stderr)
     for task_id, why in problems.items():
-        print(f"  {task_id}: {why[-600:]}", file=sys.stderr)
+        print(f"  {task_id}: {why}", file=sys.stderr)  # whole: a cut message loses the line that says why
     return 1
 
 
@@ -228,18 +228,27 @@ def cmd_tasks_envcheck(args: argparse.Namespace) -> int:
 
 def cmd_tasks_sources(args: argparse.Namespace) -> int:
     """What to fetch before a Harbor dataset's images can be built: each task's repository and its
-    submodules' at the commits the base records, and what ``--sources`` holds of them."""
-    from evals.tasks import TaskLoadError, load_harbor
+    submodules' at the commits the base records, and what ``--sources`` holds of them. A task whose
+    sources are all there but whose build is refused anyway (no verifier files, a recipe the builder
+    does not take, a task folder that does not load) is listed with why, never as ready. The closing
+    line counts repositories (a repository several tasks share once) and tasks."""
+    from evals.tasks import TaskLoadError, harbor_build_problem, load_harbor
     from sandboxes.harbor import RecipeError, needed_sources, parse_dockerfile
 
     try:
         task_set = load_harbor(args.dataset)
         wanted = [w.strip() for w in (args.tasks or "").split(",") if w.strip()]
-        tasks = _selected(task_set.tasks, ",".join(wanted)) if wanted else list(task_set.tasks)
+        if wanted:
+            incomplete = {t.id: t for t in task_set.incomplete}
+            tasks = _selected(task_set.tasks, ",".join(w for w in wanted if w not in incomplete))
+            broken = [incomplete[w] for w in wanted if w in incomplete]
+        else:
+            tasks, broken = list(task_set.tasks), list(task_set.incomplete)
     except (TaskLoadError, ValueError, OSError) as exc:
         print(f"posttrain tasks sources: {exc}", file=sys.stderr)
         return 2
-    rows, missing = [], 0
+    rows = [{"task_id": t.id, "repository": "", "path": "", "commit": "", "source": "",
+             "status": f"not loadable: {t.reason} ({t.path})"} for t in broken]
     for task in tasks:
         try:
             recipe = parse_dockerfile(task.metadata["environment"])
@@ -247,22 +256,28 @@ def cmd_tasks_sources(args: argparse.Namespace) -> int:
         except (RecipeError, KeyError) as exc:
             rows.append({"task_id": task.id, "repository": "", "path": "", "commit": "", "source": "",
                          "status": f"no recipe to read: {exc}"})
-            missing += 1
             continue
+        refused = harbor_build_problem(task, args.sources) if all(n.ready for n in needed) else ""
         for n in needed:
-            status = "ready" if n.ready else "commit missing from the source" if n.source else "not fetched"
-            missing += not n.ready
+            status = ("ready" if not refused else f"fetched, but the build refuses the task: {refused}") if n.ready \
+                else "commit missing from the source" if n.source else "not fetched"
             rows.append({"task_id": task.id, "repository": n.url, "path": n.path or ".", "commit": n.commit,
                          "source": n.source, "status": status})
+    repositories = {r["repository"] for r in rows if r["repository"]}
+    missing_repos = {r["repository"] for r in rows if r["repository"] and r["status"] not in ("ready",)
+                     and not r["status"].startswith("fetched, ")}
+    task_ids = {r["task_id"] for r in rows}
+    not_ready = {r["task_id"] for r in rows if r["status"] != "ready"}
     if args.json:
-        print(json.dumps({"rows": rows, "missing": missing}))
+        print(json.dumps({"rows": rows, "missing": len(missing_repos), "repositories": len(repositories),
+                          "tasks": len(task_ids), "tasks_not_ready": sorted(not_ready)}))
     else:
         print("| task | repository | path | commit | status |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['task_id']} | {r['repository']} | {r['path']} | {r['commit'][:12]} | {r['status']} |")
-    print(f"posttrain tasks sources: {missing} of {len(rows)} repositories not ready under {args.sources}",
-          file=sys.stderr)
-    return 1 if missing else 0
+    print(f"posttrain tasks sources: {len(missing_repos)} of {len(repositories)} repositories not ready under "
+          f"{args.sources}; {len(not_ready)} of {len(task_ids)} tasks cannot be built yet", file=sys.stderr)
+    return 1 if not_ready else 0
 
 
 def cmd_tasks_flawed_lists(args: argparse.Namespace) -> int:
