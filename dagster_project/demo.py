@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import dagster as dg
 
@@ -226,6 +226,45 @@ def result_lines(rows: Any, final: str, run_dir: Any) -> list[str]:
     return out
 
 
+def evaluate_checkpoints(instance: dg.DagsterInstance, keys: list[str], evaluate: Callable[[str], None],
+                         elapsed_s: Callable[[], float], *, budget_s: float = DEMO_BUDGET_S,
+                         log: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
+    """Evaluate the checkpoints ``keys`` of the demo's run (``evaluate(key)`` runs ``checkpoint_eval``):
+    the base and the final one always, those between while ``elapsed_s()`` and the last eval's
+    length stay inside ``budget_s``. Returns the keys evaluated and those left, in step order.
+
+    A checkpoint's ``checkpoints`` partition is added only when it is evaluated here. One left out
+    stays a checkpoint folder the instance does not know, so the checkpoint sensor (whose rule is
+    "a complete checkpoint folder without a partition") adds it and requests its eval once `posttrain
+    ui` runs the daemon; a partition added up front, as the demo once did, hid it from the sensor for
+    good. A checkpoint the sensor already took (a daemon running beside the demo) is not evaluated twice."""
+    saved = sorted(keys, key=parse_checkpoint_partition_key)
+    order = list(dict.fromkeys([saved[0], saved[-1], *saved[1:-1]]))
+    # the base and the final checkpoint first, in step order, so the UI lists them so
+    instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in dict.fromkeys([saved[0], saved[-1]])
+                                    if k not in set(instance.get_dynamic_partitions(checkpoints_partitions.name))])
+    evaluated: list[str] = []
+    left: list[str] = []
+    last_eval_s = 0.0
+    for i, key in enumerate(order, 1):
+        if i > 2:
+            if key in set(instance.get_dynamic_partitions(checkpoints_partitions.name)):
+                log(f"not evaluating checkpoint {key} here: the checkpoint sensor has already requested its eval")
+                continue
+            if elapsed_s() + last_eval_s > budget_s - 60:
+                log(f"not evaluating checkpoint {key} here: it would take the demo past {budget_s / 60:.0f} minutes; "
+                    "the checkpoint sensor evaluates it once `posttrain ui` runs")
+                left.append(key)
+                continue
+            instance.add_dynamic_partitions(checkpoints_partitions.name, [key])
+        log(f"evaluating checkpoint {key} ({i}/{len(order)})")
+        t0 = time.monotonic()
+        evaluate(key)
+        last_eval_s = time.monotonic() - t0
+        evaluated.append(key)
+    return sorted(evaluated, key=parse_checkpoint_partition_key), left
+
+
 def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
              curriculum_config: dict[str, Any] | None = None, eval_config: dict[str, Any] | None = None,
              dataset_config: dict[str, Any] | None = None, seed: int = 0) -> int:
@@ -264,29 +303,12 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
         keys = [k for k in complete_checkpoint_keys(storage) if parse_checkpoint_partition_key(k)[0] == run_name]
         if not keys:
             raise RuntimeError(f"run {run_name!r} saved no checkpoint under {storage.run_dir(run_name)}")
-        # Added in step order, the UI lists the partitions so. The base and the final checkpoint are
-        # evaluated first, then those between while the budget allows; a checkpoint left out here is
-        # evaluated by the sensor once `posttrain ui` starts the daemon.
-        saved = sorted(keys, key=parse_checkpoint_partition_key)
-        known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
-        instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in saved if k not in known])
         section = run_eval_section(storage, run_name)
-        order = list(dict.fromkeys([saved[0], saved[-1], *saved[1:-1]]))
-        evaluated: list[str] = []
-        last_eval_s = 0.0
-        for i, key in enumerate(order, 1):
-            elapsed = before_s + time.monotonic() - started
-            if i > 2 and elapsed + last_eval_s > DEMO_BUDGET_S - 60:
-                _stage(f"not evaluating checkpoint {key} here: it would take the demo past {DEMO_BUDGET_S // 60} "
-                       "minutes (the sensor evaluates it once `posttrain ui` runs)", started)
-                continue
-            _stage(f"evaluating checkpoint {key} ({i}/{len(order)})", started)
-            t0 = time.monotonic()
-            _execute(defs, "checkpoint_eval", instance, partition_key=key,
-                     run_config={**QUIET_LOGS, **eval_run_config(section)})
-            last_eval_s = time.monotonic() - t0
-            evaluated.append(key)
-        evaluated.sort(key=parse_checkpoint_partition_key)
+        evaluated, left = evaluate_checkpoints(
+            instance, keys,
+            lambda key: _execute(defs, "checkpoint_eval", instance, partition_key=key,
+                                 run_config={**QUIET_LOGS, **eval_run_config(section)}),
+            lambda: before_s + time.monotonic() - started, log=lambda m: _stage(m, started))
 
         k = section.attempts
         _stage("building eval_report", started)
@@ -301,6 +323,11 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             _stage(line, started)
         for line in result_lines(evaluated_rows, evaluated[-1], storage.run_dir(run_name)):
             _stage(line, started)
+        _stage(f"checkpoints evaluated here: {', '.join(evaluated)}", started)
+        if left:
+            _stage(f"checkpoints left to the checkpoint sensor: {', '.join(left)} (not yet partitions of the instance: "
+                   "the sensor adds and evaluates each within 30 s of `posttrain ui` starting the daemon; the UI "
+                   "shows the run under Runs, eval_report refreshes after it)", started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
         _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)
     return 0
