@@ -19,8 +19,9 @@ from assets.checks import (
 )
 from assets.harbor_eval import harbor_eval_rows
 from assets.metadata import per_task_table, png_markdown, rounded
-from assets.partitions import checkpoints_partitions
-from assets.resources import PosttrainStorage
+from assets.partitions import checkpoints_partitions, parse_checkpoint_partition_key
+from assets.resources import PosttrainStorage, WorkloadLauncher
+from assets.run_files import hand_to_workloads
 from assets.training import checkpoints
 from evals.evaluate import evaluate_checkpoint, load_eval_tasks, select_tasks
 from evals.flawed import ensure_flawed_lists, load_flawed_lists
@@ -32,6 +33,7 @@ from evals.report import (
     report_rows, run_summary, signal_counts, spread_markdown,
 )
 from evals.sandbox import platform_sandbox_factory
+from sandboxes.k8s import LABEL_PREFIX, label_value
 from training.checkpoint import checkpoint_policy, metrics_dir
 from training.planner.runner import PLAN_FILENAME
 from training.planner.schema import EvalSection, PlanError, parse_eval_table
@@ -140,14 +142,21 @@ def deepswe_eval(
     for good. ``flagged_attempts`` counts graded attempts with a cheating signal and ``signals`` how
     many carry each one; flagged attempts are scored as graded. ``per_task`` compares each task
     with the run's base model (flips, attempts, flawed marks); ``viewer`` opens every attempt
-    (transcript, tests, diff) in the trajectory viewer."""
+    (transcript, tests, diff) in the trajectory viewer. A checkpoint of a run that ``rl_run``
+    launched on Kubernetes is evaluated in an eval pod of that run, on its own engines and sandbox
+    pool (:mod:`evals.fleet_eval`), its rows written on the run volume: where the run ran decides."""
     key = context.partition_key
-    policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
     rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
-    if is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
+    if on_kubernetes(storage, key) and not is_harbor_dataset(config.dataset):
+        tasks, rows, adapter_version = fleet_eval_rows(context, config, storage, rows_path)
+    elif is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
+        policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
+        adapter_version = policy.adapter_version
         tasks, rows = harbor_eval_rows(context, config, storage, policy)
     else:
+        policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
+        adapter_version = policy.adapter_version
         engine_log = rows_path.with_suffix(".engine.log")
         tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split),
                                              bundled_dir=storage.datasets_dir() / "bundled"),
@@ -158,7 +167,8 @@ def deepswe_eval(
             max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             seed=config.seed, workers=config.workers, log=context.log.info, engine_log=engine_log,
         )
-    path = write_rows(rows, rows_path)
+    path = rows_path if rows is None else write_rows(rows, rows_path)  # None: the eval pod wrote them there
+    rows = rows if rows is not None else pd.read_parquet(path).to_dict("records")
 
     frame = pd.DataFrame(rows)
     summary = run_summary(frame, config.attempts)
@@ -169,7 +179,7 @@ def deepswe_eval(
         "tasks": len(tasks),
         **summary,
         "signals": dg.MetadataValue.json(summary["signals"]),
-        "adapter_version": policy.adapter_version or "base",
+        "adapter_version": adapter_version or "base",
         "viewer": dg.MetadataValue.url(links.url(links.checkpoint_path(key))),
     }
     ensure_flawed_lists(storage.path)
@@ -179,6 +189,53 @@ def deepswe_eval(
     checks = [check_attempts_recorded(frame, [t.id for t in tasks], config.attempts),
               check_infra_share(frame, config.max_infra_error_share), check_no_duplicates(frame)]
     return dg.MaterializeResult(metadata={k: rounded(v) for k, v in metadata.items()}, check_results=checks)
+
+
+def on_kubernetes(storage: PosttrainStorage, checkpoint: str) -> bool:
+    """Whether ``checkpoint``'s run was launched on Kubernetes by ``rl_run`` (it left the eval pod
+    of the run in its folder)."""
+    from training.planner.k8s import EVAL_POD_FILE
+
+    return (storage.run_dir(parse_checkpoint_partition_key(checkpoint)[0]) / EVAL_POD_FILE).is_file()
+
+
+def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig, storage: PosttrainStorage,
+                    rows_path: Path) -> tuple[list[Any], None, str | None]:
+    """Evaluate the partition's checkpoint in an eval pod of its Kubernetes run (the pod ``rl_run``
+    wrote into the run folder, :func:`training.planner.k8s.eval_pod`): ``python -m
+    evals.fleet_eval`` through Dagster Pipes, on the run's engines and sandbox pool. The storage
+    root is the run volume's mount, so the pod's paths are the volume's (``/run-data/...``) and the
+    rows it writes appear at ``rows_path`` here. Returns the tasks, no rows (they are read back
+    from ``rows_path``) and the checkpoint's adapter version."""
+    from training.checkpoint import read_metadata
+    from training.planner.k8s import DATA_MOUNT, EVAL_MODULE, EVAL_POD_FILE
+
+    key = context.partition_key
+    run_name, _ = parse_checkpoint_partition_key(key)
+    pod_file = storage.run_dir(run_name) / EVAL_POD_FILE
+    if not pod_file.is_file():
+        raise FileNotFoundError(f"checkpoint {key}: {pod_file} is missing: its run was not launched on Kubernetes by "
+                                "rl_run, so there is no fleet of its own to evaluate on (POSTTRAIN_TARGET=local evaluates here)")
+    launcher = WorkloadLauncher.from_env()  # the code location's: POSTTRAIN_TARGET and KUBECONFIG
+    if launcher.target != "k8s":
+        raise RuntimeError(f"checkpoint {key}: its run ran on Kubernetes and is evaluated on its own fleet there; this "
+                           "Dagster has no cluster (start it with POSTTRAIN_TARGET=k8s and KUBECONFIG)")
+    pod = json.loads(pod_file.read_text())
+    pod["metadata"].setdefault("labels", {})[f"{LABEL_PREFIX}/checkpoint"] = label_value(key)
+    in_pod = lambda path: f"{DATA_MOUNT}/{Path(path).resolve().relative_to(storage.path).as_posix()}"  # noqa: E731
+    ckpt = storage.checkpoint_dir(key)
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    hand_to_workloads(rows_path.parent)
+    settings = {k: getattr(config, k) for k in ("dataset", "split", "task_ids", "attempts", "max_turns", "max_new_tokens",
+                                                "temperature", "seed", "workers")}
+    launcher.run(context, EVAL_MODULE, ["--checkpoint", key, "--checkpoint-dir", in_pod(ckpt), "--rows", in_pod(rows_path),
+                                        "--settings", json.dumps(settings)],
+                 pod_spec=pod["spec"], pod_meta=pod["metadata"], namespace=pod["namespace"])
+    if not rows_path.is_file():
+        raise FileNotFoundError(f"checkpoint {key}: the eval pod ended without writing {rows_path}")
+    tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split), bundled_dir=storage.datasets_dir() / "bundled"),
+                         config.task_ids, config.dataset)
+    return tasks, None, read_metadata(ckpt, name=key).get("adapter_version")
 
 
 class EvalReportConfig(dg.Config):

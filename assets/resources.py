@@ -200,11 +200,15 @@ class WorkloadLauncher(dg.ConfigurableResource):
         env: Mapping[str, str] | None = None,
         extras: Mapping[str, Any] | None = None,
         pod_spec: Mapping[str, Any] | None = None,
+        pod_meta: Mapping[str, Any] | None = None,
+        namespace: str | None = None,
         on_message: Callable[[Any], None] | None = None,
     ) -> dg.PipesClientCompletedInvocation:
         """Run the workload to its end. ``on_message`` is called with each custom Pipes message
         (``report_custom_message``) as it arrives, on the message reader's thread, while the
-        workload runs (the completed invocation also lists them all at the end)."""
+        workload runs (the completed invocation also lists them all at the end). On ``k8s``,
+        ``pod_spec`` and ``pod_meta`` are the pod's (its first container's image, when set, is used
+        instead of ``image``), in ``namespace`` (default: the launcher's)."""
         command = self.command(module, args)
         context.log.info(f"launching {' '.join(command)} on {self.target}")
         if self.target == "local":
@@ -223,11 +227,13 @@ class WorkloadLauncher(dg.ConfigurableResource):
         base_pod_spec: dict[str, Any] = dict(pod_spec or {})
         if self.service_account:
             base_pod_spec.setdefault("serviceAccountName", self.service_account)
+        containers = base_pod_spec.get("containers") or [{}]
         return client.run(
             context=context,
-            image=self.image,
+            image=None if containers[0].get("image") else self.image,
             command=command,
-            namespace=self.namespace,
+            namespace=namespace or self.namespace,
+            base_pod_meta=dict(pod_meta or {}) or None,
             env=dict(env or {}),
             extras=dict(extras or {}),
             base_pod_spec=base_pod_spec or None,

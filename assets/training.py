@@ -6,6 +6,7 @@ checkpoint; the trainer writes the same series as TensorBoard event files in the
 ``checkpoints`` carries two checks: the folder is complete and its adapter loads.
 """
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,10 @@ def rl_run(
     plan = resolve(data, source=source)
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)
-    if launcher.target == "k8s":
+    if launcher.target == "k8s":  # the pod its checkpoints' evaluations run in (deepswe_eval)
+        from training.planner.k8s import EVAL_POD_FILE, eval_pod
+
+        (run_dir / EVAL_POD_FILE).write_text(json.dumps(eval_pod(plan), indent=2) + "\n")
         hand_to_workloads(run_dir, storage.evals_dir())
     context.log.info(f"run {plan.run_name}: plan {plan_path}")
     of_steps = int((data.get("trainer") or {}).get("steps") or 0)

@@ -597,12 +597,17 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     return [as_served(m) for m in json.loads(json.dumps(manifests))]
 
 
-def eval_pod(plan: Plan, checkpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The metadata and spec of the pod that evaluates ``checkpoint`` of ``plan``'s run on the run's
-    own fleet (``python -m evals.fleet_eval``; ``deepswe_eval`` launches it through Dagster Pipes and
-    sets its command): the trainer's image, volume, credential, router and pool, component ``eval``
-    (which the router's and the pool's NetworkPolicies admit), no Kubernetes rights, locked down
-    like every workload. Small: the model runs on the engines and the episodes in sandbox pods."""
+EVAL_POD_FILE = "eval-pod.json"  # in the run folder: eval_pod's answer, which deepswe_eval launches
+
+
+def eval_pod(plan: Plan) -> dict[str, Any]:
+    """The pod (``namespace``, ``metadata``, ``spec``) that evaluates a checkpoint of ``plan``'s run on
+    the run's own fleet (``python -m evals.fleet_eval``; ``deepswe_eval`` launches it through
+    Dagster Pipes, setting its command and a ``checkpoint`` label): the trainer's image, volume,
+    credential, router and pool, component ``eval`` (which the router's and the pool's
+    NetworkPolicies admit), no Kubernetes rights, locked down like every workload. Small: the model
+    runs on the engines and the episodes in sandbox pods. ``rl_run`` writes it into the run folder
+    (:data:`EVAL_POD_FILE`), where the evaluations of the run's checkpoints read it."""
     base = k8s_name(plan.run_name)
     ns = plan.run_file.kubernetes.namespace
     rf = plan.run_file
@@ -614,8 +619,7 @@ def eval_pod(plan: Plan, checkpoint: str) -> tuple[dict[str, Any], dict[str, Any
         "name": "eval", "image": rf.kubernetes.image, "env": env, "volumeMounts": list(_MOUNTS),
         "resources": _resources("250m", "2Gi"),
     }], service_account=rf.kubernetes.service_account or f"{base}-trainer", restartPolicy="Never")
-    labels = {**_labels(plan, "eval"), f"{LABEL_PREFIX}/checkpoint": label_value(checkpoint)}
-    return {"labels": labels}, spec
+    return {"namespace": ns, "metadata": {"labels": _labels(plan, "eval")}, "spec": json.loads(json.dumps(spec))}
 
 
 POOL_ACCOUNT_SUFFIX = "-sandbox-pool"  # the pool's service account is RUN-sandbox-pool
