@@ -50,7 +50,10 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# --code-tree TREE (a worker of --compare-with) imports the trainer from another checkout, e.g. a git
+# worktree of an earlier commit; everything else here (batch, timing, MFU) stays this file's
+_CODE_TREE = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--code-tree"), None)
+sys.path.insert(0, str(Path(_CODE_TREE).resolve() if _CODE_TREE else Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recompute as rb  # noqa: E402  (bench/recompute.py: the benchmark decoder's step)
@@ -299,6 +302,134 @@ def scaling(args) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"scaling": rows}, indent=1))
 
+# -- today's step against this tree's, side by side (--compare-with) --------------------------------
+
+
+def step_worker(args) -> None:
+    """One process: the backend of ``--code-tree`` (or this tree) takes ``--warmup`` + ``--steps``
+    steps of one context length in ``--mode``; writes the timings, peak memory, every step's loss and
+    gradient norm, and the adapter's change after the third step (float32 masters, to ``--save-adapter``)."""
+    device = args.device
+    shape, config = (tiny_shape(), None) if device == "cpu" else qwen3_config(args.model, args.layers)
+    if config is None:
+        config = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                             intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                             num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                             head_dim=shape.head_dim, tie_word_embeddings=False)
+    seq_len = int(args.contexts)
+    backend = build_backend(config, device, torch.bfloat16, args.mode, seq_len, shape.lora_rank)
+    initial = [m.detach().cpu().clone() for m in backend.masters]
+    batch = batch_of(seq_len, shape.vocab_size, seed=seq_len)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses, norms = [], [], []
+    started = time.perf_counter()
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        result = backend.train_step(batch, DEFAULT_LOSS)
+        sync(device)
+        took = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(took)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if i == 2 and args.save_adapter:  # outside the timed window
+            torch.save(torch.cat([(m.detach().cpu() - m0).flatten() for m, m0 in zip(backend.masters, initial)]),
+                       args.save_adapter)
+    kernels = ""
+    try:
+        from training.fused_step import _CHOSEN  # this tree's fused kernels, where it has them
+
+        kernels = "; ".join(f"{c.kernels.name} (vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in c.errors.items())
+                            + ")" + (f"; passed over: {c.rejected}" if c.rejected else "") for c in _CHOSEN.values())
+    except ImportError:
+        pass
+    times_sorted = sorted(times)
+    args.json.write_text(json.dumps({
+        "seq_len": seq_len, "mode": args.mode, "step_s": times_sorted[len(times) // 2], "step_s_all": times,
+        "first_step_s": time.perf_counter() - started - sum(times) if not args.warmup else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
+        "losses": losses, "grad_norms": norms, "step_kernels": kernels,
+    }))
+
+
+def compare(args) -> None:
+    """Today's step (``--compare-with``, a worktree of the baseline commit) and this tree's, each
+    context in a process of its own (so each peak is its own), one after the other on this GPU."""
+    device = args.device
+    started = time.perf_counter()
+    here = Path(__file__).resolve()
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        log(f"device {props.name}, {props.total_memory / GIB:.0f} GiB; torch {torch.__version__}; "
+            f"cuDNN {torch.backends.cudnn.version()}")
+    matmul = matmul_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20, device=device)
+    gpu_name, peak = device_peak_tflops(device)
+    log(describe(gpu_name, peak, matmul))
+    shape = tiny_shape() if device == "cpu" else qwen3_config(args.model, args.layers)[0]
+    trees = [(args.baseline_label, Path(args.compare_with).resolve()), ("this tree", here.parents[1])]
+    results: dict[tuple[int, str], dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq_len in [int(c) for c in args.contexts.split(",") if c]:
+            for label, tree in trees:
+                out, adapter = Path(tmp) / "step.json", Path(tmp) / f"adapter-{seq_len}-{len(results)}.pt"
+                cmd = [sys.executable, str(here), "--step-worker", "--code-tree", str(tree), "--device", device,
+                       "--model", args.model, "--contexts", str(seq_len), "--mode", args.mode, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--json", str(out), "--save-adapter", str(adapter),
+                       *(["--layers", str(args.layers)] if args.layers else [])]
+                t0 = time.perf_counter()
+                proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    log(proc.stdout[-3000:] + proc.stderr[-6000:])
+                    raise SystemExit(f"{label} at {seq_len}: the step worker failed ({proc.returncode})")
+                r = json.loads(out.read_text())
+                r.update(label=label, tree=str(tree), adapter=str(adapter), process_s=time.perf_counter() - t0)
+                r["tokens_per_s"] = seq_len / r["step_s"]
+                r["model_tflops"] = seq_len * shape.train_flops_per_token(seq_len) / r["step_s"] / 1e12
+                results[(seq_len, label)] = r
+                log(f"{seq_len:>6} {label:>16} {args.mode}: step {r['step_s']:.3f} s (all "
+                    f"{', '.join(f'{t:.3f}' for t in r['step_s_all'])}), peak {r['peak_gib']:.1f} GiB, "
+                    f"{r['tokens_per_s']:.0f} tok/s, MFU {percent(mfu(r['model_tflops'], peak))}; "
+                    f"losses {', '.join(f'{x:.6f}' for x in r['losses'])}; process {r['process_s']:.0f} s"
+                    + (f"; step kernels {r['step_kernels']}" if r["step_kernels"] else ""))
+        matmul = max(matmul, matmul_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20, device=device))
+        log(f"bf16 matmul, the larger of before and after the steps: {matmul:.3g} TFLOP/s")
+        log("")
+        base, new = args.baseline_label, "this tree"
+        log(f"| context | code | step s (all) | tokens/s | vs {base} | {mfu_header(peak)} | of measured matmul "
+            f"({matmul:.3g} TFLOP/s) | peak GiB | peak vs {base} |")
+        log("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        rows = []
+        for (seq_len, label), r in results.items():
+            b = results[(seq_len, base)]
+            log(f"| {seq_len} | {label} | {r['step_s']:.3f} ({', '.join(f'{t:.3f}' for t in r['step_s_all'])}) | "
+                f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
+                f"{percent(mfu(r['model_tflops'], peak))} | {r['model_tflops'] / matmul:.1%} | {r['peak_gib']:.1f} | "
+                f"{r['peak_gib'] / b['peak_gib']:.2f}x |")
+        log("")
+        log(f"losses and adapter, {new} against {base} (the same initial weights, adapter and batch):")
+        log(f"| context | step | loss, {base} | loss, {new} | loss rel. diff | grad norm rel. diff |")
+        log("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for seq_len in sorted({k[0] for k in results}):
+            b, n = results[(seq_len, base)], results[(seq_len, new)]
+            for i, (lb, ln) in enumerate(zip(b["losses"], n["losses"])):
+                log(f"| {seq_len} | {i + 1} | {lb:.6f} | {ln:.6f} | {abs(ln - lb) / max(abs(lb), 1e-30):.1e} | "
+                    f"{abs(n['grad_norms'][i] - b['grad_norms'][i]) / b['grad_norms'][i]:.1e} |")
+            db, dn = torch.load(b["adapter"]), torch.load(n["adapter"])
+            rows.append({"seq_len": seq_len, "adapter_update_rel_diff": float((dn - db).norm() / db.norm()),
+                         "adapter_update_cosine": float(torch.nn.functional.cosine_similarity(dn, db, dim=0))})
+            log(f"{seq_len}: adapter change after 3 steps (float32 masters), {new} against {base}: relative difference "
+                f"{rows[-1]['adapter_update_rel_diff']:.2e}, cosine {rows[-1]['adapter_update_cosine']:.6f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"datasheet_peak_tflops": peak, "matmul_tflops": matmul,
+                                         "steps": list(results.values()), "adapter": rows}, indent=1))
+    log(f"total {time.perf_counter() - started:.0f} s")
+
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -315,9 +446,22 @@ def main() -> None:
     parser.add_argument("--mode", default="attention_output", choices=RECOMPUTE_MODES, help="recompute mode (--ranks)")
     parser.add_argument("--sequences-per-rank", type=int, default=2, help="sequences each rank trains per step (--ranks)")
     parser.add_argument("--scaling-worker", action="store_true", help=argparse.SUPPRESS)  # one rank of --ranks
+    parser.add_argument("--compare-with", default=None, metavar="TREE",
+                        help="time today's step from TREE (a git worktree of the baseline commit) and this tree's, "
+                             "--mode only, each context in its own process, side by side")
+    parser.add_argument("--baseline-label", default="1ec7686", help="what --compare-with's tree is called in the tables")
+    parser.add_argument("--step-worker", action="store_true", help=argparse.SUPPRESS)  # one run of --compare-with
+    parser.add_argument("--code-tree", default=None, help=argparse.SUPPRESS)  # read before the imports, above
+    parser.add_argument("--save-adapter", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.scaling_worker:
         return scaling_worker(args)
+    if args.step_worker:
+        return step_worker(args)
+    if args.compare_with:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("bench/trainer_throughput.py --compare-with needs a CUDA device (or --device cpu for a smoke run)")
+        return compare(args)
     if args.ranks:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("bench/trainer_throughput.py --ranks needs CUDA devices (or --device cpu for a smoke run)")

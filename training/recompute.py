@@ -220,7 +220,7 @@ class HFDecoderSplit:
         return weight, delta
 
 
-def keep_attention_output_in_hf_layers(model: nn.Module) -> int:
+def keep_attention_output_in_hf_layers(model: nn.Module, fused: bool | None = False) -> int:
     """Make every Qwen2/Qwen3 decoder layer of ``model`` keep only its input, attention output and
     log-sum-exp for backward (see :class:`KeepAttentionOutput`); returns how many layers.
 
@@ -228,6 +228,12 @@ def keep_attention_output_in_hf_layers(model: nn.Module) -> int:
     The kept path runs when gradients are being recorded and the layer has a trainable parameter
     or a gradient-needing input; otherwise (``no_grad`` scoring, generation with a KV cache) the
     layer's own forward runs. Pass ``use_cache=False`` to the model when training.
+
+    ``fused`` runs the same scheme written out by hand (``training.fused_step.FusedKeepAttentionOutput``:
+    fewer passes over memory, the same arithmetic) on every layer that qualifies (a Qwen3 layer with
+    one plain LoRA adapter on each of its seven projections; ``fused_step.fused_layer_parts`` says
+    why not): ``True`` on any device, ``None`` on CUDA in 16-bit dtypes only, ``False`` never. A
+    layer that does not qualify runs :class:`KeepAttentionOutput`.
     """
     import importlib
 
@@ -237,11 +243,19 @@ def keep_attention_output_in_hf_layers(model: nn.Module) -> int:
     for layer in layers:
         rotary = importlib.import_module(type(layer).__module__).apply_rotary_pos_emb
         split = HFDecoderSplit(layer, rotary)
-        layer.forward = _kept_forward(split, layer.forward)
+        layer.forward = _kept_forward(split, layer.forward, fused)
     return len(layers)
 
 
-def _kept_forward(split: HFDecoderSplit, original: Callable) -> Callable:
+def _use_fused(fused: bool | None, x: torch.Tensor) -> bool:
+    if fused is None:
+        return x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+    return fused
+
+
+def _kept_forward(split: HFDecoderSplit, original: Callable, fused: bool | None = False) -> Callable:
+    chosen: dict[str, object] = {}  # device type -> the layer's FusedLayerParts, or None: decided at the first call
+
     def forward(hidden_states, *args, **kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("cache", kwargs.get("past_key_value")))
         trainable = split.trainable()
@@ -249,6 +263,22 @@ def _kept_forward(split: HFDecoderSplit, original: Callable) -> Callable:
             return original(hidden_states, *args, **kwargs)
         cos, sin = kwargs["position_embeddings"]
         split.select_kernels(hidden_states)
+        device_type = hidden_states.device.type
+        if device_type not in chosen:
+            chosen[device_type] = None
+            if _use_fused(fused, hidden_states):
+                from training.fused_step import chosen_step_kernels, fused_layer_parts
+
+                parts, _ = fused_layer_parts(split.layer)
+                if parts is not None:
+                    parts.kernels = split.kernels
+                    parts.step_kernels = chosen_step_kernels(hidden_states.device, hidden_states.dtype).kernels
+                chosen[device_type] = parts
+        parts = chosen[device_type]
+        if parts is not None:
+            from training.fused_step import FusedKeepAttentionOutput
+
+            return FusedKeepAttentionOutput.apply(parts, hidden_states, cos, sin, *parts.trainable())
         return KeepAttentionOutput.apply(split, hidden_states, cos, sin, *trainable)
 
     return forward

@@ -49,6 +49,7 @@ from training.backends.step import grpo_train_step
 from training.grpo import LossConfig, TrainBatch
 from training.checkpoint import adapter_dir
 from training.config import TrainConfig
+from training.fused_step import chosen_step_kernels, frozen_head_token_logprobs
 from training.logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from training.recompute import RECOMPUTE_MODES, keep_attention_output_in_hf_layers, plain_lora
 
@@ -71,6 +72,7 @@ class TorchPeftBackend:
         dtype: str = "float32",
         logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         data_parallel: DataParallel | None = None,
+        fused_kernels: bool | None = None,
     ) -> None:
         model_path = Path(model_path)
         if not (model_path / "config.json").is_file():
@@ -83,9 +85,9 @@ class TorchPeftBackend:
             raise ValueError(f"logits_chunk_tokens must be at least 1, got {logits_chunk_tokens}")
         torch.manual_seed(seed)  # LoRA A matrices are initialized from the global generator
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model = self._wrap(base, lora_rank, lora_alpha, target_modules, recompute, device)
+        self.model = self._wrap(base, lora_rank, lora_alpha, target_modules, recompute, device, fused_kernels)
         self._finish_init(recompute, device, max_grad_norm, micro_batch_tokens,
-                          logits_chunk_tokens, learning_rate, weight_decay, data_parallel)
+                          logits_chunk_tokens, learning_rate, weight_decay, data_parallel, fused_kernels)
 
     @classmethod
     def from_model(cls, base: torch.nn.Module, **kwargs) -> "TorchPeftBackend":
@@ -103,13 +105,15 @@ class TorchPeftBackend:
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
         torch.manual_seed(args["seed"])
-        self.model = cls._wrap(base, args["lora_rank"], args["lora_alpha"], args["target_modules"], recompute, device)
+        self.model = cls._wrap(base, args["lora_rank"], args["lora_alpha"], args["target_modules"], recompute, device,
+                               args["fused_kernels"])
         self._finish_init(recompute, device, args["max_grad_norm"], args["micro_batch_tokens"],
-                          args["logits_chunk_tokens"], args["learning_rate"], args["weight_decay"], args["data_parallel"])
+                          args["logits_chunk_tokens"], args["learning_rate"], args["weight_decay"], args["data_parallel"],
+                          args["fused_kernels"])
         return self
 
     @staticmethod
-    def _wrap(base, lora_rank, lora_alpha, target_modules, recompute, device):
+    def _wrap(base, lora_rank, lora_alpha, target_modules, recompute, device, fused_kernels=None):
         lora = LoraConfig(
             r=lora_rank, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
             bias="none", task_type="CAUSAL_LM",
@@ -126,11 +130,11 @@ class TorchPeftBackend:
             else:
                 hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif recompute == "attention_output":
-            keep_attention_output_in_hf_layers(model)
+            keep_attention_output_in_hf_layers(model, fused=fused_kernels)
         return model
 
     def _finish_init(self, recompute, device, max_grad_norm, micro_batch_tokens,
-                     logits_chunk_tokens, learning_rate, weight_decay, data_parallel) -> None:
+                     logits_chunk_tokens, learning_rate, weight_decay, data_parallel, fused_kernels=None) -> None:
         # one replica unless given its data-parallel place (training.backends.build_replica in a trainer
         # of several processes): a backend built on one rank alone, e.g. as a reference, steps alone
         self.data_parallel = data_parallel or DataParallel()
@@ -139,6 +143,7 @@ class TorchPeftBackend:
         self.max_grad_norm = max_grad_norm
         self.micro_batch_tokens = micro_batch_tokens
         self.logits_chunk_tokens = logits_chunk_tokens
+        self.fused_kernels = fused_kernels
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         broadcast_from_first(self.params, self.data_parallel)
         # float32 master weights for 16-bit adapters; the adapter itself where it is float32 already
@@ -162,8 +167,19 @@ class TorchPeftBackend:
             lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         else:
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            lp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], self.logits_chunk_tokens)
+            if not head.weight.requires_grad and self._fused(hidden):
+                kernels = chosen_step_kernels(hidden.device, hidden.dtype).kernels
+                lp = frozen_head_token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], self.logits_chunk_tokens, kernels)
+            else:
+                lp = token_logprobs(hidden[:, :-1], head.weight, input_ids[:, 1:], self.logits_chunk_tokens)
         return torch.nn.functional.pad(lp, (1, 0))
+
+    def _fused(self, hidden: torch.Tensor) -> bool:
+        """Whether the fused kernels (``training.fused_step``) run: as ``fused_kernels`` says, or by
+        default on CUDA in 16-bit dtypes."""
+        if self.fused_kernels is None:
+            return hidden.device.type == "cuda" and hidden.dtype in (torch.bfloat16, torch.float16)
+        return self.fused_kernels
 
     def train_step(self, batch: TrainBatch, loss: LossConfig) -> StepResult:
         self.model.train()
