@@ -20,9 +20,11 @@ moved, a string or list extended, drawn anew for each ``seed``), whose expected 
 reference solution's. A test passes only when its visible calls AND its hidden calls return the
 expected values, so a patch that answers the tests' inputs from a table, or fails on the first
 input it does not know, fails the test. The hidden inputs and their values are computed in a fresh
-sandbox of the task that no agent has touched (the task's code never runs on the host), exist only
-in the grader's memory and enter the grading sandbox only as the probe's spec, after the episode;
-the text a reader sees says how many hidden calls failed, never which inputs.
+sandbox of the task that no agent has touched (the task's code never runs on the host), once per
+task: they are kept in the grader's memory and beside the task's repository on the host
+(``.hidden-answers/``, which no sandbox sees: a sandbox gets the repository alone), and enter the
+grading sandbox only as the probe's spec, after the episode; the text a reader sees says how many
+hidden calls failed, never which inputs.
 
 A task whose tests are not all such asserts has no call checks (:func:`call_checks` is None) and is
 graded by running its tests (:mod:`evals.grading`).
@@ -38,6 +40,8 @@ import json
 import os
 import random
 import string
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -170,8 +174,12 @@ def hidden_checks(task, visible: Sequence[CallCheck], sandbox_factory, seed: int
     solution (the base module with ``metadata.reference_edits``) and by the base module, in a fresh
     sandbox of the task from ``sandbox_factory``; the calls the reference answers with plain data, up
     to :data:`MAX_HIDDEN_PER_TEST` a test, those where the two disagree first (where the bug shows).
-    Empty when the task carries no reference solution. Cached per task, seed and input: a task graded
-    many times pays for one sandbox."""
+    Empty when the task carries no reference solution.
+
+    The answers are a property of the task, not of who grades it, so they are computed once
+    (:func:`_hidden_answers`): kept in this process and in the task's own folder, keyed by what
+    decides them, and every later grading of the task, in this process or another (the trainer
+    after the task stream validated the task, each evaluation of the suite), reuses them."""
     edits = (task.metadata or {}).get("reference_edits")
     if not isinstance(edits, list) or not edits:
         return ()
@@ -182,43 +190,112 @@ def hidden_checks(task, visible: Sequence[CallCheck], sandbox_factory, seed: int
     calls = tuple(hidden_inputs(task, visible, seed))
     if not calls:
         return ()
-    return _hidden_checks(_TaskKey(task, sandbox_factory), line_edits, calls)
+    reference, unfixed = _hidden_answers(task, sandbox_factory, line_edits, calls)
+    return _choose(calls, reference, unfixed)
 
 
-class _TaskKey:
-    """A task and its sandbox factory as one cache key: equal when the task's identity and content are
-    (id, base commit, repository) and the factory is the same object."""
-
-    def __init__(self, task, sandbox_factory):
-        self.task, self.factory = task, sandbox_factory
-        self.key = (task.id, task.base_commit, task.repo_path, id(sandbox_factory))
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _TaskKey) and self.key == other.key and self.factory is other.factory
+ANSWERS_FOLDER = ".hidden-answers"  # beside the task's repository, never inside it: no sandbox sees it
+_answers: "OrderedDict[str, tuple[dict[int, Any], dict[int, Any]]]" = OrderedDict()
+_answers_locks: dict[str, threading.Lock] = {}
+_answers_guard = threading.Lock()
+_ANSWERS_KEPT = 4096
 
 
-@functools.lru_cache(maxsize=4096)
-def _hidden_checks(key: _TaskKey, line_edits: tuple[tuple[int, str], ...],
-                   calls: tuple[tuple[str, str, str], ...]) -> tuple[CallCheck, ...]:
-    task = key.task
+def _answers_key(task, line_edits, calls) -> str:
+    """What decides the hidden answers: the task, its base commit and base module as the host's copy
+    of its repository holds them, the reference edits, the calls, and the probe that makes them."""
+    source = b""
+    if task.repo_path:
+        try:
+            source = (Path(task.repo_path) / f"{module_name(task)}.py").read_bytes()  # read as data, never run
+        except OSError:
+            pass
+    digest = hashlib.sha256(json.dumps([task.id, task.base_commit, hashlib.sha256(source).hexdigest(),
+                                        list(line_edits), list(calls)]).encode())
+    digest.update(_probe_digest())
+    return digest.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_digest() -> bytes:
+    return hashlib.sha256(PROBE_SOURCE.read_bytes()).digest()
+
+
+def _answers_file(task, key: str) -> Path | None:
+    return Path(task.repo_path).parent / ANSWERS_FOLDER / f"{key}.json" if task.repo_path else None
+
+
+def _hidden_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The reference solution's and the base code's answers to ``calls`` (by position; calls that
+    raise are left out). From this process's memory, else from the task folder's
+    ``.hidden-answers/<key>.json`` (written by the host only; the sandbox gets the repository alone),
+    else computed in a fresh sandbox and kept in both. Gradings of one task that start together wait
+    for one computation instead of each starting a sandbox."""
+    key = _answers_key(task, line_edits, calls)
+    with _answers_guard:
+        if key in _answers:
+            _answers.move_to_end(key)
+            return _answers[key]
+        lock = _answers_locks.setdefault(key, threading.Lock())
+    with lock:
+        with _answers_guard:
+            if key in _answers:
+                return _answers[key]
+        path = _answers_file(task, key)
+        answers = _read_answers(path) if path is not None else None
+        if answers is None:
+            encoded = _compute_answers(task, sandbox_factory, line_edits, calls)
+            answers = tuple({i: decode(v) for i, v in side.items()} for side in encoded)
+            if path is not None:
+                _write_answers(path, encoded)
+        with _answers_guard:
+            _answers[key] = answers
+            while len(_answers) > _ANSWERS_KEPT:
+                _answers.popitem(last=False)
+            _answers_locks.pop(key, None)
+    return answers
+
+
+def _read_answers(path: Path) -> tuple[dict[int, Any], dict[int, Any]] | None:
+    """The answers kept in ``path``; None when there are none or they do not read back whole."""
+    try:
+        data = json.loads(path.read_text())
+        return tuple({int(i): decode(v) for i, v in data[side].items()} for side in ("reference", "unfixed"))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
+def _write_answers(path: Path, encoded: tuple[dict[int, Any], dict[int, Any]]) -> None:
+    """Keep the answers in ``path`` (written aside, then renamed); a folder that cannot be written
+    (a read-only dataset) keeps none: the answers are computed again next time."""
+    reference, unfixed = encoded
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps({"reference": reference, "unfixed": unfixed}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _compute_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The answers, as the probe encoded them, of the reference solution and of the base module, in
+    a fresh sandbox of the task."""
     module_file = f"{module_name(task)}.py"
     probe_calls = [CallCheck(test_id, function, args, None) for test_id, function, args in calls]
     try:
-        with key.factory(task) as sandbox:
+        with sandbox_factory(task) as sandbox:
             base_source = sandbox.read_file(module_file).decode()
             try:
                 fixed = apply_edits(base_source, list(line_edits))
             except ValueError as exc:
                 raise ValueError(f"task {task.id}: metadata.reference_edits do not fit {module_file}: {exc}") from exc
-            unfixed = _answers(sandbox, task, probe_calls)
+            unfixed = _answers_of(sandbox, task, probe_calls)
             sandbox.write_file(module_file, fixed.encode())
-            reference = _answers(sandbox, task, probe_calls)
+            reference = _answers_of(sandbox, task, probe_calls)
     except (InfraError, OSError) as exc:
         raise InfraError(f"task {task.id}: answering the hidden inputs in a fresh sandbox failed: {exc}") from exc
-    return _choose(calls, reference, unfixed)
+    return reference, unfixed
 
 
 def _choose(calls: Sequence[tuple[str, str, str]], reference: Mapping[int, Any],
@@ -247,10 +324,10 @@ def _choose(calls: Sequence[tuple[str, str, str]], reference: Mapping[int, Any],
     return tuple(sorted(chosen, key=lambda c: order.index(c.test_id)))
 
 
-def _answers(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
-    """What the module in ``sandbox``'s work tree returns for each call (by position), as plain data;
-    calls that raise are left out. Runs the probe as grading does; :class:`InfraError` when it
-    cannot."""
+def _answers_of(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
+    """What the module in ``sandbox``'s work tree returns for each call (by position), as the probe
+    encoded it (:func:`decode` checks it); calls that raise are left out. Runs the probe as grading
+    does; :class:`InfraError` when it cannot."""
     command = install_probe(sandbox, GRADER_DIR, probe_spec(module_name(task), calls, 5.0, one_process=True))
     run = sandbox.exec(command, timeout_s=max(60.0, task.limits.test_timeout_s), output_cap_bytes=1 << 16,
                        env={"POSTTRAIN_RESULTS_FD": str(RESULTS_FD)}, results_fd=RESULTS_FD, kill_others=True)
@@ -260,7 +337,8 @@ def _answers(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
     for line in run.results.splitlines():
         record = json.loads(line)
         if record.get("event") == "value":
-            answers[record["check"]] = decode(record["value"])
+            decode(record["value"])  # refused here, not when read back
+            answers[int(record["check"])] = record["value"]
     return answers
 
 
