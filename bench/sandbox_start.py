@@ -1,7 +1,7 @@
 """Sandbox start latency and CPU per start+stop, per runtime, this checkout beside a baseline commit.
 
     .venv/bin/python bench/sandbox_start.py                 # a few minutes on 2 cores
-    .venv/bin/python bench/sandbox_start.py --repeats 21 --runtimes bwrap --baseline 1ec7686
+    .venv/bin/python bench/sandbox_start.py --repeats 10 --rounds 3 --runtimes bwrap --baseline 1ec7686
 
 "Start" is ``sandboxes.start(image)`` returning: the layers taken from the node cache (cold: the
 cache is emptied first, so both layers are unpacked from their zstd blobs), the overlay and tmpfs
@@ -21,6 +21,8 @@ else (the runtime's processes and pxd), and the harness's part by step (``Sandbo
 where the tree records it). Kernel work done later in kernel threads (a cgroup's release, an
 overlay's deferred cleanup) is in neither; the machine's whole ``/proc/stat`` busy time over the
 same starts is printed beside, which includes whatever else the machine runs (see the load average).
+Last, the CPU a started sandbox costs while it waits (an episode's sandbox mostly waits for the
+model): one sandbox left idle for ``--idle-s`` seconds, in CPU ms per second.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def self_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def worker(repeats: int, runtimes: list[str]) -> None:
+def worker(repeats: int, runtimes: list[str], idle_s: float = 2.0) -> None:
     """Measure with the ``sandboxes`` on ``sys.path``; print one JSON line per image and runtime."""
     import sandboxes
 
@@ -133,18 +135,25 @@ def worker(repeats: int, runtimes: list[str]) -> None:
                         cpu["machine"].append(m2 - m0)
                         for name, value in getattr(sb, "host_cpu_s", {}).items():
                             steps.setdefault(name, []).append(value)
+            with sandboxes.start(image, runtime=runtime, store=store, cache=cache) as sb:  # one that waits
+                sb.exec("true")
+                time.sleep(0.2)
+                u0 = usage_s(group)
+                time.sleep(idle_s)
+                idle = (usage_s(group) - u0) / idle_s
             print(json.dumps({"image": image.name, "size_bytes": image.size_bytes, "runtime": runtime,
-                              "cold_s": times["cold"], "hit_s": times["hit"], "cpu": cpu, "steps": steps}), flush=True)
+                              "cold_s": times["cold"], "hit_s": times["hit"], "cpu": cpu, "steps": steps,
+                              "idle_cpu_s_per_s": idle}), flush=True)
     if group is not None:
         (group.parent / "cgroup.procs").write_text(str(os.getpid()))
         group.rmdir()
 
 
-def run_tree(tree: Path, repeats: int, runtimes: str) -> list[dict]:
+def run_tree(tree: Path, repeats: int, runtimes: str, idle_s: float) -> list[dict]:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import runpy; "
-            "m = runpy.run_path(sys.argv[2]); m['worker'](int(sys.argv[3]), sys.argv[4].split(','))")
-    done = subprocess.run([sys.executable, "-c", code, str(tree), __file__, str(repeats), runtimes], cwd=tree,
-                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=3600)
+            "m = runpy.run_path(sys.argv[2]); m['worker'](int(sys.argv[3]), sys.argv[4].split(','), float(sys.argv[5]))")
+    done = subprocess.run([sys.executable, "-c", code, str(tree), __file__, str(repeats), runtimes, str(idle_s)],
+                          cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"worker in {tree} failed:\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -156,9 +165,11 @@ def ms(values) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=5, help="starts of each kind per image, runtime and round")
+    ap.add_argument("--rounds", type=int, default=2, help="worker runs per tree, the trees alternating")
     ap.add_argument("--runtimes", default="bwrap,gvisor")
     ap.add_argument("--baseline", default="1ec7686", help="commit measured beside this checkout ('' for none)")
+    ap.add_argument("--idle-s", type=float, default=2.0, help="how long one started sandbox is left idle and measured")
     args = ap.parse_args()
     trees = [("this checkout", ROOT)]
     worktree = None
@@ -168,21 +179,38 @@ def main() -> int:
                        check=True)
         trees.insert(0, (f"baseline {args.baseline}", worktree))
     try:
-        results = {name: run_tree(tree, args.repeats, args.runtimes) for name, tree in trees}
+        # the trees' workers alternate, ``--rounds`` each, so that a change of the machine's load
+        # falls on both alike
+        results: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):
+            for name, tree in trees:
+                rows = run_tree(tree, args.repeats, args.runtimes, args.idle_s)
+                if name not in results:
+                    results[name] = rows
+                    continue
+                for old, new in zip(results[name], rows):
+                    for key in ("cold_s", "hit_s"):
+                        old[key] += new[key]
+                    for key in old["cpu"]:
+                        old["cpu"][key] += new["cpu"][key]
+                    for key in old["steps"]:
+                        old["steps"][key] += new["steps"][key]
+                    old["idle_cpu_s_per_s"] = (old["idle_cpu_s_per_s"] + new["idle_cpu_s_per_s"]) / 2
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
             shutil.rmtree(worktree.parent, ignore_errors=True)
-    print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     print(f"{'tree':<17} {'image':<11} {'runtime':<8} {'cold p50 ms':>11} {'hit p50 ms':>10} {'hit p90 ms':>10} "
-          f"| CPU ms per hit start+stop (p50): {'start':>6} {'stop':>6} {'total':>6} {'harness':>7} {'machine':>7}")
+          f"| CPU ms per hit start+stop (p50): {'start':>6} {'stop':>6} {'total':>6} {'harness':>7} {'machine':>7} "
+          f"| idle CPU ms/s")
     for name, rows in results.items():
         for r in rows:
             c = r["cpu"]
             total = [a + b for a, b in zip(c["start"], c["stop"])]
             print(f"{name:<17} {r['image']:<11} {r['runtime']:<8} {ms(r['cold_s']):>11} {ms(r['hit_s']):>10} "
                   f"{pct(r['hit_s'], 90) * 1e3:>10.1f} | {'':>33} {ms(c['start']):>6} {ms(c['stop']):>6} "
-                  f"{ms(total):>6} {ms(c['harness']):>7} {ms(c['machine']):>7}")
+                  f"{ms(total):>6} {ms(c['harness']):>7} {ms(c['machine']):>7} | {r['idle_cpu_s_per_s'] * 1e3:>6.2f}")
     for name, rows in results.items():
         for r in rows:
             if r["steps"]:

@@ -54,8 +54,8 @@ and installs no handler for a terminating signal there, so Linux drops every sig
 from inside, SIGKILL included; the host ends it by closing stdin, by cgroup or with ``runsc kill``.
 gVisor delivers such signals to its PID 1 anyway, so there pxd runs as gVisor's root with a few
 capabilities and starts every command as the sandbox user (``--command-uid``), which may not signal
-it. As PID 1 pxd reaps orphans: it waits only for zombie children it did not start (found in
-/proc), never stealing the exit status of its own commands.
+it. As PID 1 pxd reaps orphans when a child ends (SIGCHLD): it waits only for zombie children it
+did not start (found in /proc), never stealing the exit status of its own commands.
 
 This file uses only the standard library: it runs under whatever ``python3`` the sandbox has. Two
 sandboxes start per episode, so its start-up is kept short: it loads ``re`` (through ``base64``)
@@ -948,9 +948,22 @@ def settle_group(pgid: int, give_up_s: float = 1.0) -> None:
         time.sleep(0.002)
 
 
-def _reaper_loop(period_s: float = 0.25) -> None:
+def start_reaper() -> None:
+    """Reap orphans when a child ends, not on a timer: a SIGCHLD handler (main thread only) makes
+    Python write the signal to a pipe whichever thread the kernel delivered it to, and a thread
+    waits on that pipe. A sandbox that runs nothing costs no CPU (polling /proc four times a
+    second did, about 7 ms a second under gVisor's ptrace platform). A SIGCHLD sent from inside
+    only makes pxd look for zombies, in the sandbox's own CPU quota."""
+    wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    threading.Thread(target=_reaper_loop, args=(wake_r,), daemon=True).start()
+
+
+def _reaper_loop(wake_fd: int) -> None:
     while True:
-        time.sleep(period_s)
+        os.read(wake_fd, 4096)  # the signals since the last pass; one that comes during it wakes the next
         try:
             reap_orphans()
         except OSError:
@@ -1119,7 +1132,7 @@ def main(argv=None) -> int:
         # namespace is delivered (Python's own SIGINT handler goes too); the host ends the sandbox
         # by closing stdin, by its cgroup or with runsc kill. Orphans are reaped here.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        threading.Thread(target=_reaper_loop, daemon=True).start()
+        start_reaper()
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     daemon = Daemon(args["workspace"], max_file_bytes=args["max_file_bytes"])
