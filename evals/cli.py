@@ -154,7 +154,7 @@ def _harbor_tasks(command: str, dataset: str, sources: str, wanted: list[str], *
         try:
             b = build_task_image(task, sources, store, network=network)
         except Exception as exc:  # noqa: BLE001 - any build failure is that task's problem, with its reason
-            problems[task.id] = f"its image was not built ({task.metadata['environment']}): {exc}"
+            problems[task.id] = f"its image was not built: {exc}"  # whole; it names the Dockerfile and step
             print(f"posttrain {command}: cannot build {task.id}: {exc}", file=sys.stderr)
             continue
         print(f"posttrain {command}: image of {task.id}: {b.image.size_bytes / 1e6:.1f} MB, "

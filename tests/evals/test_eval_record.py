@@ -127,7 +127,7 @@ def test_the_direct_path_names_a_build_error_whole(dataset, home, capsys):
     err = capsys.readouterr().err
     closing = err[err.index("1 of 1 tasks could not be built, run or graded:"):]
     assert LONG_ERROR in closing  # whole: not cut to its last 600 characters
-    assert f"  {bad}: its image was not built ({recipe}):" in closing
+    assert f"  {bad}: its image was not built: {recipe}: line " in closing
 
 
 def test_tasks_sources_calls_no_refused_task_ready_and_counts_a_shared_repository_once(dataset, capsys):
@@ -163,9 +163,9 @@ def test_a_run_that_fails_leaves_the_earlier_settings_and_says_no_rows_were_writ
 
     assert main(command) == 1
     out, err = capsys.readouterr()
+    assert settings.read_text() == before
     assert json.loads(out)["rows_path"] is None
     assert "posttrain eval: attempt rows: none written" in err
     assert "posttrain eval: the eval of tiny-step_000000 failed:" in err
-    assert settings.read_text() == before
     assert not list((home / "evals" / "deepswe").glob("*/*.parquet"))
     assert _dagster_runs(home) == 1
