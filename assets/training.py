@@ -137,10 +137,13 @@ def rl_run(
         data["curriculum"]["curriculum_file"] = str(curriculum_file)
     # the embedded base is built under the storage root: on k8s that is the run volume's mount, and
     # the plan then names it (and the tasks) as the pods see them
+    built = None
     if launcher.target == "local" or data["model"].get("name") == EMBEDDED_MODEL_NAME:
-        ensure_embedded_base(context, data, reuse_any=True)
+        built = ensure_embedded_base(context, data, reuse_any=True)
     if launcher.target == "k8s":
         on_run_volume(data, storage)
+        if built is not None:  # made here as root, perhaps with private files: the engines read it as the workloads' user
+            hand_to_workloads(built)
     plan = resolve(data, source=source)
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)
