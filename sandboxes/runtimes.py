@@ -87,6 +87,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -674,6 +675,41 @@ class Sandbox:
 
 
 _reaped_caches: set[Path] = set()
+_folder_images: "OrderedDict[tuple[str, str], tuple[str, Image]]" = OrderedDict()
+_folder_images_lock = threading.Lock()
+
+
+def _folder_signature(path: Path) -> str:
+    """What a folder holds, as far as a rebuild would see it changed: every entry's name, inode,
+    size, mode and modification and change times (a write changes the change time, which no
+    user can set). About an eighth of the CPU of tarring and hashing the folder again."""
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted((*dirs, *files)):
+            st = os.lstat(os.path.join(folder, name))
+            digest.update(f"{folder}/{name}\0{st.st_ino} {st.st_size} {st.st_mode} {st.st_mtime_ns} "
+                          f"{st.st_ctime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _folder_image(path: Path, store: ImageStore) -> Image:
+    """The image of a repository folder (built on the fly, content addressed), built again only when
+    the folder changed since this process last built it: an episode and its grading start from
+    the same task folder many times."""
+    key = (str(path), str(store.root))
+    signature = _folder_signature(path)
+    with _folder_images_lock:
+        known = _folder_images.get(key)
+        if known is not None and known[0] == signature and all(store.blob_path(l).exists() for l in known[1].layers):
+            _folder_images.move_to_end(key)
+            return known[1]
+    image = build_image("dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16], path, store)
+    with _folder_images_lock:
+        _folder_images[key] = (signature, image)
+        while len(_folder_images) > 4096:
+            _folder_images.popitem(last=False)
+    return image
 
 
 def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: Limits | None = None,
@@ -703,7 +739,7 @@ def start(source: Image | str | os.PathLike, *, runtime: str = "bwrap", limits: 
         path = Path(source).resolve()
         if not path.is_dir():
             raise ImageError(f"{path}: not a folder")
-        image = build_image("dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16], path, store)
+        image = _folder_image(path, store)
     elif isinstance(source, str):
         image = store.load_image(image_name(source))  # a task id or an image name
     else:
