@@ -56,7 +56,8 @@ _CODE_TREE = next((sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == 
 sys.path.insert(0, str(Path(_CODE_TREE).resolve() if _CODE_TREE else Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import recompute as rb  # noqa: E402  (bench/recompute.py: the benchmark decoder's step)
+if _CODE_TREE is None:
+    import recompute as rb  # noqa: E402  (bench/recompute.py: the benchmark decoder's step; it puts this tree first on sys.path)
 from mfu import describe, device_peak_tflops, matmul_tflops, mfu, mfu_header, percent  # noqa: E402  (bench/mfu.py)
 from training.backends.torch_peft import TorchPeftBackend  # noqa: E402
 from training.attention import chosen_attention_kernels  # noqa: E402
@@ -317,6 +318,8 @@ def step_worker(args) -> None:
                              num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
                              head_dim=shape.head_dim, tie_word_embeddings=False)
     seq_len = int(args.contexts)
+    if args.variant:
+        _apply_variant(args.variant)
     backend = build_backend(config, device, torch.bfloat16, args.mode, seq_len, shape.lora_rank)
     initial = [m.detach().cpu().clone() for m in backend.masters]
     batch = batch_of(seq_len, shape.vocab_size, seed=seq_len)
@@ -339,6 +342,9 @@ def step_worker(args) -> None:
         if i == 2 and args.save_adapter:  # outside the timed window
             torch.save(torch.cat([(m.detach().cpu() - m0).flatten() for m, m0 in zip(backend.masters, initial)]),
                        args.save_adapter)
+    code = sys.modules[TorchPeftBackend.__module__].__file__
+    if args.code_tree and not Path(code).resolve().is_relative_to(Path(args.code_tree).resolve()):
+        raise SystemExit(f"--code-tree {args.code_tree}: the backend came from {code}")
     kernels = ""
     try:
         from training.fused_step import _CHOSEN  # this tree's fused kernels, where it has them
@@ -350,10 +356,34 @@ def step_worker(args) -> None:
     times_sorted = sorted(times)
     args.json.write_text(json.dumps({
         "seq_len": seq_len, "mode": args.mode, "step_s": times_sorted[len(times) // 2], "step_s_all": times,
-        "first_step_s": time.perf_counter() - started - sum(times) if not args.warmup else None,
+        "first_steps_s": time.perf_counter() - started - sum(times),
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
-        "losses": losses, "grad_norms": norms, "step_kernels": kernels,
+        "losses": losses, "grad_norms": norms, "step_kernels": kernels, "backend_file": code,
     }))
+
+
+# this tree's step with one of its fused pieces left out (--ablate), to measure each alone
+VARIANTS = {
+    "no-fused-layer": "the layers on training.recompute.KeepAttentionOutput (autograd), the head fused",
+    "no-fused-head": "the head on training.logprobs.token_logprobs, the layers fused",
+    "eager-kernels": "both fused, the elementwise kernels eager (not compiled)",
+}
+
+
+def _apply_variant(name: str) -> None:
+    from training import fused_step
+    from training.backends import torch_peft
+    from training.logprobs import token_logprobs
+
+    if name == "no-fused-layer":
+        fused_step.fused_layer_parts = lambda layer: (None, "left out (--ablate no-fused-layer)")
+    elif name == "no-fused-head":
+        torch_peft.frozen_head_token_logprobs = lambda hidden, weight, targets, chunk, kernels: token_logprobs(
+            hidden, weight, targets, chunk)
+    elif name == "eager-kernels":
+        fused_step._compiled_kernels = lambda: fused_step.EAGER_KERNELS
+    else:
+        raise SystemExit(f"--variant {name!r}: expected one of {', '.join(VARIANTS)}")
 
 
 def compare(args) -> None:
@@ -370,15 +400,22 @@ def compare(args) -> None:
     gpu_name, peak = device_peak_tflops(device)
     log(describe(gpu_name, peak, matmul))
     shape = tiny_shape() if device == "cpu" else qwen3_config(args.model, args.layers)[0]
-    trees = [(args.baseline_label, Path(args.compare_with).resolve()), ("this tree", here.parents[1])]
+    trees = [(args.baseline_label, Path(args.compare_with).resolve(), ""), ("this tree", here.parents[1], "")]
+    ablate = [v for v in args.ablate.split(",") if v]
+    for v in ablate:
+        if v not in VARIANTS:
+            raise SystemExit(f"--ablate {v!r}: expected names among {', '.join(VARIANTS)}")
+    ablate_contexts = {int(c) for c in args.ablate_contexts.split(",") if c}
     results: dict[tuple[int, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seq_len in [int(c) for c in args.contexts.split(",") if c]:
-            for label, tree in trees:
+            runs = trees + ([(f"this tree, {v}", here.parents[1], v) for v in ablate] if seq_len in ablate_contexts else [])
+            for label, tree, variant in runs:
                 out, adapter = Path(tmp) / "step.json", Path(tmp) / f"adapter-{seq_len}-{len(results)}.pt"
                 cmd = [sys.executable, str(here), "--step-worker", "--code-tree", str(tree), "--device", device,
                        "--model", args.model, "--contexts", str(seq_len), "--mode", args.mode, "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--json", str(out), "--save-adapter", str(adapter),
+                       *(["--variant", variant] if variant else []),
                        *(["--layers", str(args.layers)] if args.layers else [])]
                 t0 = time.perf_counter()
                 proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
@@ -393,11 +430,14 @@ def compare(args) -> None:
                 log(f"{seq_len:>6} {label:>16} {args.mode}: step {r['step_s']:.3f} s (all "
                     f"{', '.join(f'{t:.3f}' for t in r['step_s_all'])}), peak {r['peak_gib']:.1f} GiB, "
                     f"{r['tokens_per_s']:.0f} tok/s, MFU {percent(mfu(r['model_tflops'], peak))}; "
-                    f"losses {', '.join(f'{x:.6f}' for x in r['losses'])}; process {r['process_s']:.0f} s"
+                    f"losses {', '.join(f'{x:.6f}' for x in r['losses'])}; process {r['process_s']:.0f} s; "
+                    f"backend {r['backend_file']}"
                     + (f"; step kernels {r['step_kernels']}" if r["step_kernels"] else ""))
         matmul = max(matmul, matmul_tflops(n=512 if device == "cpu" else 8192, reps=3 if device == "cpu" else 20, device=device))
         log(f"bf16 matmul, the larger of before and after the steps: {matmul:.3g} TFLOP/s")
         log("")
+        for v in ablate:
+            log(f"this tree, {v}: {VARIANTS[v]}")
         base, new = args.baseline_label, "this tree"
         log(f"| context | code | step s (all) | tokens/s | vs {base} | {mfu_header(peak)} | of measured matmul "
             f"({matmul:.3g} TFLOP/s) | peak GiB | peak vs {base} |")
@@ -405,6 +445,8 @@ def compare(args) -> None:
         rows = []
         for (seq_len, label), r in results.items():
             b = results[(seq_len, base)]
+            if label.startswith("this tree, "):
+                label = f"{label} (this tree is {results[(seq_len, 'this tree')]['tokens_per_s'] / r['tokens_per_s']:.2f}x of it)"
             log(f"| {seq_len} | {label} | {r['step_s']:.3f} ({', '.join(f'{t:.3f}' for t in r['step_s_all'])}) | "
                 f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
                 f"{percent(mfu(r['model_tflops'], peak))} | {r['model_tflops'] / matmul:.1%} | {r['peak_gib']:.1f} | "
@@ -418,7 +460,7 @@ def compare(args) -> None:
             for i, (lb, ln) in enumerate(zip(b["losses"], n["losses"])):
                 log(f"| {seq_len} | {i + 1} | {lb:.6f} | {ln:.6f} | {abs(ln - lb) / max(abs(lb), 1e-30):.1e} | "
                     f"{abs(n['grad_norms'][i] - b['grad_norms'][i]) / b['grad_norms'][i]:.1e} |")
-            db, dn = torch.load(b["adapter"]), torch.load(n["adapter"])
+            db, dn = torch.load(b["adapter"]).double(), torch.load(n["adapter"]).double()
             rows.append({"seq_len": seq_len, "adapter_update_rel_diff": float((dn - db).norm() / db.norm()),
                          "adapter_update_cosine": float(torch.nn.functional.cosine_similarity(dn, db, dim=0))})
             log(f"{seq_len}: adapter change after 3 steps (float32 masters), {new} against {base}: relative difference "
@@ -453,6 +495,10 @@ def main() -> None:
     parser.add_argument("--step-worker", action="store_true", help=argparse.SUPPRESS)  # one run of --compare-with
     parser.add_argument("--code-tree", default=None, help=argparse.SUPPRESS)  # read before the imports, above
     parser.add_argument("--save-adapter", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ablate", default="", help="with --compare-with: also run this tree with each named piece "
+                        f"left out ({', '.join(VARIANTS)})")
+    parser.add_argument("--ablate-contexts", default="8192", help="the contexts --ablate runs at")
+    parser.add_argument("--variant", default="", help=argparse.SUPPRESS)  # one --ablate run
     args = parser.parse_args()
     if args.scaling_worker:
         return scaling_worker(args)
