@@ -1298,7 +1298,17 @@ class PoolClient:
             body["limits"] = asdict(limits)
         if writable_root:  # sent only when asked: a default request is the same as before the field
             body["writable_root"] = True
-        status, answer = self.call("POST", "/v1/sandboxes", body, start_timeout_s)
+        # A full pool (429: every slot busy or starting) is back-pressure, not a failure: the run has
+        # more episodes in flight than the node has sandboxes, and a slot frees when an episode or a
+        # grading ends. Wait for one (backing off to 5 s between asks) within start_timeout_s.
+        deadline = time.monotonic() + start_timeout_s
+        pause = 0.25
+        while True:
+            status, answer = self.call("POST", "/v1/sandboxes", body, max(1.0, deadline - time.monotonic()))
+            if status != 429 or time.monotonic() + pause > deadline:
+                break
+            time.sleep(pause)
+            pause = min(5.0, pause * 2)
         if status != 200:
             raise SandboxError(f"sandbox pool {self.url}: no sandbox for {task_id} ({image}): "
                                f"HTTP {status}: {answer.get('error', '')}")

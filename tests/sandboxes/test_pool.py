@@ -543,3 +543,25 @@ def test_the_harness_sandbox_factory_runs_a_task_in_a_pool_pod(kube, served, mon
     with pytest.raises(InfraError, match="names no image"):
         with platform_sandbox_factory("k8s")(no_image):
             pass
+
+
+def test_a_full_pool_makes_the_client_wait_for_a_slot_not_fail(kube):
+    """More episodes in flight than the pool has slots (the 2-core node's run: 8 episode workers, 4
+    sandboxes): the pool answers 429 and the client waits until a slot frees, within its timeout."""
+    p = make_pool(kube, max_sandboxes=1)
+    p.renew_lease()
+    server = pool.make_server(p, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = pool.PoolClient(f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        first = client.start(IMAGE, task_id="bundled/calc", episode="a")
+        with pytest.raises(pool.SandboxError, match="HTTP 429: the pool is full: 1 sandboxes"):
+            client.start(IMAGE, task_id="bundled/calc", episode="b", start_timeout_s=1.0)
+        threading.Timer(1.0, first.close).start()  # the slot frees while the second waits
+        with client.start(IMAGE, task_id="bundled/calc", episode="c", start_timeout_s=60.0) as second:
+            assert second.exec("python3 -c 'import calc; print(calc.add(1, 1))'").output == "2\n"
+        assert first.closed
+    finally:
+        server.shutdown()
+        server.server_close()
+        p.shutdown()
