@@ -18,8 +18,8 @@ from pathlib import Path
 import uvicorn
 
 from sandboxes.home import default_home
-from viewer.app import LOOPBACK_NAMES, create_app
-from viewer.links import DEFAULT_PORT
+from viewer.app import LOOPBACK_NAMES, create_app, host_name
+from viewer.links import DEFAULT_PORT, record_viewer_url
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if not home.is_dir():
         print(f"python -m viewer: --home {home}: not a folder", file=sys.stderr)
         return 2
-    print(f"trajectory viewer on http://{args.host}:{args.port} (home {home})", flush=True)
+    url = f"http://{host_name(args.host) if args.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{args.port}"
+    record_viewer_url(home, url)  # links written from now on, by any process of this home, point here
+    print(f"trajectory viewer on http://{host_name(args.host)}:{args.port} (home {home})", flush=True)
     allowed = list(dict.fromkeys([*LOOPBACK_NAMES, args.host, *args.allow_host]))
     uvicorn.run(create_app(home, tensorboard_url=args.tensorboard_url, allowed_hosts=allowed), host=args.host,
                 port=args.port, log_level="warning")

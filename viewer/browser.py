@@ -128,8 +128,8 @@ class Browser:
         self._wait_event("Page.loadEventFired")
 
     def evaluate(self, expression: str) -> Any:
-        """The value of a JavaScript expression on the page."""
-        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True)
+        """The value of a JavaScript expression on the page (a promise's, once it settles)."""
+        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
         if "exceptionDetails" in result:
             raise BrowserError(f"{expression}: {result['exceptionDetails'].get('text')} "
                                f"{result['exceptionDetails'].get('exception', {}).get('description', '')}")

@@ -1,11 +1,16 @@
-"""Small inline SVG charts for the viewer's pages: histograms, lines over steps, stacked bars.
+"""The viewer's charts: curves and scatters drawn by uPlot, histograms and stacked bars as inline SVG.
 
-Inline SVG needs no script, no build step and no file server: each chart is a string in the page,
-drawn the same by every browser, and the pages stay one request each.
+A curve that one zooms, smooths and reads point by point is a maintained library's job: uPlot
+(``viewer/vendor/uplot``, MIT, vendored from npm with its licence) draws each :func:`plot` from the
+data the page carries inline (``data-chart``), with real axes (ticks chosen by uPlot from the data's
+range, none clipped), drag-to-zoom (double-click resets), a cursor legend and the page's smoothing
+slider (an exponential moving average). A page without script shows the same numbers in a table.
+Histograms and stacked bars stay small SVG, with several labelled ticks (:func:`ticks`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from html import escape
 from typing import Sequence
@@ -19,6 +24,51 @@ def _fmt(value: float) -> str:
     if abs(value) >= 1000 or abs(value) < 0.01:
         return f"{value:.3g}"
     return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About ``count`` round values from ``lo`` to ``hi`` (steps of 1, 2 or 5 times a power of ten)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
+        return [lo]
+    raw = (hi - lo) / max(count - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    out, v = [], first
+    while v <= hi + step * 1e-9:
+        out.append(round(v, 12))
+        v += step
+    return out
+
+
+def plot(series: dict[str, Sequence[tuple[float, float]]], title: str, *, x_label: str = "step",
+         y_label: str = "", scatter: bool = False, chart_id: str = "") -> str:
+    """A uPlot chart of one line (or, with ``scatter``, points) per series of ``(x, y)`` points,
+    aligned on the union of their x values; the last value of each in the caption."""
+    xs = sorted({float(x) for pts in series.values() for x, y in pts if y == y})
+    ident = f' id="{escape(chart_id)}"' if chart_id else ""
+    head = f'<figure class="chart"{ident}><figcaption>{escape(title)}</figcaption>'
+    if not xs:
+        return head + '<p class="muted">no values</p></figure>'
+    names = [n for n, pts in series.items() if any(y == y for _, y in pts)]
+    index = {x: i for i, x in enumerate(xs)}
+    columns = []
+    for name in names:
+        col: list[float | None] = [None] * len(xs)
+        for x, y in series[name]:
+            if y == y:
+                col[index[float(x)]] = float(y)
+        columns.append(col)
+    spec = {"title": title, "x_label": x_label, "y_label": y_label, "scatter": scatter,
+            "names": names, "colors": [COLORS[i % len(COLORS)] for i in range(len(names))], "data": [xs, *columns]}
+    last = " ".join(f'<span style="color:{COLORS[i % len(COLORS)]}">■</span> {escape(n)} '
+                    f'{_fmt(next(v for v in reversed(c) if v is not None))}' for i, (n, c) in enumerate(zip(names, columns)))
+    rows = "".join(f"<tr><td>{_fmt(x)}</td>" + "".join(f"<td>{'' if c[i] is None else _fmt(c[i])}</td>" for c in columns)
+                   + "</tr>" for i, x in enumerate(xs[-50:], start=len(xs) - min(len(xs), 50)))
+    table = (f"<noscript><table><tr><th>{escape(x_label)}</th>" + "".join(f"<th>{escape(n)}</th>" for n in names)
+             + f"</tr>{rows}</table></noscript>")
+    return (head + f"<div class=\"uplot-chart\" data-chart='{escape(json.dumps(spec), quote=True)}'></div>"
+            + f'<div class="legend">{last}</div>{table}</figure>')
 
 
 def histogram(values: Sequence[float], title: str, *, bins: int = 12, width: int = 260, height: int = 130) -> str:
@@ -50,8 +100,25 @@ def histogram(values: Sequence[float], title: str, *, bins: int = 12, width: int
         x = pad + i * bar_w
         bars.append(f'<rect x="{x:.1f}" y="{base - h:.1f}" width="{max(bar_w - 1, 1):.1f}" height="{h:.1f}" '
                     f'fill="{COLORS[0]}"><title>{escape(name)}: {count}</title></rect>')
-    axis = (f'<text x="{pad}" y="{height - 4}" class="tick">{escape(_fmt(labels[0]))}</text>'
-            f'<text x="{width - pad}" y="{height - 4}" class="tick" text-anchor="end">{escape(_fmt(hi))}</text>')
+    # ticks at round values across the range (not only min and max), each inside the drawing
+    span = (hi - lo) or 1.0
+    first_x, last_x = pad, width - pad
+
+    def x_of(v: float) -> float:
+        if len(distinct) <= bins:  # one bar per value: the tick under its bar
+            return pad + (distinct.index(v) + 0.5) * bar_w
+        return pad + (width - 2 * pad) * (v - lo) / span
+
+    marks = distinct if len(distinct) <= bins else ticks(lo, hi)
+    if len(marks) > 7:
+        marks = marks[::math.ceil(len(marks) / 7)]
+    axis = "".join(
+        f'<line x1="{x_of(v):.1f}" y1="{base}" x2="{x_of(v):.1f}" y2="{base + 3}" class="axis"/>'
+        f'<text x="{min(max(x_of(v), first_x), last_x):.1f}" y="{height - 4}" class="tick" '
+        f'text-anchor="{"start" if x_of(v) < first_x + 12 else "end" if x_of(v) > last_x - 12 else "middle"}">'
+        f'{escape(_fmt(v))}</text>' for v in marks)
+    axis += f'<line x1="{pad}" y1="{base}" x2="{width - pad}" y2="{base}" class="axis"/>'
+    axis += f'<text x="{pad}" y="10" class="tick">max count {top}</text>' 
     return (head + f'<svg width="{width}" height="{height}" role="img" aria-label="{escape(title)}">'
             + "".join(bars) + axis + "</svg></figure>")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sqlite3
 import statistics
 from dataclasses import dataclass, field
@@ -69,7 +70,8 @@ def list_runs(home: Path) -> list[dict[str, Any]]:
                 counts = dict(conn.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status").fetchall())
         steps = read_steps(path)
         out.append({"run": path.name, "rollouts": sum(counts.values()), "ready": counts.get(READY, 0),
-                    "steps": len(steps), "checkpoints": [c.step for c in list_checkpoints(path)],
+                    "steps": len(steps), "last_step": int(steps[-1]["step"]) if steps else None,
+                    "checkpoints": [c.step for c in list_checkpoints(path)],
                     "of_steps": planned_steps(path)})
     return out
 
@@ -278,17 +280,23 @@ def step_groups(home: Path, run: str, step: int | str) -> list[GroupView]:
 
 
 def store_steps(home: Path, run: str) -> list[dict[str, Any]]:
-    """Per step of the store: rollouts and groups taken, mean reward, and how many were discarded."""
+    """Per step of the store: rollouts and groups taken, and apart, the rollouts the step consumed
+    (trained on, or dropped with a zero-variance group) and those it discarded as stale, each with
+    its mean reward: the step trained on the first only, and a mean over both misreads it."""
     path = run_dir(home, run)
     if not store_path(path).is_file():
         return []
     with _store(path) as conn:
         rows = conn.execute(
-            "SELECT COALESCE(status_step, -1), COUNT(*), COUNT(DISTINCT group_id), AVG(reward), "
-            "SUM(status='discarded'), AVG(generated_tokens) FROM rollouts GROUP BY status_step ORDER BY status_step"
+            "SELECT COALESCE(status_step, -1), COUNT(*), COUNT(DISTINCT group_id), "
+            "SUM(status='consumed'), AVG(CASE WHEN status='consumed' THEN reward END), "
+            "SUM(status='discarded'), AVG(CASE WHEN status='discarded' THEN reward END), "
+            "AVG(CASE WHEN status='consumed' THEN generated_tokens END), AVG(reward) "
+            "FROM rollouts GROUP BY status_step ORDER BY status_step"
         ).fetchall()
-    return [{"step": READY if s == -1 else int(s), "rollouts": n, "groups": g, "reward_mean": m,
-             "discarded": int(d or 0), "generated_tokens_mean": t} for s, n, g, m, d, t in rows]
+    return [{"step": READY if s == -1 else int(s), "rollouts": n, "groups": g, "consumed": int(c or 0),
+             "reward_mean_consumed": cm, "discarded": int(d or 0), "reward_mean_discarded": dm,
+             "generated_tokens_mean_consumed": t, "reward_mean": m} for s, n, g, c, cm, d, dm, t, m in rows]
 
 
 def filter_rollouts(groups: Sequence[GroupView], *, min_reward: float | None = None, max_reward: float | None = None,
@@ -409,15 +417,28 @@ def eval_runs(home: Path) -> dict[str, list[tuple[str, Path, float]]]:
     return {c: sorted(out[c], key=lambda r: -r[2]) for c in order}
 
 
-def attempt_rows(home: Path, checkpoint: str, run_id: str = "") -> tuple[str, Any]:
-    """``(run_id, frame)``: the attempt rows of one eval run of ``checkpoint`` (its newest by default)."""
-    runs = eval_runs(home).get(checkpoint)
-    if not runs:
+def read_rows(path: Path, columns: Sequence[str] | None = None) -> Any:
+    """The attempt rows of one Parquet file; with ``columns``, only those it has (the transcripts and
+    diffs are most of a file: a table of 450 tasks does not need them)."""
+    if columns is None:
+        return pd.read_parquet(path)
+    import pyarrow.parquet as pq
+
+    names = set(pq.read_schema(path).names)
+    return pd.read_parquet(path, columns=[c for c in columns if c in names])
+
+
+def attempt_rows(home: Path, checkpoint: str, run_id: str = "", *, columns: Sequence[str] | None = None,
+                 runs: dict[str, list[tuple[str, Path, float]]] | None = None) -> tuple[str, Any]:
+    """``(run_id, frame)``: the attempt rows of one eval run of ``checkpoint`` (its newest by default);
+    ``columns`` as :func:`read_rows`; ``runs`` is :func:`eval_runs` when the caller has it already."""
+    mine = (runs if runs is not None else eval_runs(home)).get(checkpoint)
+    if not mine:
         raise NotFound(f"no eval rows of checkpoint {checkpoint!r} under {evals_folder(home)}")
-    chosen = [r for r in runs if r[0] == run_id] if run_id else runs[:1]
+    chosen = [r for r in mine if r[0] == run_id] if run_id else mine[:1]
     if not chosen:
-        raise NotFound(f"checkpoint {checkpoint}: no eval run {run_id!r} (runs: {', '.join(r[0] for r in runs)})")
-    return chosen[0][0], pd.read_parquet(chosen[0][1])
+        raise NotFound(f"checkpoint {checkpoint}: no eval run {run_id!r} (runs: {', '.join(r[0] for r in mine)})")
+    return chosen[0][0], read_rows(chosen[0][1], columns)
 
 
 def flawed_marks(home: Path) -> dict[str, list[str]]:
@@ -429,18 +450,25 @@ def flawed_marks(home: Path) -> dict[str, list[str]]:
     return marks
 
 
+STATS_COLUMNS = ("task_id", "status", "reward", "difficulty", "signals")  # what a per-task table reads
+
+
 def _task_stats(frame: Any) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
+    """Per task: graded attempts, passes (reward 1), pass@1, level and flagged attempts, in one
+    grouped pass over the rows (a loop over 450 task groups took seconds)."""
     if frame is None or not len(frame):
-        return out
-    for task_id, group in frame.groupby("task_id", sort=True):
-        graded = group[group["status"] != "infra_error"]
-        passes = int((graded["reward"] >= 1.0).sum())
-        out[str(task_id)] = {"attempts": len(graded), "passes": passes,
-                             "pass@1": passes / len(graded) if len(graded) else math.nan,
-                             "difficulty": _level(group["difficulty"].iloc[0]) if "difficulty" in group else 0,
-                             "flagged": int(group["signals"].fillna("").astype(bool).sum()) if "signals" in group else 0}
-    return out
+        return {}
+    graded = frame["status"] != "infra_error"
+    parts = pd.DataFrame({
+        "task_id": frame["task_id"].astype(str), "graded": graded, "passed": graded & (frame["reward"] >= 1.0),
+        "flagged": frame["signals"].fillna("").astype(str).str.len() > 0 if "signals" in frame else False,
+        "difficulty": frame["difficulty"] if "difficulty" in frame else 0,
+    })
+    agg = parts.groupby("task_id", sort=True).agg(attempts=("graded", "sum"), passes=("passed", "sum"),
+                                                   flagged=("flagged", "sum"), difficulty=("difficulty", "first"))
+    return {task_id: {"attempts": int(a), "passes": int(p), "pass@1": p / a if a else math.nan,
+                      "difficulty": _level(d), "flagged": int(f)}
+            for task_id, a, p, f, d in zip(agg.index, agg["attempts"], agg["passes"], agg["flagged"], agg["difficulty"])}
 
 
 def _level(value: Any) -> int:
@@ -482,16 +510,45 @@ def task_table(frame: Any, base_frame: Any, marks: dict[str, list[str]]) -> list
     return rows
 
 
-def checkpoint_tasks(home: Path, checkpoint: str, run_id: str = "") -> dict[str, Any]:
-    """The per-task table of one checkpoint against its run's base model, with the rows behind it."""
-    chosen, frame = attempt_rows(home, checkpoint, run_id)
-    base_key = base_checkpoint(checkpoint)
+def pass_at_1_summary(rows: Sequence[dict[str, Any]], *, resamples: int = 2000) -> dict[str, Any]:
+    """pass@1 of the checkpoint and of the one it is compared with over the table's ``rows``, each a
+    mean over tasks of their attempt means with a 95% bootstrap interval over tasks, and the change
+    paired on the tasks both were graded on (the paired bootstrap ``eval_report`` uses); the same
+    per level. ``None`` where there is nothing to estimate."""
+    from evals.metrics import bootstrap, paired_difference
+
+    def estimate(values: list[float]):
+        return bootstrap(values, resamples=resamples) if values else None
+
+    def part(subset: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        mine = {r["task_id"]: r["pass@1"] for r in subset if r["attempts"]}
+        theirs = {r["task_id"]: r["base_pass@1"] for r in subset if r["base_attempts"]}
+        common = sorted(set(mine) & set(theirs))
+        return {"tasks": len(subset), "paired_tasks": len(common),
+                "pass@1": estimate(list(mine.values())), "against_pass@1": estimate(list(theirs.values())),
+                "change": paired_difference(mine, theirs, resamples=resamples) if common else None}
+
+    levels = sorted({r["level"] for r in rows})
+    return {**part(rows), "levels": [{"level": lv, **part([r for r in rows if r["level"] == lv])} for lv in levels]}
+
+
+def checkpoint_tasks(home: Path, checkpoint: str, run_id: str = "", against: str | None = None,
+                     against_run: str = "") -> dict[str, Any]:
+    """The per-task table of one checkpoint against another (``against``; by default its run's base
+    model), with pass@1 of both and their paired change (:func:`pass_at_1_summary`). The key
+    ``base`` names the checkpoint compared with (None when it has no eval rows)."""
+    runs = eval_runs(home)
+    chosen, frame = attempt_rows(home, checkpoint, run_id, columns=STATS_COLUMNS, runs=runs)
+    other = base_checkpoint(checkpoint) if against is None else against
+    if against and against not in runs:
+        raise NotFound(f"no eval rows of checkpoint {against!r} (to compare with) under {evals_folder(home)}")
     base_frame, base_run = None, ""
-    if base_key and base_key != checkpoint and base_key in eval_runs(home):
-        base_run, base_frame = attempt_rows(home, base_key)
-    return {"checkpoint": checkpoint, "run_id": chosen, "base": base_key if base_frame is not None else None,
-            "base_run_id": base_run, "runs": [r[0] for r in eval_runs(home)[checkpoint]],
-            "rows": task_table(frame, base_frame, flawed_marks(home)), "frame": frame}
+    if other and other in runs and (other != checkpoint or against):
+        base_run, base_frame = attempt_rows(home, other, against_run, columns=STATS_COLUMNS, runs=runs)
+    rows = task_table(frame, base_frame, flawed_marks(home))
+    return {"checkpoint": checkpoint, "run_id": chosen, "base": other if base_frame is not None else None,
+            "base_run_id": base_run, "runs": [r[0] for r in runs[checkpoint]], "rows": rows,
+            "checkpoints": list(runs), "summary": pass_at_1_summary(rows)}
 
 
 def decode_json(value: Any, default: Any) -> Any:
@@ -540,3 +597,193 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
         v = v.item() if hasattr(v, "item") else v
         out[k] = None if isinstance(v, float) and math.isnan(v) else v
     return out
+
+
+# ---------------------------------------------------------------- a run's live state, its curves, search
+
+
+LEVEL_IN_ID = re.compile(r"-l(\d+)-")  # bundled and stream task ids carry their level: bundled-l3-000-payroll
+
+
+def run_finished(steps: Sequence[dict[str, Any]], of_steps: int | None) -> bool:
+    """Whether the run has trained every step its plan asked for."""
+    return bool(of_steps) and bool(steps) and int(steps[-1]["step"]) >= int(of_steps)
+
+
+def run_version(home: Path, run: str) -> str:
+    """A token that changes whenever the run writes a step, a rollout or a checkpoint: the sizes and
+    modification times of its step rows, its store (and the store's write-ahead log) and its
+    checkpoints folder. A live page polls it and reloads when it moves."""
+    path = run_dir(home, run)
+    parts = []
+    for f in (metrics_dir(path) / "steps.parquet", store_path(path), Path(f"{store_path(path)}-wal"),
+              path / "checkpoints", path / "audit.json"):
+        try:
+            st = f.stat()
+            parts.append(f"{st.st_mtime_ns}:{st.st_size}")
+        except OSError:
+            parts.append("-")
+    return "/".join(parts)
+
+
+def rollout_curves(home: Path, run: str, max_points: int = 4000) -> dict[str, Any]:
+    """From the store, over the rollouts each step consumed: solve rate per step and level (the level
+    read from the task id, :data:`LEVEL_IN_ID`; none when ids carry none), and ``(response tokens,
+    reward)`` of each rollout (every ``n``-th past ``max_points``) for reward against response length."""
+    path = run_dir(home, run)
+    if not store_path(path).is_file():
+        return {"levels": {}, "length_reward": []}
+    with _store(path) as conn:
+        rows = conn.execute("SELECT status_step, task_id, reward, generated_tokens FROM rollouts "
+                            "WHERE status='consumed' ORDER BY status_step").fetchall()
+    by_level: dict[int, dict[int, list[float]]] = {}
+    for step, task_id, reward, _ in rows:
+        m = LEVEL_IN_ID.search(str(task_id))
+        if m and step is not None:
+            by_level.setdefault(int(m.group(1)), {}).setdefault(int(step), []).append(1.0 if reward >= 1.0 else 0.0)
+    levels = {lv: [(s, sum(v) / len(v)) for s, v in sorted(steps.items())] for lv, steps in sorted(by_level.items())}
+    every = max(1, math.ceil(len(rows) / max_points))
+    return {"levels": levels, "length_reward": [(float(t), float(r)) for _, _, r, t in rows[::every]]}
+
+
+class BadPattern(ValueError):
+    """A search pattern that does not compile; the message names it and why."""
+
+
+def _matcher(pattern: str, regex: bool):
+    if not pattern:
+        raise BadPattern("query parameter 'q': give the text (or, with regex=1, the regular expression) to find")
+    if regex:
+        try:
+            compiled = re.compile(pattern, re.IGNORECASE)
+        except re.error as exc:
+            raise BadPattern(f"query parameter 'q': {pattern!r} is not a regular expression: {exc}") from None
+    else:
+        compiled = re.compile(re.escape(pattern), re.IGNORECASE)
+    return compiled
+
+
+def _snippet(text: str, m: re.Match, width: int = 80) -> str:
+    start, end = max(0, m.start() - width), min(len(text), m.end() + width)
+    return ("…" if start else "") + text[start:end] + ("…" if end < len(text) else "")
+
+
+SEARCH_LIMIT = 500  # hits a search returns; the page says when there were more
+
+
+def search_rollouts(home: Path, run: str, pattern: str, *, regex: bool = False, step: int | None = None,
+                    status: str = "", task: str = "", min_reward: float | None = None,
+                    max_reward: float | None = None, limit: int = SEARCH_LIMIT) -> dict[str, Any]:
+    """Rollouts of run ``run`` whose text (every token decoded: prompt, actions, observations) or
+    ``info`` (stop reason, signals...) matches ``pattern`` (case-insensitive; ``regex`` for a regular
+    expression), filtered by step, status, task id (substring) and reward. Returns the hits (rollout
+    id, step, status, task, reward, where it matched, a snippet) and how many rollouts were searched."""
+    matcher = _matcher(pattern, regex)
+    path = run_dir(home, run)
+    where, params = ["1=1"], []
+    if step is not None:
+        where.append("status_step=?")
+        params.append(int(step))
+    if status:
+        where.append("status=?")
+        params.append(status)
+    if task:
+        where.append("instr(task_id, ?) > 0")
+        params.append(task)
+    if min_reward is not None:
+        where.append("reward>=?")
+        params.append(min_reward)
+    if max_reward is not None:
+        where.append("reward<=?")
+        params.append(max_reward)
+    decode = decoder_for(path)
+    hits, searched, more = [], 0, False
+    with _store(path) as conn:
+        cursor = conn.execute(f"SELECT rollout_id, status_step, status, task_id, reward, info, input_ids FROM rollouts "
+                              f"WHERE {' AND '.join(where)} ORDER BY created_s", params)
+        for rid, st, stat, task_id, reward, info, ids in cursor:
+            searched += 1
+            for field_name, text in (("info", info or ""), ("text", decode(unpack_column(ids, "i")))):
+                m = matcher.search(text)
+                if m:
+                    if len(hits) >= limit:
+                        more = True
+                        break
+                    hits.append({"rollout_id": rid, "step": st, "status": stat, "task_id": task_id,
+                                 "reward": float(reward), "matched": field_name, "snippet": _snippet(text, m)})
+                    break
+            if more:
+                break
+    return {"hits": hits, "searched": searched, "more": more}
+
+
+ATTEMPT_TEXT = ("transcript", "diff", "test_output", "detail", "stop_reason", "signals")  # what a search reads
+
+
+def search_attempts(home: Path, pattern: str, *, regex: bool = False, checkpoint: str = "", run_id: str = "",
+                    status: str = "", task: str = "", min_reward: float | None = None,
+                    max_reward: float | None = None, limit: int = SEARCH_LIMIT) -> dict[str, Any]:
+    """Eval attempts whose transcript, diff, test output, detail, stop reason or signals match
+    ``pattern`` (as :func:`search_rollouts`), in one checkpoint's eval run (its newest by default)
+    or, without ``checkpoint``, in every checkpoint's newest run; filtered by status, task and reward."""
+    matcher = _matcher(pattern, regex)
+    runs = eval_runs(home)
+    if checkpoint and checkpoint not in runs:
+        raise NotFound(f"no eval rows of checkpoint {checkpoint!r} under {evals_folder(home)}")
+    hits, searched, more = [], 0, False
+    for ckpt in [checkpoint] if checkpoint else list(runs):
+        chosen, frame = attempt_rows(home, ckpt, run_id if checkpoint else "", runs=runs)
+        if status:
+            frame = frame[frame["status"] == status]
+        if task:
+            frame = frame[frame["task_id"].astype(str).str.contains(task, regex=False)]
+        if min_reward is not None:
+            frame = frame[frame["reward"].fillna(-math.inf) >= min_reward]
+        if max_reward is not None:
+            frame = frame[frame["reward"].fillna(math.inf) <= max_reward]
+        searched += len(frame)
+        for row in frame.to_dict("records"):
+            for field_name in ATTEMPT_TEXT:
+                text = row.get(field_name)
+                m = matcher.search(text) if isinstance(text, str) and text else None
+                if m:
+                    if len(hits) >= limit:
+                        more = True
+                        break
+                    reward = row.get("reward")
+                    hits.append({"checkpoint": ckpt, "run_id": chosen, "task_id": str(row["task_id"]),
+                                 "attempt": int(row["attempt"]), "status": row["status"],
+                                 "reward": None if reward is None or reward != reward else float(reward),
+                                 "matched": field_name, "snippet": _snippet(text, m)})
+                    break
+            if more:
+                break
+        if more:
+            break
+    return {"hits": hits, "searched": searched, "more": more}
+
+
+@lru_cache(maxsize=2)
+def _suite_tasks(suite_json: str, mtime_ns: int) -> dict[str, Any]:
+    from evals.bundled import read_suite
+
+    return {t.id: t for t in read_suite(Path(suite_json).parent)}
+
+
+def shown_prompt(home: Path, task_id: str) -> str:
+    """The first context an eval episode of bundled task ``task_id`` showed the model (the compact
+    prompt: the instruction, the numbered file, the failing tests' output), rendered again from the
+    task in ``HOME/datasets/bundled``; '' when the home holds no such task (a Harbor or SWE-bench
+    task: its prompt is the instruction the transcript keeps). The rows keep the instruction only."""
+    from evals.actions import COMPACT, render_prompt
+
+    suite = Path(home) / "datasets" / "bundled" / "suite.json"
+    if not suite.is_file():
+        return ""
+    try:
+        task = _suite_tasks(str(suite), suite.stat().st_mtime_ns).get(task_id)
+    except Exception:  # noqa: BLE001 - a suite that does not load leaves the transcript as recorded
+        return ""
+    return render_prompt(task, COMPACT) if task is not None else ""
+
+VIEWER_TEXT = ("diff", "test_outcomes", "test_output", "transcript")  # an attempt's long columns

@@ -22,17 +22,60 @@ figcaption{font-size:12px;font-weight:600}.legend{font-size:11px}svg .tick{font-
 form.filters{background:#fff;border:1px solid #ddd;padding:6px 8px;margin:6px 0}form.filters label{margin-right:10px}
 dl.kv{display:grid;grid-template-columns:max-content auto;gap:2px 12px;background:#fff;border:1px solid #ddd;padding:6px 10px}
 dl.kv dt{font-weight:600}dl.kv dd{margin:0}
-</style></head><body>
-<header><a href="/"><b>posttrain viewer</b></a><a href="/">runs</a><a href="/evals">evals</a>
+.uplot-chart{min-width:320px}.exports{font-size:12px;margin:2px 0 8px}.exports a{margin-right:8px}
+.smoothing{font-size:12px;margin:4px 0}#live{font-size:12px;color:#1a7f37}
+</style><link rel="stylesheet" href="/static/uplot/uPlot.min.css"><script src="/static/uplot/uPlot.iife.min.js"></script></head><body>
+<header><a href="/"><b>posttrain viewer</b></a><a href="/">runs</a><a href="/evals">evals</a><a href="/compare">compare</a><a href="/find">find</a>
 {% if tensorboard %}<a href="/tensorboard">TensorBoard</a>{% endif %}<span class="muted">{{ home }}</span></header>
-<main>{% block body %}{% endblock %}</main></body></html>
+<main>{% if exports %}<div class="exports">take away: {% for label, href in exports %}<a class="export" href="{{ href }}">{{ label }}</a>{% endfor %}</div>{% endif %}
+{% if live %}<div id="live" data-url="{{ live }}" data-version="{{ version }}">live: this run is training; the page reloads when it writes a step</div>{% endif %}
+{% block body %}{% endblock %}</main>
+<script>
+// uPlot draws every chart from its data-chart; the smoothing slider recomputes an EMA of each series
+window.posttrainCharts = [];
+function ema(ys, alpha) { if (!alpha) return ys; let s = null; return ys.map(y => y == null ? null : (s = s == null ? y : alpha * s + (1 - alpha) * y)); }
+function drawCharts() {
+  const smooth = parseFloat((document.getElementById("smoothing") || {}).value || "0");
+  for (const u of window.posttrainCharts) u.destroy();
+  window.posttrainCharts = [];
+  if (typeof uPlot === "undefined") return;
+  for (const el of document.querySelectorAll(".uplot-chart")) {
+    const spec = JSON.parse(el.dataset.chart);
+    el.innerHTML = "";
+    const data = [spec.data[0], ...spec.data.slice(1).map(ys => spec.scatter ? ys : ema(ys, smooth))];
+    const series = [{label: spec.x_label}, ...spec.names.map((n, i) => ({label: n, stroke: spec.colors[i], width: 1.5,
+      paths: spec.scatter ? () => null : undefined, points: {show: spec.scatter || data[0].length <= 60, size: spec.scatter ? 4 : 5, fill: spec.colors[i]},
+      spanGaps: true}))];
+    const u = new uPlot({width: Math.max(320, Math.min(560, el.parentElement.clientWidth || 420)), height: 200,
+      series, scales: {x: {time: false}}, cursor: {drag: {x: true, y: false}},
+      axes: [{label: spec.x_label, size: 40}, {label: spec.y_label || "", size: 60}]}, data, el);
+    u.spec = spec;
+    window.posttrainCharts.push(u);
+  }
+}
+document.addEventListener("DOMContentLoaded", () => {
+  drawCharts();
+  const slider = document.getElementById("smoothing");
+  if (slider) slider.addEventListener("input", () => { document.getElementById("smoothing-value").textContent = slider.value; drawCharts(); });
+  const live = document.getElementById("live");
+  if (live) setInterval(async () => {
+    try {
+      const r = await fetch(live.dataset.url + "?format=json", {cache: "no-store"});
+      const v = await r.json();
+      if (v.version !== live.dataset.version) location.reload();
+    } catch (e) {}
+  }, 2000);
+});
+</script></body></html>
 """
 
 INDEX = """{% extends "base" %}{% block body %}
 <h1>Runs</h1>
-{% if runs %}<table><tr><th>run</th><th>steps</th><th>rollouts</th><th>not yet trained on</th><th>checkpoints (steps)</th></tr>
+{% if runs %}<table id="runs"><tr><th>run</th><th>steps</th><th>state</th><th>rollouts</th><th>ready, not trained on</th><th>checkpoints (steps)</th></tr>
 {% for r in runs %}<tr><td><a href="{{ r.link }}">{{ r.run }}</a></td><td class="num">{{ r.steps }}{% if r.of_steps %} of {{ r.of_steps }}{% endif %}</td>
-<td class="num">{{ r.rollouts }}</td><td class="num">{{ r.ready }}</td><td>{{ r.checkpoints|join(", ") }}</td></tr>{% endfor %}</table>
+<td>{{ "finished" if r.finished else "training or stopped" }}</td><td class="num">{{ r.rollouts }}</td>
+<td class="num">{% if r.finished %}{{ r.ready }} left over (the run ended before a step took them){% else %}{{ r.ready }}{% endif %}</td><td>{{ r.checkpoints|join(", ") }}</td></tr>{% endfor %}</table>
+<p><a href="/compare?runs={{ runs|map(attribute='run')|join(',') }}">compare these runs' curves</a> · <a href="/find">find in rollouts and attempts</a></p>
 {% else %}<p class="muted">no run under {{ home }}/runs</p>{% endif %}
 {% include "evals_table" %}
 {% endblock %}"""
@@ -46,20 +89,24 @@ EVALS = """{% extends "base" %}{% block body %}{% include "evals_table" %}{% end
 
 RUN = """{% extends "base" %}{% block body %}
 <h1>Run {{ run }}</h1>
-<p>{{ steps|length }} step(s){% if of_steps %} of {{ of_steps }}{% endif %}{% if eta %} · ETA {{ eta }} at the pace of the last steps{% endif %}
-· checkpoints: {% for c in checkpoints %}<a href="{{ c.link }}">step {{ c.step }}</a>{% if not loop.last %}, {% endif %}{% else %}none{% endfor %}</p>
-<h2>Curves by step</h2><div class="charts">{% for chart in curves %}{{ chart|safe }}{% endfor %}</div>
+<p id="state">{{ steps|length }} step(s){% if of_steps %} of {{ of_steps }}{% endif %}{% if finished %} · finished{% elif eta %} · ETA {{ eta }} at the pace of the last steps{% endif %}
+· checkpoints: {% for c in checkpoints %}<a href="{{ c.link }}">step {{ c.step }}</a>{% if not loop.last %}, {% endif %}{% else %}none{% endfor %}
+· <a href="{{ compare_link }}">compare with other runs</a> · <a href="/find?run={{ run }}">find in its rollouts</a>{% if tensorboard %} · <a href="/tensorboard">TensorBoard</a> (overlays runs too){% endif %}</p>
+<h2>Curves by step</h2><div class="smoothing"><label>smoothing <input id="smoothing" type="range" min="0" max="0.95" step="0.05" value="0"> <span id="smoothing-value">0</span></label> · drag across a chart to zoom, double-click to reset</div>
+<div class="charts">{% for chart in curves %}{{ chart|safe }}{% endfor %}</div>
 <h2>Time per phase</h2>{{ phases|safe }}
 <p class="muted">Episode phases are summed over the step's rollouts (episodes run side by side, so they exceed the wall clock); wait and train are the trainer's wall clock (publish time is in TensorBoard and the step observations).</p>
 <h2>Steps</h2>
-<table><tr><th>step</th><th>groups</th><th>rollouts</th><th>discarded</th><th>mean reward</th><th>mean response tokens</th></tr>
+<p class="muted">A step trains on the rollouts it consumed (groups with reward variance; a zero-variance group is consumed and dropped); rollouts discarded as stale were never trained on, so their rewards are apart.</p>
+<table id="steps"><tr><th>step</th><th>groups</th><th>rollouts</th><th>consumed (trained on)</th><th>mean reward, consumed</th><th>discarded (stale)</th><th>mean reward, discarded</th><th>mean response tokens, consumed</th></tr>
 {% for s in store_steps %}<tr><td><a href="{{ s.link }}">{{ s.step }}</a></td><td class="num">{{ s.groups }}</td><td class="num">{{ s.rollouts }}</td>
-<td class="num">{{ s.discarded }}</td><td class="num">{{ "%.3f"|format(s.reward_mean or 0) }}</td><td class="num">{{ "%.0f"|format(s.generated_tokens_mean or 0) }}</td></tr>{% endfor %}</table>
+<td class="num">{{ s.consumed }}</td><td class="num">{{ num(s.reward_mean_consumed) }}</td><td class="num">{{ s.discarded }}</td><td class="num">{{ num(s.reward_mean_discarded) }}</td>
+<td class="num">{{ num(s.generated_tokens_mean_consumed, "%.0f") }}</td></tr>{% endfor %}</table>
 {% endblock %}"""
 
 STEP = """{% extends "base" %}{% block body %}
 <h1><a href="{{ run_link }}">{{ run }}</a> · step {{ step }}</h1>
-<p>{{ n_groups }} group(s), {{ n_rollouts }} rollout(s){% if filtered %} matching the filters{% endif %}{% if row %} · loss {{ "%.4f"|format(row.loss) }}, solve rate {{ "%.3f"|format(row.solve_rate) }}, zero-variance groups {{ row.zero_variance_groups }}{% endif %}</p>
+<p>{{ n_groups }} group(s), {{ n_rollouts }} rollout(s){% if filtered %} matching the filters{% endif %} ({% for k, v in statuses.items() %}{{ v }} {{ k }}{% if not loop.last %}, {% endif %}{% endfor %}){% if row %} · loss {{ "%.4f"|format(row.loss) }}, solve rate {{ "%.3f"|format(row.solve_rate) }}, zero-variance groups {{ row.zero_variance_groups }}{% endif %}</p>
 <form class="filters" method="get">
 <label>reward ≥ <input name="min_reward" size="4" value="{{ q.min_reward or '' }}"></label>
 <label>reward ≤ <input name="max_reward" size="4" value="{{ q.max_reward or '' }}"></label>
@@ -67,13 +114,13 @@ STEP = """{% extends "base" %}{% block body %}
 <label>task <input name="task" size="16" value="{{ q.task or '' }}"></label>
 <label>status <select name="status"><option value="">any</option>{% for s in ["consumed", "discarded", "ready"] %}<option {% if s == q.status %}selected{% endif %}>{{ s }}</option>{% endfor %}</select></label>
 <button>filter</button></form>
-<h2>Distributions</h2><div class="charts">{% for chart in charts %}{{ chart|safe }}{% endfor %}</div>
+<h2>Distributions</h2>{% if not q.status %}<p class="muted">Over the rollouts the step trained on (consumed); the rewards of those it discarded as stale are drawn apart.</p>{% endif %}<div class="charts">{% for chart in charts %}{{ chart|safe }}{% endfor %}</div>
 <h2>Groups and rollouts</h2>
 <table><tr><th>group</th><th>task</th><th>adapter step</th><th>rollout</th><th>status</th><th>reward</th><th>advantage</th><th>response tokens</th><th>turns</th><th>stop reason</th><th>signals</th></tr>
 {% for g in groups %}{% for r in g.rollouts %}<tr>
 {% if loop.first %}<td rowspan="{{ g.rollouts|length }}">{{ g.group_id }}<br><span class="muted">spread {{ "%.3f"|format(g.spread) }}</span></td>
 <td rowspan="{{ g.rollouts|length }}">{{ g.task_id }}</td><td rowspan="{{ g.rollouts|length }}" class="num">{{ g.adapter_step }}</td>{% endif %}
-<td><a href="{{ link(r.rollout_id) }}">{{ r.rollout_id }}</a></td><td>{{ r.status }}</td><td class="num">{{ "%.3f"|format(r.reward) }}</td>
+<td><a href="{{ link(r.rollout_id) }}">{{ r.rollout_id }}</a></td><td class="status-{{ r.status }}">{{ r.status }}{% if r.status == "discarded" %} (not trained on){% endif %}</td><td class="num">{{ "%.3f"|format(r.reward) }}</td>
 <td class="num">{{ "%+.3f"|format(r.advantage) }}</td><td class="num">{{ r.generated_tokens }}</td><td class="num">{{ r.turns }}</td>
 <td>{{ r.info.get("stop_reason", "") }}</td><td>{% for s in r.signals %}<span class="badge signal">{{ s }}</span>{% endfor %}</td></tr>{% endfor %}{% endfor %}
 </table>{% endblock %}"""
@@ -99,15 +146,23 @@ ROLLOUT = """{% extends "base" %}{% block body %}
 CHECKPOINT = """{% extends "base" %}{% block body %}
 <h1>Checkpoint {{ checkpoint }}</h1>
 <p>eval run {{ run_id }}{% if runs|length > 1 %} (runs: {% for r in runs %}<a href="?run={{ r }}">{{ r }}</a>{% if not loop.last %}, {% endif %}{% endfor %}){% endif %}
-· compared with {% if base %}<a href="{{ base_link }}">{{ base }}</a> (run {{ base_run_id }}){% else %}no base model eval{% endif %}
-· {{ gained }} task(s) gained, {{ lost }} lost · pass@1 {{ "%.3f"|format(pass1) }}{% if base %} (base {{ "%.3f"|format(base_pass1) }}){% endif %}</p>
-<form class="filters" method="get">{% if q.run %}<input type="hidden" name="run" value="{{ q.run }}">{% endif %}
+· compared with {% if base %}<a href="{{ base_link }}">{{ base }}</a> (run {{ base_run_id }}){% else %}no other checkpoint's eval{% endif %}
+· {{ gained }} task(s) gained, {{ lost }} lost</p>
+<form class="filters" method="get" id="against-form">{% if q.run %}<input type="hidden" name="run" value="{{ q.run }}">{% endif %}
+<label>compare with <select name="against">{% for c in checkpoints %}<option {% if c == base %}selected{% endif %}>{{ c }}</option>{% endfor %}</select></label><button>compare</button></form>
+{% macro est(e) %}{% if e %}{{ "%.3f"|format(e.value) }} [{{ "%.3f"|format(e.low) }}, {{ "%.3f"|format(e.high) }}]{% else %}–{% endif %}{% endmacro %}
+{% macro change(e) %}{% if e %}{{ "%+.3f"|format(e.value) }} [{{ "%+.3f"|format(e.low) }}, {{ "%+.3f"|format(e.high) }}]{% else %}–{% endif %}{% endmacro %}
+<table id="summary"><tr><th>level</th><th>tasks</th><th>pass@1 {{ checkpoint }} (95% CI)</th><th>pass@1 {{ base or "–" }} (95% CI)</th><th>change, paired over tasks (95% CI)</th><th>paired tasks</th></tr>
+<tr><td><b>all</b></td><td class="num">{{ summary.tasks }}</td><td class="num">{{ est(summary["pass@1"]) }}</td><td class="num">{{ est(summary["against_pass@1"]) }}</td><td class="num">{{ change(summary.change) }}</td><td class="num">{{ summary.paired_tasks }}</td></tr>
+{% for l in summary.levels %}<tr><td>level {{ l.level }}</td><td class="num">{{ l.tasks }}</td><td class="num">{{ est(l["pass@1"]) }}</td><td class="num">{{ est(l["against_pass@1"]) }}</td><td class="num">{{ change(l.change) }}</td><td class="num">{{ l.paired_tasks }}</td></tr>{% endfor %}</table>
+<p class="muted">pass@1: the mean over tasks of each task's share of graded attempts that pass, with a 95% bootstrap interval over tasks; the change is paired on the tasks both checkpoints were graded on (as eval_report's headline).</p>
+<form class="filters" method="get">{% if q.run %}<input type="hidden" name="run" value="{{ q.run }}">{% endif %}{% if q.against %}<input type="hidden" name="against" value="{{ q.against }}">{% endif %}
 <label>task <input name="task" size="16" value="{{ q.task or '' }}"></label>
 <label>level <select name="level"><option value="">any</option>{% for l in levels %}<option {% if l|string == q.level %}selected{% endif %}>{{ l }}</option>{% endfor %}</select></label>
 <label>flip <select name="flip"><option value="">any</option>{% for f in ["gained", "lost", "flipped"] %}<option {% if f == q.flip %}selected{% endif %}>{{ f }}</option>{% endfor %}</select></label>
 <label><input type="checkbox" name="flawed" value="1" {% if q.flawed %}checked{% endif %}> flawed only</label>
 <button>filter</button></form>
-<table id="tasks"><tr><th>task</th><th>level</th><th>base passes</th><th>passes</th><th>base pass@1</th><th>pass@1</th><th>change</th><th>flip</th><th>flagged</th><th>flawed lists</th></tr>
+<table id="tasks"><tr><th>task</th><th>level</th><th>passes at {{ base or "–" }}</th><th>passes</th><th>pass@1 at {{ base or "–" }}</th><th>pass@1</th><th>change</th><th>flip</th><th>flagged</th><th>flawed lists</th></tr>
 {% for t in rows %}<tr class="{{ t.flip }}"><td><a href="{{ t.link }}">{{ t.task_id }}</a></td><td class="num">{{ t.level }}</td>
 <td class="num">{% if t.base_attempts is not none %}{{ t.base_passes }}/{{ t.base_attempts }}{% else %}–{% endif %}</td><td class="num">{{ t.passes }}/{{ t.attempts }}</td>
 <td class="num">{{ num(t["base_pass@1"]) }}</td><td class="num">{{ num(t["pass@1"]) }}</td><td class="num">{{ num(t.change, "%+.3f") }}</td><td>{{ t.flip }}</td>
@@ -118,7 +173,7 @@ ATTEMPTS_TABLE = """<table><tr><th>attempt</th><th>status</th><th>reward</th><th
 {% for a in attempts %}<tr><td>{% if link %}<a href="{{ link(a.attempt) }}">{{ a.attempt }}</a>{% else %}{{ a.attempt }}{% endif %}</td><td>{{ a.status }}</td>
 <td class="num {{ 'pass' if (a.reward or 0) >= 1 else 'fail' }}">{{ num(a.reward) }}</td><td class="num">{{ a.f2p_passed if a.f2p_passed is not none else "–" }}/{{ a.f2p_total if a.f2p_total is not none else "–" }}</td>
 <td class="num">{{ a.p2p_passed if a.p2p_passed is not none else "–" }}/{{ a.p2p_total if a.p2p_total is not none else "–" }}</td><td class="num">{{ num(a.partial) }}</td><td class="num">{{ a.turns }}</td>
-<td>{{ a.stop_reason }}</td><td>{{ a.committed }}</td><td>{% for s in (a.signals or "").split(",") if s %}<span class="badge signal">{{ s }}</span>{% endfor %}</td></tr>{% endfor %}</table>"""
+<td>{{ a.stop_reason }}</td><td>{{ "yes" if a.committed else "no" }}</td><td>{% for s in (a.signals or "").split(",") if s %}<span class="badge signal">{{ s }}</span>{% endfor %}</td></tr>{% endfor %}</table>"""
 
 TASK = """{% extends "base" %}{% block body %}
 <h1><a href="{{ ckpt_link }}">{{ checkpoint }}</a> · task {{ task_id }}</h1>
@@ -132,7 +187,7 @@ ATTEMPT = """{% extends "base" %}{% block body %}
 <dl class="kv"><dt>status</dt><dd>{{ row.status }}</dd><dt>reward</dt><dd class="{{ 'pass' if (row.reward or 0) >= 1 else 'fail' }}" id="reward">{{ num(row.reward) }}</dd>
 <dt>target tests</dt><dd>{{ row.f2p_passed }}/{{ row.f2p_total }} passed (target score {{ num(row.target_score) }}, strict {{ num(row.strict_target_score) }})</dd>
 <dt>existing tests</dt><dd>{{ row.p2p_passed }}/{{ row.p2p_total }} passed</dd><dt>partial</dt><dd>{{ num(row.partial) }}</dd>
-<dt>committed</dt><dd>{{ row.committed }}</dd><dt>stop reason</dt><dd>{{ row.stop_reason }}</dd><dt>turns</dt><dd>{{ row.turns }} ({{ row.output_tokens }} tokens)</dd>
+<dt>committed</dt><dd>{{ "yes" if row.committed else "no" }}</dd><dt>stop reason</dt><dd>{{ row.stop_reason }}</dd><dt>turns</dt><dd>{{ row.turns }} ({{ row.output_tokens }} tokens)</dd>
 <dt>time</dt><dd>agent {{ num(row.agent_s, "%.1f") }} s, grading {{ num(row.grade_s, "%.1f") }} s</dd>
 <dt>signals</dt><dd>{% for s in signals %}<span class="badge signal">{{ s }}</span>{% else %}none{% endfor %}</dd>
 <dt>flawed lists</dt><dd>{% for f in flawed %}<span class="badge flawed">{{ f }}</span>{% else %}none{% endfor %}</dd>
@@ -141,14 +196,41 @@ ATTEMPT = """{% extends "base" %}{% block body %}
 {% for t in tests %}<tr><td>{{ t.test }}</td><td>{{ t.kind }}</td><td class="{{ 'pass' if t.outcome == 'passed' else 'fail' }}">{{ t.outcome }}</td></tr>{% endfor %}</table>
 {% else %}<p class="muted">no test outcomes recorded for this attempt</p>{% endif %}
 <h2>Committed diff</h2>{% if diff %}<pre class="diff" id="diff">{% for line in diff.splitlines() %}<span class="{{ 'hunk' if line.startswith('@@') else 'add' if line.startswith('+') and not line.startswith('+++') else 'del' if line.startswith('-') and not line.startswith('---') else '' }}">{{ line }}</span>
-{% endfor %}</pre>{% else %}<p class="muted">nothing committed</p>{% endif %}
-<h2>Transcript</h2>{% for m in transcript %}<div class="turn {{ m.role }}"><h3>{% if m.turn is defined %}turn {{ m.turn }} · {% endif %}{{ m.role }}{% if m.get('action') %} · {{ m.action.tool }}{% endif %}</h3>
-{% if m.role == "action" %}<pre>{{ m.action.args|tojson }}</pre><pre>{{ m.observation }}</pre>{% else %}<pre>{{ m.text }}</pre>{% endif %}</div>{% else %}<p class="muted">no transcript recorded</p>{% endfor %}
+{% endfor %}</pre>{% elif row.committed %}<p class="muted">the agent committed, but this attempt's row keeps no diff (a Harbor attempt's verification is under evals/harbor/)</p>{% else %}<p class="muted">nothing committed</p>{% endif %}
+<h2>Transcript</h2>{% if prompt %}<div class="turn prompt" id="shown-prompt"><h3>prompt the model was shown (rendered again from the task in the home's bundled suite: instruction, numbered file, failing tests)</h3><pre>{{ prompt }}</pre></div>{% endif %}{% for m in transcript %}<div class="turn {{ m.role }}"><h3>{% if m.turn is defined %}turn {{ m.turn }} · {% endif %}{{ m.role }}{% if m.get('action') %} · {{ m.action.tool }}{% endif %}</h3>
+{% if m.role == "action" %}<pre class="args">{{ m.action.args|pretty_json }}</pre><pre>{{ m.observation }}</pre>{% else %}<pre>{{ m.text }}</pre>{% endif %}</div>{% else %}<p class="muted">no transcript recorded</p>{% endfor %}
 {% if row.test_output %}<h2>Test output</h2><pre>{{ row.test_output }}</pre>{% endif %}
+{% endblock %}"""
+
+COMPARE = """{% extends "base" %}{% block body %}
+<h1>Compare runs</h1>
+<form class="filters" method="get"><label>runs (comma-separated) <input name="runs" size="40" value="{{ names|join(',') }}"></label>
+<button>compare</button> <span class="muted">runs here: {% for r in every %}<a href="/compare?runs={{ r }}">{{ r }}</a>{% if not loop.last %}, {% endif %}{% endfor %}</span></form>
+{% if names %}<p>{% for n in names %}<a href="{{ run_links[n] }}">{{ n }}</a>{% if not loop.last %} · {% endif %}{% endfor %}{% if tensorboard %} · <a href="/tensorboard">TensorBoard</a> overlays every series of every run{% endif %}</p>
+<div class="smoothing"><label>smoothing <input id="smoothing" type="range" min="0" max="0.95" step="0.05" value="0"> <span id="smoothing-value">0</span></label> · drag to zoom, double-click to reset</div>
+<div class="charts">{% for chart in curves %}{{ chart|safe }}{% endfor %}</div>
+<p class="muted">Two checkpoints side by side: open a checkpoint and pick "compare with", or /compare/evals?a=CHECKPOINT&amp;b=OTHER.</p>{% endif %}
+{% endblock %}"""
+
+FIND = """{% extends "base" %}{% block body %}
+<h1>Find</h1>
+<form class="filters" method="get" id="find-form"><label>text <input name="q" size="30" value="{{ p.q }}"></label>
+<label><input type="checkbox" name="regex" value="1" {% if p.regex %}checked{% endif %}> regular expression</label>
+<label>in run's rollouts <select name="run"><option value="">(eval attempts instead)</option>{% for r in runs %}<option {% if r == p.run %}selected{% endif %}>{{ r }}</option>{% endfor %}</select></label>
+<label>step <input name="step" size="4" value="{{ p.step }}"></label>
+<label>or checkpoint's attempts <select name="checkpoint"><option value="">every checkpoint</option>{% for c in checkpoints %}<option {% if c == p.checkpoint %}selected{% endif %}>{{ c }}</option>{% endfor %}</select></label>
+<label>status <input name="status" size="9" value="{{ p.status }}"></label><label>task <input name="task" size="12" value="{{ p.task }}"></label>
+<label>reward ≥ <input name="min_reward" size="4" value="{{ p.min_reward }}"></label><label>reward ≤ <input name="max_reward" size="4" value="{{ p.max_reward }}"></label>
+<button>find</button></form>
+{% if result %}<p id="found">{{ result.hits|length }}{% if result.more %}+ (the first {{ result.hits|length }}){% endif %} match(es) in {{ result.searched }} {{ "rollouts" if p.run else "attempts" }} searched</p>
+<table id="hits"><tr>{% if p.run %}<th>rollout</th><th>step</th>{% else %}<th>checkpoint</th><th>task</th><th>attempt</th>{% endif %}<th>status</th><th>reward</th><th>matched in</th><th>context</th></tr>
+{% for h in result.hits %}<tr>{% if p.run %}<td><a href="{{ h.link }}">{{ h.rollout_id }}</a></td><td class="num">{{ h.step if h.step is not none else "ready" }}</td>
+{% else %}<td>{{ h.checkpoint }}</td><td>{{ h.task_id }}</td><td><a href="{{ h.link }}">{{ h.attempt }}</a></td>{% endif %}
+<td>{{ h.status }}</td><td class="num">{{ num(h.reward) }}</td><td>{{ h.matched }}</td><td><code>{{ h.snippet }}</code></td></tr>{% endfor %}</table>{% endif %}
 {% endblock %}"""
 
 NOT_FOUND = """{% extends "base" %}{% block body %}<h1>Not found</h1><p>{{ message }}</p>{% endblock %}"""
 
 TEMPLATES = {"base": BASE, "index": INDEX, "evals_table": EVALS_TABLE, "evals": EVALS, "run": RUN, "step": STEP,
              "rollout": ROLLOUT, "checkpoint": CHECKPOINT, "attempts_table": ATTEMPTS_TABLE, "task": TASK,
-             "attempt": ATTEMPT, "not_found": NOT_FOUND}
+             "attempt": ATTEMPT, "compare": COMPARE, "find": FIND, "not_found": NOT_FOUND}
