@@ -96,6 +96,15 @@ def sandbox_selector(run: str) -> dict[str, str]:
     return {f"{LABEL_PREFIX}/role": "sandbox", f"{LABEL_PREFIX}/run": label_value(run)}
 
 
+# The init container's copy of the image's workspace into the pod's volume: each entry of it with
+# its attributes (cp -a), never the folder itself: `cp -a /workspace/. DEST` also sets DEST's own
+# times, which the sandbox user may not on the volume's mount point, and GNU cp then fails the pod
+# ("preserving times for '/mnt/workspace/.': Operation not permitted", seen with a Debian image; a
+# busybox cp only warned). POSIX sh and cp only, as every task image has them.
+COPY_WORKSPACE = (f"set -e; cd {WORKDIR}; for f in * .[!.]* ..?*; do "
+                  'if [ -e "$f" ] || [ -L "$f" ]; then cp -a "$f" /mnt/workspace/; fi; done')
+
+
 def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits = Limits(),
              settings: PodSettings = PodSettings(), preferred_nodes: list[str] | None = None,
              required_nodes: list[str] | None = None, writable_root: bool = False) -> dict:
@@ -142,7 +151,7 @@ def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits
                             "seccompProfile": {"type": "RuntimeDefault"}},
         # the image's workspace is copied into a size-limited volume: the per-sandbox writable layer
         "initContainers": [{
-            "name": "workspace", "image": image, "command": ["/bin/cp", "-a", f"{WORKDIR}/.", "/mnt/workspace/"],
+            "name": "workspace", "image": image, "command": ["/bin/sh", "-c", COPY_WORKSPACE],
             "securityContext": locked_down,
             "resources": {"limits": {"cpu": "500m", "memory": "128Mi"}, "requests": {"cpu": "50m", "memory": "32Mi"}},
             "volumeMounts": [{"name": "workspace", "mountPath": "/mnt/workspace"}],

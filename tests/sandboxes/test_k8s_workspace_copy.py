@@ -1,0 +1,74 @@
+"""The init container of a sandbox pod copies the image's /workspace into the pod's volume as the
+sandbox user (:data:`sandboxes.k8s.COPY_WORKSPACE`). Run here with this machine's sh and GNU cp, as
+uid 1000 (setpriv, then an unprivileged bubblewrap namespace binding the two folders where the pod
+has them), onto a mount point that user does not own (the pod volume's). Needs root (CI is)."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sandboxes.k8s import COPY_WORKSPACE, pod_spec
+
+BWRAP = shutil.which("bwrap")
+
+
+def run_as_sandbox_user(command: list[str], src, dest) -> subprocess.CompletedProcess:
+    binds = [a for d in ("/usr", "/bin", "/lib", "/lib64", "/etc") if os.path.exists(d) for a in ("--ro-bind", d, d)]
+    return subprocess.run(["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", BWRAP, *binds, "--proc", "/proc", "--dev", "/dev", "--bind", str(src), "/workspace",
+                           "--bind", str(dest), "/mnt/workspace", "--unshare-user",
+                           *command], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def tmp_path():
+    """A folder uid 1000 can walk to (pytest's own is root's, mode 700)."""
+    path = Path(tempfile.mkdtemp(prefix="posttrain-copy-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def folders(tmp_path):
+    src, dest = tmp_path / "image-workspace", tmp_path / "volume"
+    (src / "pkg").mkdir(parents=True)
+    (src / "calc.py").write_text("print(2 + 2)\n")
+    (src / ".hidden").write_text("x")
+    (src / "..odd").write_text("y")
+    (src / "pkg" / "run.sh").write_text("#!/bin/sh\n")
+    (src / "pkg" / "run.sh").chmod(0o755)
+    (src / "link").symlink_to("calc.py")
+    dest.mkdir()
+    dest.chmod(0o777)  # writable by the sandbox user, owned by another (the volume's mount point)
+    return src, dest
+
+
+@pytest.mark.skipif((BWRAP is None or os.geteuid() != 0) and os.environ.get("CI") != "true",
+                    reason="needs bubblewrap and root")
+def test_the_workspace_is_copied_whole_onto_a_mount_point_the_user_does_not_own(folders):
+    src, dest = folders
+    spec = pod_spec(run="r", task_id="t", episode="e", image="registry.local/task:1")
+    command = spec["spec"]["initContainers"][0]["command"]
+    assert command == ["/bin/sh", "-c", COPY_WORKSPACE]
+    done = run_as_sandbox_user(command, src, dest)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["..odd", ".hidden", "calc.py", "link", "pkg"]
+    assert os.readlink(dest / "link") == "calc.py" and os.access(dest / "pkg" / "run.sh", os.X_OK)
+    # the copy the pods made before: GNU cp fails on the mount point's own times
+    before = run_as_sandbox_user(["/bin/cp", "-a", "/workspace/.", "/mnt/workspace/"], src, dest)
+    assert before.returncode != 0 and "preserving times" in before.stderr
+
+
+@pytest.mark.skipif((BWRAP is None or os.geteuid() != 0) and os.environ.get("CI") != "true",
+                    reason="needs bubblewrap and root")
+def test_an_empty_workspace_copies_nothing_and_succeeds(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "dest").mkdir(mode=0o777)
+    (tmp_path / "dest").chmod(0o777)
+    done = run_as_sandbox_user(["/bin/sh", "-c", COPY_WORKSPACE], tmp_path / "src", tmp_path / "dest")
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "dest").iterdir()) == []
