@@ -84,6 +84,20 @@ def _counters(text: str) -> dict[str, int]:
     return out
 
 
+def _read_small(path: str) -> str | None:
+    """A cgroup interface file's text (a few hundred bytes), or None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 65536).decode()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 class Cgroup:
     """One cgroup per sandbox for CPU, memory and process count (cgroup v2, or the v1 controllers)."""
 
@@ -158,11 +172,20 @@ class Cgroup:
         return None
 
     def _read(self, name: str) -> str | None:
+        """The interface file ``name`` of whichever hierarchy has it (None where none does). Read
+        after every answer of the sandbox's daemon (:meth:`limit_events`), so where each file is, or
+        that it is nowhere, is found once: a cgroup's interface files are there from its creation."""
+        where = self.__dict__.setdefault("_where", {})
+        if name in where:
+            path = where[name]
+            return None if path is None else _read_small(path)
         for p in self.paths:
-            try:
-                return (p / name).read_text()
-            except OSError:
-                continue
+            text = _read_small(str(p / name))
+            if text is not None:
+                where[name] = str(p / name)
+                return text
+        if self.paths:
+            where[name] = None
         return None
 
     def limit_events(self) -> LimitEvents:
