@@ -394,11 +394,25 @@ def probe_spec(module: str, checks: Sequence[CallCheck], call_timeout_s: float =
                        "calls": [[i, c.function, c.args] for i, c in enumerate(checks)]}).encode()
 
 
+_PRINTF_PLAIN = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 !\"#$&()*+,-./:;<=>?@[]^_`{|}~")
+
+
+def _write_command(path: str, data: bytes) -> str:
+    """A shell command that writes ``data`` to ``path`` with the shell's own ``printf``: the bytes
+    as its format, in single quotes, every other byte than plain ASCII as an octal escape (no
+    ``base64`` process a file: a grading writes two). Data with a NUL byte, which a format cannot
+    hold, goes through ``base64``."""
+    if b"\0" in data:
+        return f"printf %s {base64.b64encode(data).decode()} | base64 -d > {path}"
+    text = "".join(chr(b) if b in _PRINTF_PLAIN else "%%" if b == 0x25 else f"\\{b:03o}" for b in data)
+    return f"printf '{text}' > {path}"
+
+
 def install_probe(sandbox, grader_dir: str, spec: bytes) -> str:
     """Write the probe and its spec under ``grader_dir`` in the sandbox; return the command that runs it."""
     name = f"_posttrain_probe_{os.urandom(8).hex()}"
     files = ((f"{grader_dir}/{name}.py", PROBE_SOURCE.read_bytes()), (f"{grader_dir}/{name}.json", spec))
-    script = "; ".join(f"printf %s {base64.b64encode(data).decode()} | base64 -d > {path}" for path, data in files)
+    script = "; ".join(_write_command(path, data) for path, data in files)
     made = sandbox.exec(f"set -e; umask 077; mkdir -p {grader_dir}; {script}", timeout_s=30)
     if made.timed_out or made.exit_code != 0:
         raise InfraError(f"writing the call probe to {grader_dir} failed: {made.output[-300:]}")
