@@ -32,7 +32,7 @@ Only the steady part counts: from the end of step 1 (the engine is up, the pipel
 of step N, so ``groups/s`` is the groups the steps 2..N took over that time. The machine is shared:
 absolute figures move with the load; the CPU a group and the shares carry over best.
 
-    .venv/bin/python bench/loop_profile.py --home HOME [--steps 4] [--baseline fdf7a51]
+    .venv/bin/python bench/loop_profile.py --home HOME [--steps 4] [--baseline fdf7a51[,1ec7686]]
     .venv/bin/python bench/loop_profile.py --home HOME --only current --set producer_workers=8   # a trial
 
 ``--code DIR`` runs the current side from another checkout (a ``git worktree`` of the commit to
@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--home", type=Path, required=True, help="a posttrain home with models/base and datasets/bundled")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--baseline", default="fdf7a51", help="the commit whose configuration is the baseline")
+    parser.add_argument("--baseline", default="fdf7a51",
+                        help="the commit whose configuration is the baseline; several, comma-separated, run in turn")
     parser.add_argument("--interval-s", type=float, default=0.25)
     parser.add_argument("--only", choices=("baseline", "current"), help="run one side only")
     parser.add_argument("--code", type=Path, default=REPO, help="the current side's code (default: this checkout)")
@@ -333,18 +334,21 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}
     results = []
     if args.only != "current":
-        results.append(profile(baseline_tree(args.baseline), home, args.steps, args.interval_s, args.work,
-                               f"baseline {args.baseline}"))
+        for commit in args.baseline.split(","):
+            results.append(profile(baseline_tree(commit), home, args.steps, args.interval_s, args.work,
+                                   f"baseline {commit}"))
     if args.only != "baseline":
         results.append(profile(args.code.resolve(), home, args.steps, args.interval_s, args.work, "current",
                                overrides, dict(item.split("=", 1) for item in args.env)))
-    if len(results) == 2:
-        base, cur = results
-        print(f"groups/s: {cur['groups_per_s']:.2f} against {base['groups_per_s']:.2f}, "
-              f"ratio {cur['groups_per_s'] / base['groups_per_s']:.2f}x; CPU a group "
-              f"{sum(cur['cpu_s'].values()) / cur['groups']:.2f} s against "
-              f"{sum(base['cpu_s'].values()) / base['groups']:.2f} s (sampled); the machine's "
-              f"{cur['machine_busy_s'] / cur['groups']:.2f} s against {base['machine_busy_s'] / base['groups']:.2f} s")
+    if len(results) >= 2:
+        cur = results[-1]
+        for base in results[:-1]:
+            print(f"groups/s: {cur['groups_per_s']:.2f} against {base['label']}'s {base['groups_per_s']:.2f}, "
+                  f"ratio {cur['groups_per_s'] / base['groups_per_s']:.2f}x; CPU a group "
+                  f"{sum(cur['cpu_s'].values()) / cur['groups']:.2f} s against "
+                  f"{sum(base['cpu_s'].values()) / base['groups']:.2f} s (sampled); the machine's "
+                  f"{cur['machine_busy_s'] / cur['groups']:.2f} s against "
+                  f"{base['machine_busy_s'] / base['groups']:.2f} s")
     print(f"profiler's own CPU: {sum(r['profiler_cpu_s'] for r in results):.1f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
