@@ -28,6 +28,7 @@ from assets.evals import eval_run_config, run_eval_section
 from assets.partitions import checkpoints_partitions, parse_checkpoint_partition_key
 from assets.resources import PosttrainStorage
 from dagster_project.sensors import complete_checkpoint_keys
+from viewer import links
 
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
@@ -329,5 +330,6 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
                    "the sensor adds and evaluates each within 30 s of `posttrain ui` starting the daemon; the UI "
                    "shows the run under Runs, eval_report refreshes after it)", started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)
-        _stage("open the UI with `posttrain ui` to browse every asset and its metadata", started)
+        _stage("open the UI with `posttrain ui` to browse every asset and its metadata; the viewer links in it "
+               f"point to {links.viewer_url()} (the viewer last served for this home, else the default port)", started)
     return 0

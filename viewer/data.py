@@ -720,6 +720,22 @@ def search_rollouts(home: Path, run: str, pattern: str, *, regex: bool = False, 
 ATTEMPT_TEXT = ("transcript", "diff", "test_output", "detail", "stop_reason", "signals")  # what a search reads
 
 
+def transcript_text(value: Any) -> str:
+    """A transcript (JSON text) as a reader sees it on the attempt's page: each message's text, each
+    action (tool and arguments as written) and what the sandbox answered, one per line."""
+    lines = []
+    for m in decode_json(value, []):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "action":
+            action = m.get("action") or {}
+            lines.append(f"{action.get('tool', '')} {json.dumps(action.get('args', {}), ensure_ascii=False)}")
+            lines.append(str(m.get("observation", "")))
+        else:
+            lines.append(str(m.get("text", "")))
+    return "\n".join(lines)
+
+
 def search_attempts(home: Path, pattern: str, *, regex: bool = False, checkpoint: str = "", run_id: str = "",
                     status: str = "", task: str = "", min_reward: float | None = None,
                     max_reward: float | None = None, limit: int = SEARCH_LIMIT) -> dict[str, Any]:
@@ -744,7 +760,7 @@ def search_attempts(home: Path, pattern: str, *, regex: bool = False, checkpoint
         searched += len(frame)
         for row in frame.to_dict("records"):
             for field_name in ATTEMPT_TEXT:
-                text = row.get(field_name)
+                text = transcript_text(row.get(field_name)) if field_name == "transcript" else row.get(field_name)
                 m = matcher.search(text) if isinstance(text, str) and text else None
                 if m:
                     if len(hits) >= limit:

@@ -357,3 +357,29 @@ def test_a_running_runs_page_refreshes_when_it_writes_a_step_in_a_browser(home_c
                 break
             assert time.monotonic() < deadline, state
             time.sleep(0.5)
+
+
+def test_screenshots_of_compare_find_and_a_checkpoint_against_another(home_copy, served_copy, tmp_path):
+    """The docs' screenshots of this round (docs/viewer.md): ``POSTTRAIN_VIEWER_SCREENSHOTS=docs/screenshots``
+    writes them there, else into a temporary folder; each is a PNG of the page as Chromium drew it."""
+    from training.checkpoint import metrics_dir, run_path
+    from training.metrics import MetricsWriter
+    from viewer.browser import Browser
+
+    home, _ = home_copy
+    writer = MetricsWriter(metrics_dir(run_path(home, "r2")))
+    for step in range(1, 11):
+        writer.record({"step": step, "time_s": 100.0 * step, "loss": 0.3 / step, "reward_mean": 0.05 * step,
+                       "solve_rate": 0.04 * step, "policy_age_mean": 0.5, "discarded_samples": step % 3,
+                       "useful_tokens_per_s": 90.0 + step, "canary_pass_rate": 0.0}, [])
+    out = Path(os.environ.get("POSTTRAIN_VIEWER_SCREENSHOTS") or tmp_path)
+    pages = {
+        "viewer-compare.png": "/compare?runs=r,r2",
+        "viewer-find.png": "/find?" + urllib.parse.urlencode({"q": WRONG_MARK}),
+        "viewer-checkpoint-against.png": links.checkpoint_path("r-step_000000") + "?against=r-step_000001",
+    }
+    with Browser(width=1200, height=800) as browser:
+        for name, path in pages.items():
+            browser.goto(served_copy + path)
+            png = browser.screenshot(out / name, max_height=1100)
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
