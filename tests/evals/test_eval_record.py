@@ -116,6 +116,16 @@ def test_an_image_that_does_not_build_is_refused_before_any_run_with_the_builder
     assert settings.read_text() == before and _dagster_runs(home) == 0
 
 
+def test_a_task_source_that_does_not_load_is_refused_before_any_run(home, tmp_path, capsys):
+    source = tmp_path / "tasks.jsonl"
+    source.write_text('{"not": "a task"}\n')
+    settings, before = _earlier_settings(home)
+
+    assert main(["eval", str(source), "--model", str(_model(tmp_path)), "--name", "tiny", "--attempts", "1"]) == 2
+    assert f"posttrain eval: {source}: line 1: missing key 'instance_id'" in capsys.readouterr().err
+    assert settings.read_text() == before and _dagster_runs(home) == 0
+
+
 def test_the_direct_path_names_a_build_error_whole(dataset, home, capsys):
     _, _, bad = _ids(dataset)
     recipe = dataset / "tasks" / bad / "environment" / "Dockerfile"
