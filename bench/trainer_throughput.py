@@ -347,10 +347,11 @@ def step_worker(args) -> None:
         raise SystemExit(f"--code-tree {args.code_tree}: the backend came from {code}")
     kernels = ""
     try:
-        from training.fused_step import _CHOSEN  # this tree's fused kernels, where it has them
+        from training.fused_step import chosen_step_kernels  # this tree's fused kernels, where it has them
 
-        kernels = "; ".join(f"{c.kernels.name} (vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in c.errors.items())
-                            + ")" + (f"; passed over: {c.rejected}" if c.rejected else "") for c in _CHOSEN.values())
+        c = chosen_step_kernels(device, torch.bfloat16)  # chosen in the steps above (once per process)
+        kernels = (f"{c.kernels.name} (vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in c.errors.items())
+                   + ")" + (f"; passed over: {c.rejected}" if c.rejected else ""))
     except ImportError:
         pass
     times_sorted = sorted(times)
@@ -360,6 +361,65 @@ def step_worker(args) -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan"),
         "losses": losses, "grad_norms": norms, "step_kernels": kernels, "backend_file": code,
     }))
+
+
+def precision_check(args) -> None:
+    """The bf16 step of today's arithmetic (``fused_kernels=False``: the autograd scheme and the
+    chunked log-probabilities, what 1ec7686 runs) and of the fused one, each against a float32 step
+    (``recompute="none"``, the same weights and adapter before rounding) on a model of the benchmark's
+    shape cut to ``--layers``: the loss, and the LoRA gradients (float32 masters) after one step."""
+    import copy
+
+    device, seq_len = args.device, int(args.contexts.split(",")[0])
+    shape, config = (tiny_shape(), None) if device == "cpu" else qwen3_config(args.model, args.layers)
+    if config is None:
+        config = Qwen3Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                             intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                             num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                             head_dim=shape.head_dim, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = Qwen3ForCausalLM(config)
+    base.config.use_cache = False
+    common = dict(lora_rank=shape.lora_rank, lora_alpha=2 * shape.lora_rank, device=device,
+                  micro_batch_tokens=seq_len, max_grad_norm=1e9, learning_rate=1e-5)
+    runs = {"float32, none": (torch.float32, "none", False),
+            "bf16, attention_output, today's arithmetic": (torch.bfloat16, "attention_output", False),
+            "bf16, attention_output, fused": (torch.bfloat16, "attention_output", True)}
+    batch = batch_of(seq_len, shape.vocab_size, seed=seq_len)
+    gen = torch.Generator().manual_seed(7)
+    reference_lora = None
+    results = {}
+    for name, (dtype, mode, fused) in runs.items():
+        backend = TorchPeftBackend.from_model(copy.deepcopy(base).to(dtype), recompute=mode, fused_kernels=fused, **common)
+        lora = [p for n, p in backend.model.named_parameters() if p.requires_grad]
+        with torch.no_grad():
+            if reference_lora is None:  # the float32 run's adapter, B made non-zero, is every run's
+                for p in lora:
+                    if p.abs().sum() == 0:
+                        p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+                reference_lora = [p.detach().float().clone() for p in lora]
+            for p, ref in zip(lora, reference_lora):
+                p.copy_(ref)
+        backend.refresh_masters()
+        result = backend.train_step(batch, DEFAULT_LOSS)
+        results[name] = (result.loss, torch.cat([m.grad.flatten().double() for m in backend.masters]))
+        del backend, lora
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    ref_loss, ref_grad = results["float32, none"]
+    log(f"precision check: Qwen3-{args.model} shape cut to {shape.num_layers} layers, {seq_len} tokens, one step; "
+        f"float32 loss {ref_loss:.6e}, LoRA gradient norm {float(ref_grad.norm()):.4e}")
+    log("| step | loss rel. error vs float32 | LoRA gradients rel. error vs float32 | vs today's arithmetic: loss / gradients |")
+    log("| --- | ---: | ---: | ---: |")
+    _, today = results["bf16, attention_output, today's arithmetic"]
+    for name, (loss, grad) in results.items():
+        if name == "float32, none":
+            continue
+        vs = (f"{abs(loss - results[list(runs)[1]][0]) / abs(results[list(runs)[1]][0]):.1e} / "
+              f"{float((grad - today).norm() / today.norm()):.1e}")
+        log(f"| {name} | {abs(loss - ref_loss) / abs(ref_loss):.1e} | {float((grad - ref_grad).norm() / ref_grad.norm()):.1e} | {vs} |")
 
 
 # this tree's step with one of its fused pieces left out (--ablate), to measure each alone
@@ -381,7 +441,8 @@ def _apply_variant(name: str) -> None:
         torch_peft.frozen_head_token_logprobs = lambda hidden, weight, targets, chunk, kernels: token_logprobs(
             hidden, weight, targets, chunk)
     elif name == "eager-kernels":
-        fused_step._compiled_kernels = lambda: fused_step.EAGER_KERNELS
+        eager = fused_step.StepKernelChoice(fused_step.EAGER_KERNELS, {}, {"torch.compile": "left out (--ablate eager-kernels)"})
+        fused_step.chosen_step_kernels = torch_peft.chosen_step_kernels = lambda device, dtype: eager
     else:
         raise SystemExit(f"--variant {name!r}: expected one of {', '.join(VARIANTS)}")
 
@@ -499,11 +560,15 @@ def main() -> None:
                         f"left out ({', '.join(VARIANTS)})")
     parser.add_argument("--ablate-contexts", default="8192", help="the contexts --ablate runs at")
     parser.add_argument("--variant", default="", help=argparse.SUPPRESS)  # one --ablate run
+    parser.add_argument("--precision-check", action="store_true",
+                        help="the bf16 step, today's arithmetic and the fused one, against float32 (use --layers)")
     args = parser.parse_args()
     if args.scaling_worker:
         return scaling_worker(args)
     if args.step_worker:
         return step_worker(args)
+    if args.precision_check:
+        return precision_check(args)
     if args.compare_with:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("bench/trainer_throughput.py --compare-with needs a CUDA device (or --device cpu for a smoke run)")
