@@ -2,7 +2,9 @@
 
 Materializes ``task_dataset``, ``image_cache``, ``difficulty_curriculum`` (which builds the embedded
 base model first) and ``rl_run``; adds a ``checkpoints`` partition for every checkpoint the run saved
-(the base model, step 0, included), in step order, and evaluates each; then builds ``eval_report`` and
+(the base model, step 0, included), in step order, and evaluates each within its budget: one it
+cannot fit is left to the checkpoint sensor (:func:`evaluate_checkpoints`, and the closing lines say
+which); then builds ``eval_report`` and
 prints held-out pass@1, pass@k and target scores of every checkpoint side by side. Everything lands in
 the local Dagster instance, so ``posttrain ui`` shows it after and has nothing left to start.
 
@@ -234,30 +236,32 @@ def evaluate_checkpoints(instance: dg.DagsterInstance, keys: list[str], evaluate
     the base and the final one always, those between while ``elapsed_s()`` and the last eval's
     length stay inside ``budget_s``. Returns the keys evaluated and those left, in step order.
 
-    A checkpoint's ``checkpoints`` partition is added only when it is evaluated here. One left out
-    stays a checkpoint folder the instance does not know, so the checkpoint sensor (whose rule is
-    "a complete checkpoint folder without a partition") adds it and requests its eval once `posttrain
-    ui` runs the daemon; a partition added up front, as the demo once did, hid it from the sensor for
-    good. A checkpoint the sensor already took (a daemon running beside the demo) is not evaluated twice."""
+    Every checkpoint's ``checkpoints`` partition is added first, in step order (the UI lists them
+    so). One left out has its partition taken away again, so that it is what the checkpoint sensor
+    looks for ("a complete checkpoint folder without a partition"): the sensor adds it and requests
+    its eval once `posttrain ui` runs the daemon. Left a partition, as the demo once left it, it was
+    hidden from the sensor for good ("no new checkpoint" on every tick). A partition whose eval was
+    already requested or recorded (a daemon beside the demo) is kept and not evaluated twice."""
     saved = sorted(keys, key=parse_checkpoint_partition_key)
+    known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
+    instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in saved if k not in known])
+    evaluated_before = instance.get_materialized_partitions(dg.AssetKey("deepswe_eval"))
     order = list(dict.fromkeys([saved[0], saved[-1], *saved[1:-1]]))
-    # the base and the final checkpoint first, in step order, so the UI lists them so
-    instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in dict.fromkeys([saved[0], saved[-1]])
-                                    if k not in set(instance.get_dynamic_partitions(checkpoints_partitions.name))])
     evaluated: list[str] = []
     left: list[str] = []
     last_eval_s = 0.0
     for i, key in enumerate(order, 1):
-        if i > 2:
-            if key in set(instance.get_dynamic_partitions(checkpoints_partitions.name)):
-                log(f"not evaluating checkpoint {key} here: the checkpoint sensor has already requested its eval")
+        if i > 2 and elapsed_s() + last_eval_s > budget_s - 60:
+            requested = key in evaluated_before or instance.get_runs(
+                filters=dg.RunsFilter(job_name="checkpoint_eval", tags={"dagster/partition": key}), limit=1)
+            if requested:
+                log(f"not evaluating checkpoint {key} here: its eval was already requested (the checkpoint sensor's)")
                 continue
-            if elapsed_s() + last_eval_s > budget_s - 60:
-                log(f"not evaluating checkpoint {key} here: it would take the demo past {budget_s / 60:.0f} minutes; "
-                    "the checkpoint sensor evaluates it once `posttrain ui` runs")
-                left.append(key)
-                continue
-            instance.add_dynamic_partitions(checkpoints_partitions.name, [key])
+            instance.delete_dynamic_partition(checkpoints_partitions.name, key)
+            log(f"not evaluating checkpoint {key} here: it would take the demo past {budget_s / 60:.0f} minutes; "
+                "the checkpoint sensor evaluates it once `posttrain ui` runs")
+            left.append(key)
+            continue
         log(f"evaluating checkpoint {key} ({i}/{len(order)})")
         t0 = time.monotonic()
         evaluate(key)
@@ -326,7 +330,7 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             _stage(line, started)
         _stage(f"checkpoints evaluated here: {', '.join(evaluated)}", started)
         if left:
-            _stage(f"checkpoints left to the checkpoint sensor: {', '.join(left)} (not yet partitions of the instance: "
+            _stage(f"checkpoints left to the checkpoint sensor: {', '.join(left)} (their partitions taken away again: "
                    "the sensor adds and evaluates each within 30 s of `posttrain ui` starting the daemon; the UI "
                    "shows the run under Runs, eval_report refreshes after it)", started)
         _stage(f"done. Report: {storage.reports_dir()}; run: {storage.run_dir(run_name)}", started)

@@ -49,6 +49,7 @@ def test_a_checkpoint_the_demo_leaves_is_requested_by_the_sensor(posttrain_home)
                                                lambda: 1190.0, log=lines.append)
         assert done == [KEYS[0], KEYS[2]] and evaluated == [KEYS[0], KEYS[2]] and left == [KEYS[1]]
         assert any(f"not evaluating checkpoint {KEYS[1]} here" in line for line in lines)
+        assert instance.get_dynamic_partitions(checkpoints_partitions.name) == [KEYS[0], KEYS[2]]
 
         result = _sensor(instance, storage)
         assert [r.partition_key for r in result.run_requests] == [KEYS[1]]
@@ -66,19 +67,22 @@ def test_within_its_budget_the_demo_evaluates_all_three_and_leaves_the_sensor_no
         evaluated, left = evaluate_checkpoints(instance, KEYS, _evaluate(instance, done), lambda: 60.0,
                                                log=lambda m: None)
         assert done == [KEYS[0], KEYS[2], KEYS[1]] and evaluated == KEYS and left == []
-        assert instance.get_dynamic_partitions(checkpoints_partitions.name) == [KEYS[0], KEYS[2], KEYS[1]]
+        assert instance.get_dynamic_partitions(checkpoints_partitions.name) == KEYS  # in step order
         assert not _sensor(instance, storage).run_requests
 
 
-def test_a_checkpoint_the_sensor_already_took_is_not_evaluated_twice(posttrain_home):
-    """A daemon running beside the demo: its sensor added the mid-run checkpoint's partition and
-    requested the eval while the demo evaluated the base; the demo leaves it to that run."""
+def test_a_checkpoint_whose_eval_was_already_requested_is_neither_evaluated_twice_nor_hidden(posttrain_home):
+    """A daemon running beside the demo: its sensor took the mid-run checkpoint while the run trained
+    and its eval is recorded; the demo, out of budget, neither evaluates it again nor takes its
+    partition away."""
     _save_run(posttrain_home)
     done: list[str] = []
     lines: list[str] = []
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(checkpoints_partitions.name, [KEYS[1]])
-        evaluated, left = evaluate_checkpoints(instance, KEYS, _evaluate(instance, done), lambda: 60.0,
+        instance.report_runless_asset_event(dg.AssetMaterialization("deepswe_eval", partition=KEYS[1]))
+        evaluated, left = evaluate_checkpoints(instance, KEYS, _evaluate(instance, done), lambda: 1190.0,
                                                log=lines.append)
         assert done == [KEYS[0], KEYS[2]] and left == []
-        assert any("the checkpoint sensor has already requested its eval" in line for line in lines)
+        assert KEYS[1] in instance.get_dynamic_partitions(checkpoints_partitions.name)
+        assert any("its eval was already requested" in line for line in lines)
