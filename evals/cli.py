@@ -250,6 +250,10 @@ def cmd_tasks_sources(args: argparse.Namespace) -> int:
     rows = [{"task_id": t.id, "repository": "", "path": "", "commit": "", "source": "",
              "status": f"not loadable: {t.reason} ({t.path})"} for t in broken]
     for task in tasks:
+        if not task.metadata.get("environment"):
+            rows.append({"task_id": task.id, "repository": "", "path": "", "commit": "", "source": "",
+                         "status": f"no recipe to read: no environment/Dockerfile in {task.metadata.get('task_dir')}"})
+            continue
         try:
             recipe = parse_dockerfile(task.metadata["environment"])
             needed = needed_sources(recipe.clone_url, task.base_commit or recipe.args.get("BASE_SHA", ""), args.sources)
