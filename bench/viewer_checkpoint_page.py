@@ -5,7 +5,7 @@ the two checkpoints' attempt rows with pandas alone, side by side in one run.
 Writes two eval runs (``evals/deepswe/bench-step_000000`` and ``bench-step_000044``) of ``--tasks``
 tasks x ``--attempts`` attempts through ``evals.attempts.write_rows``, each row with a transcript,
 diff and test output of about the demo's size (``--text-kb``), three levels; serves the viewer
-(uvicorn on loopback, in this process) and times ``GET /evals/bench-step_000044`` (the whole page:
+(uvicorn on loopback, in this process) over a home with the published flawed lists installed, and times ``GET /evals/bench-step_000044`` (the whole page:
 pass@1 with bootstrap intervals overall and per level, the paired change, 450 task rows) over HTTP.
 The baseline reads both Parquet files whole with pandas. Printed: the median of ``--repeats`` of
 each, and their ratio.
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pandas as pd  # noqa: E402
 
 from evals.attempts import ROW_COLUMNS, write_rows  # noqa: E402
+from evals.flawed import ensure_flawed_lists  # noqa: E402
 from viewer.app import serve_in_thread  # noqa: E402
 
 BASE, FINAL = "bench-step_000000", "bench-step_000044"
@@ -37,7 +38,16 @@ BASE, FINAL = "bench-step_000000", "bench-step_000044"
 
 def write_evals(home: Path, tasks: int, attempts: int, text_kb: int) -> list[Path]:
     rng = random.Random(0)
-    filler = "x = 1  # a line of the task's file\n" * (text_kb * 1024 // 70)
+    words = [f"{w}{i}" for i, w in enumerate(["def", "return", "self", "value", "assert", "line", "test"] * 40)]
+
+    def text(n_bytes: int) -> str:  # code-like text that compresses as a transcript does, not as one repeated line
+        out, size = [], 0
+        while size < n_bytes:
+            line = " ".join(rng.choice(words) for _ in range(8)) + "\n"
+            out.append(line)
+            size += len(line)
+        return "".join(out)
+
     paths = []
     for checkpoint, solve in ((BASE, 0.35), (FINAL, 0.40)):
         rows = []
@@ -53,10 +63,10 @@ def write_evals(home: Path, tasks: int, attempts: int, text_kb: int) -> list[Pat
                            f2p_total=1, f2p_passed=int(passed), p2p_total=3, p2p_passed=3, committed=True,
                            stop_reason="commit", turns=3, output_tokens=400, agent_s=20.0, grade_s=3.0,
                            infra_retries=0, detail="", session_id=f"{checkpoint}/{t}/{a}", signals="",
-                           diff=filler[:2000], test_outcomes=json.dumps([{"test": "t", "kind": "target",
+                           diff=text(2000), test_outcomes=json.dumps([{"test": "t", "kind": "target",
                                                                           "outcome": "passed" if passed else "failed"}]),
-                           test_output=filler[:4000],
-                           transcript=json.dumps([{"role": "task", "text": filler}]))
+                           test_output=text(4000),
+                           transcript=json.dumps([{"role": "task", "text": text(text_kb * 1024)}]))
                 rows.append(row)
         paths.append(write_rows(rows, home / "evals" / "deepswe" / checkpoint / "run-1.parquet"))
     return paths
@@ -72,6 +82,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         paths = write_evals(home, args.tasks, args.attempts, args.text_kb)
+        ensure_flawed_lists(home)  # the published flawed lists, as every eval installs them in a home
         page_s, rows_s = [], []
         with serve_in_thread(home) as url:
             urllib.request.urlopen(f"{url}/evals/{FINAL}", timeout=120).read()  # warm: imports, caches
