@@ -36,11 +36,12 @@ def per_task_table(rows: list[dict[str, Any]], checkpoint: str) -> dg.TableMetad
     (``gained``: solved now and never by the base model; ``lost``: the other way round), flagged
     attempts, the flawed lists naming the task and the task's page in the viewer. Flips first."""
     order = {"gained": 0, "lost": 1, "": 2}
+    base = links.viewer_url()  # the configured viewer (viewer.links), read once for every row
     records = [dg.TableRecord(data={
         "task_id": r["task_id"], "level": int(r["level"]),
         "base": f"{r['base_passes']}/{r['base_attempts']}" if r["base_attempts"] is not None else "",
         "checkpoint": f"{r['passes']}/{r['attempts']}", "base_pass@1": _number(r["base_pass@1"]),
         "pass@1": _number(r["pass@1"]), "change": _number(r["change"]), "flip": r["flip"], "flagged": int(r["flagged"]),
-        "flawed": ", ".join(r["flawed"]), "viewer": links.url(links.task_path(checkpoint, r["task_id"])),
+        "flawed": ", ".join(r["flawed"]), "viewer": links.url(links.task_path(checkpoint, r["task_id"]), base),
     }) for r in sorted(rows, key=lambda r: (order[r["flip"]], r["task_id"]))]
     return dg.MetadataValue.table(records, dg.TableSchema(columns=[dg.TableColumn(n, t) for n, t in PER_TASK_COLUMNS.items()]))
