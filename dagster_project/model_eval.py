@@ -37,7 +37,7 @@ from assets.resources import PosttrainStorage
 from dagster_project.definitions import defs
 from evals.attempts import INFRA_ERROR
 from evals.harbor import eval_split
-from evals.tasks import TaskLoadError, TaskSet, load_harbor
+from evals.tasks import TaskSet
 from sandboxes.cache import node_cache
 from sandboxes.harbor import build_harbor_image, harbor_image_name
 from sandboxes.images import ImageStore

@@ -81,7 +81,6 @@ def histogram(values: Sequence[float], title: str, *, bins: int = 12, width: int
     lo, hi = min(values), max(values)
     distinct = sorted(set(values))
     if len(distinct) <= bins:
-        labels = distinct
         counts = [values.count(v) for v in distinct]
         names = [_fmt(v) for v in distinct]
     else:
@@ -89,7 +88,6 @@ def histogram(values: Sequence[float], title: str, *, bins: int = 12, width: int
         counts = [0] * bins
         for v in values:
             counts[min(int((v - lo) / step), bins - 1)] += 1
-        labels = [lo + i * step for i in range(bins)]
         names = [f"{_fmt(lo + i * step)}–{_fmt(lo + (i + 1) * step)}" for i in range(bins)]
     top = max(counts)
     pad, base = 4, height - 18
