@@ -356,10 +356,14 @@ def fused_layer_parts(layer: nn.Module) -> tuple[FusedLayerParts | None, str]:
 
 
 def _lora_out(x: torch.Tensor, proj: _Projection, xa: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``residual + x @ W.T + scaling * xa @ B.T``: the frozen product with the residual in its
-    epilogue, then the rank-r product added in place in the next GEMM's epilogue."""
-    out = torch.mm(x, proj.weight.t()) if residual is None else torch.addmm(residual, x, proj.weight.t())
-    return out.addmm_(xa, proj.b.t(), alpha=proj.scaling)
+    """``residual + x @ W.T + scaling * xa @ B.T``. Without a residual, the rank-r product is made
+    first (one write of the output) and the frozen product adds itself to it in its epilogue, where
+    reading ``C`` hides under the arithmetic; a rank-r ``addmm_`` after it would read and write the
+    whole output once more. With one, the frozen product takes the residual as ``C`` and the rank-r
+    product is added in place after (either order makes one extra pass there)."""
+    if residual is None:
+        return torch.mm(xa * proj.scaling, proj.b.t()).addmm_(x, proj.weight.t())
+    return torch.addmm(residual, x, proj.weight.t()).addmm_(xa, proj.b.t(), alpha=proj.scaling)
 
 
 def _lora_grads(grad_out: torch.Tensor, xa: torch.Tensor, proj: _Projection) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,7 +440,8 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
 
         # down projection: its frozen product is not rebuilt, only its input gradient is made
         dxa_d, grad_b_d = _lora_grads(dout, xa_d, p["down_proj"])
-        d_act = torch.mm(dout, p["down_proj"].weight).addmm_(dxa_d, p["down_proj"].a)
+        # each input gradient below starts as its rank-r part, the frozen products added in their epilogue
+        d_act = torch.mm(dxa_d, p["down_proj"].a).addmm_(dout, p["down_proj"].weight)
         act, d_gate, d_up = sk.swiglu_backward(gate, up, d_act)
         del gate, up, d_act
         grads["down_proj"] = (torch.mm(dxa_d.t(), act), grad_b_d)
@@ -445,11 +450,10 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
         # gate/up projections and the post-attention norm
         dxa_g, grad_b_g = _lora_grads(d_gate, xa_gu[:, :r_g], p["gate_proj"])
         dxa_u, grad_b_u = _lora_grads(d_up, xa_gu[:, r_g:], p["up_proj"])
-        d_h2 = torch.mm(d_gate, p["gate_proj"].weight).addmm_(d_up, p["up_proj"].weight)
-        del d_gate, d_up
         dxa_gu = torch.cat((dxa_g, dxa_u), dim=1)
         a_gu = torch.cat((p["gate_proj"].a, p["up_proj"].a))
-        d_h2.addmm_(dxa_gu, a_gu)
+        d_h2 = torch.mm(dxa_gu, a_gu).addmm_(d_gate, p["gate_proj"].weight).addmm_(d_up, p["up_proj"].weight)
+        del d_gate, d_up
         grad_a_g, grad_a_u = _split_rows(torch.mm(dxa_gu.t(), h2), [r_g, a_gu.shape[0] - r_g])
         grads["gate_proj"], grads["up_proj"] = (grad_a_g, grad_b_g), (grad_a_u, grad_b_u)
         del h2
@@ -458,7 +462,7 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
 
         # output projection
         dxa_o, grad_b_o = _lora_grads(dy, xa_o, p["o_proj"])
-        d_attn = torch.mm(dy, p["o_proj"].weight).addmm_(dxa_o, p["o_proj"].a)
+        d_attn = torch.mm(dxa_o, p["o_proj"].a).addmm_(dy, p["o_proj"].weight)
         grads["o_proj"] = (torch.mm(dxa_o.t(), attn2), grad_b_o)
 
         # the pre-attention half, rebuilt; attention backward on the kept output and log-sum-exp
@@ -488,8 +492,8 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
         grad_x = None
         if want_x:
             a_qkv = torch.cat([p[n].a for n in ("q_proj", "k_proj", "v_proj")])
-            d_h1 = torch.mm(d_q, p["q_proj"].weight).addmm_(d_k, p["k_proj"].weight).addmm_(dv, p["v_proj"].weight)
-            d_h1.addmm_(dxa_qkv, a_qkv)
+            d_h1 = torch.mm(dxa_qkv, a_qkv).addmm_(d_q, p["q_proj"].weight)
+            d_h1.addmm_(d_k, p["k_proj"].weight).addmm_(dv, p["v_proj"].weight)
             del d_q, d_k, dv
             grad_x = sk.rms_norm_backward(d_h1, x2, w_in, eps_in, dy).view(b, s, hidden)
         return (None, grad_x, None, None, *(g for name in PROJECTIONS for g in grads[name]))
