@@ -130,13 +130,13 @@ def test_the_plan_tells_the_engine_and_each_pods_requests():
     table = resolve(EXAMPLE).to_json()
     assert table["inference"]["engine"] == "vllm"
     pods = table["kubernetes"]["pods"]
-    assert pods["node"] == {"cpus": 2.0, "memory_gib": 20.0}
+    assert pods["node"] == {"cpus": 1.5, "memory_gib": 15.0}
     assert pods["router"] == {"cpu": "100m", "memory": "1Gi"} and pods["sandbox_pool"] == {"cpu": "100m", "memory": "1Gi"}
-    # the sandboxes' share first (4 x 1 CPU x 25 %), the router's and the pool's, then the rest split
-    assert pods["sandboxes"] == {"count": 4, "cpu": "1000m", "memory_gib": 1.6}
-    assert pods["trainer"]["cpu"] == pods["engine"]["cpu"] == "400m"
-    assert pods["engine"]["memory"] == "7Gi"  # gpu_memory_gib 4 + vLLM's runtime allowance 3
-    assert pods["trainer"]["memory"] == f"{int((20 - 1.6 - 1 - 1 - 7) * 1024)}Mi"
+    # the sandboxes' share first (3 x 1 CPU x 25 %), the router's and the pool's, then the rest split
+    assert pods["sandboxes"] == {"count": 3, "cpu": "750m", "memory_gib": 1.2}
+    assert pods["trainer"]["cpu"] == pods["engine"]["cpu"] == "275m"
+    assert pods["engine"]["memory"] == "5Gi"  # gpu_memory_gib 2 + vLLM's runtime allowance 3
+    assert pods["trainer"]["memory"] == f"{int((15 - 1.2 - 1 - 1 - 5) * 1024)}Mi"
     json.dumps(table)
 
 
@@ -164,9 +164,9 @@ def test_the_default_engine_follows_the_hardware_and_a_gpu_run_keeps_its_fixed_r
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"kubernetes__node_cpus": 1}, "embedded-k8s.toml: [kubernetes] node_cpus: 1 CPUs leave 0.00 each to the trainer"),
-    ({"sandbox__max_sandboxes": 6}, "[kubernetes] node_cpus: 2 CPUs leave 0.15 each"),
-    ({"kubernetes__node_memory_gib": 12}, "[kubernetes] node_memory_gib: 12 GiB leave 1.40 GiB to the trainer"),
+    ({"kubernetes__node_cpus": 1}, "embedded-k8s.toml: [kubernetes] node_cpus: 1 CPUs leave 0.02 each to the trainer"),
+    ({"sandbox__max_sandboxes": 5}, "[kubernetes] node_cpus: 1.5 CPUs leave 0.02 each"),
+    ({"kubernetes__node_memory_gib": 12}, "[kubernetes] node_memory_gib: 12 GiB leave 3.80 GiB to the trainer"),
     ({"kubernetes__node_memory_gib": None}, "[kubernetes] node_memory_gib: required with node_cpus"),
     ({"inference__engine": "sgl"}, "[inference] engine: expected one of 'sglang', 'vllm', got 'sgl' (str)"),
 ])

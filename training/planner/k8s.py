@@ -617,7 +617,7 @@ def eval_pod(plan: Plan) -> dict[str, Any]:
            *([{"name": "POSTTRAIN_SANDBOX_IMAGE", "value": rf.sandbox.image}] if rf.sandbox.image else [])]
     spec = _pod_spec(plan, [{
         "name": "eval", "image": rf.kubernetes.image, "env": env, "volumeMounts": list(_MOUNTS),
-        "resources": _resources("250m", "2Gi"),
+        "resources": _resources("100m", "2Gi"),  # it mostly waits on the engines and the sandbox pods
     }], service_account=rf.kubernetes.service_account or f"{base}-trainer", restartPolicy="Never")
     return {"namespace": ns, "metadata": {"labels": _labels(plan, "eval")}, "spec": json.loads(json.dumps(spec))}
 
