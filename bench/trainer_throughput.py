@@ -21,6 +21,20 @@ benchmark, printed beside the share of the bf16 matmul rate measured in the run 
 rates measured before and after the steps); the FLOPs formula is printed.
 ``--device cpu`` runs the same code paths on a tiny model, as a smoke test without a GPU.
 
+``--compare-with TREE`` times today's step against this tree's, side by side in one run: TREE is a
+checkout of the baseline (a git worktree of 1ec7686 inside this checkout, carried to the device),
+whose ``training`` package the baseline's processes import; each (tree, context) runs in a process
+of its own (``--mode``, ``attention_output`` by default), and the run prints step time, tokens/s,
+MFU and peak memory with the ratios to the baseline, every step's loss and gradient norm, and how
+far the adapter's change after three steps differs:
+
+    git worktree add --detach .wt54-base 1ec7686
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/trainer_throughput.py --compare-with .wt54-base
+
+``--ablate no-fused-layer,no-fused-head,eager-kernels`` adds runs of this tree with one fused piece
+(``training.fused_step``) left out, at ``--ablate-contexts``. ``--precision-check --layers 2`` puts
+today's bf16 arithmetic and the fused step beside a float32 step of the same weights and adapter.
+
 ``--ranks N`` measures data-parallel scaling instead (``training.backends.parallel``):
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/trainer_throughput.py --ranks 2 --contexts 8192 --mode attention_output

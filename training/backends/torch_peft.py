@@ -28,6 +28,12 @@ projection adds its rank-r product in the frozen GEMM's epilogue (``addmm``) and
 PyTorch's fused ``rms_norm``, in all three recompute modes. Token log-probabilities come from
 ``training.logprobs.token_logprobs``: the LM head's logits exist ``logits_chunk_tokens`` rows at a
 time (float32 for the log-sum-exp), in forward and again in backward, never for the whole sequence.
+
+``fused_kernels`` (by default on CUDA in 16-bit dtypes, never on the CPU) runs the kernels of
+``training.fused_step`` behind the same ``train_step``: a frozen LM head's log-probabilities with
+each chunk's logits made once, and, with ``recompute="attention_output"``, Qwen3 layers written out
+by hand (fused epilogues, compiled norm/RoPE/SwiGLU kernels checked once per process); 1.32x the
+tokens/s at 8K and 1.21x at 32K on one H100 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
