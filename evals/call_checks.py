@@ -20,11 +20,9 @@ moved, a string or list extended, drawn anew for each ``seed``), whose expected 
 reference solution's. A test passes only when its visible calls AND its hidden calls return the
 expected values, so a patch that answers the tests' inputs from a table, or fails on the first
 input it does not know, fails the test. The hidden inputs and their values are computed in a fresh
-sandbox of the task that no agent has touched (the task's code never runs on the host), once per
-task: they are kept in the grader's memory and beside the task's repository on the host
-(``.hidden-answers/``, which no sandbox sees: a sandbox gets the repository alone), and enter the
-grading sandbox only as the probe's spec, after the episode; the text a reader sees says how many
-hidden calls failed, never which inputs.
+sandbox of the task that no agent has touched (the task's code never runs on the host), exist only
+in the grader's memory and enter the grading sandbox only as the probe's spec, after the episode;
+the text a reader sees says how many hidden calls failed, never which inputs.
 
 A task whose tests are not all such asserts has no call checks (:func:`call_checks` is None) and is
 graded by running its tests (:mod:`evals.grading`).
@@ -176,10 +174,9 @@ def hidden_checks(task, visible: Sequence[CallCheck], sandbox_factory, seed: int
     to :data:`MAX_HIDDEN_PER_TEST` a test, those where the two disagree first (where the bug shows).
     Empty when the task carries no reference solution.
 
-    The answers are a property of the task, not of who grades it, so they are computed once
-    (:func:`_hidden_answers`): kept in this process and in the task's own folder, keyed by what
-    decides them, and every later grading of the task, in this process or another (the trainer
-    after the task stream validated the task, each evaluation of the suite), reuses them."""
+    Computed once per task and factory in a process (:func:`_hidden_answers`), keyed by what
+    decides them rather than by where the task lies, so a task validated in a folder that is then
+    renamed is not answered again by the same factory."""
     edits = (task.metadata or {}).get("reference_edits")
     if not isinstance(edits, list) or not edits:
         return ()
@@ -194,16 +191,17 @@ def hidden_checks(task, visible: Sequence[CallCheck], sandbox_factory, seed: int
     return _choose(calls, reference, unfixed)
 
 
-ANSWERS_FOLDER = ".hidden-answers"  # beside the task's repository, never inside it: no sandbox sees it
-_answers: "OrderedDict[str, tuple[dict[int, Any], dict[int, Any]]]" = OrderedDict()
-_answers_locks: dict[str, threading.Lock] = {}
+# (answers key, factory id) -> (factory, (reference answers, base answers))
+_answers: "OrderedDict[tuple[str, int], tuple[Any, tuple[dict[int, Any], dict[int, Any]]]]" = OrderedDict()
+_answers_locks: dict[tuple[str, int], threading.Lock] = {}
 _answers_guard = threading.Lock()
 _ANSWERS_KEPT = 4096
 
 
 def _answers_key(task, line_edits, calls) -> str:
     """What decides the hidden answers: the task, its base commit and base module as the host's copy
-    of its repository holds them, the reference edits, the calls, and the probe that makes them."""
+    of its repository holds them, the reference edits, the calls, and the probe that makes them
+    (not the folder the task lies in: the task stream validates a task in a folder it renames)."""
     source = b""
     if task.repo_path:
         try:
@@ -221,61 +219,30 @@ def _probe_digest() -> bytes:
     return hashlib.sha256(PROBE_SOURCE.read_bytes()).digest()
 
 
-def _answers_file(task, key: str) -> Path | None:
-    return Path(task.repo_path).parent / ANSWERS_FOLDER / f"{key}.json" if task.repo_path else None
-
-
 def _hidden_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int, Any], dict[int, Any]]:
     """The reference solution's and the base code's answers to ``calls`` (by position; calls that
-    raise are left out). From this process's memory, else from the task folder's
-    ``.hidden-answers/<key>.json`` (written by the host only; the sandbox gets the repository alone),
-    else computed in a fresh sandbox and kept in both. Gradings of one task that start together wait
-    for one computation instead of each starting a sandbox."""
-    key = _answers_key(task, line_edits, calls)
+    raise are left out), computed in a fresh sandbox of ``sandbox_factory`` once per task content
+    and factory in this process. Gradings of one task that start together wait for one computation
+    instead of each starting a sandbox (a group's episodes end close together)."""
+    key = (_answers_key(task, line_edits, calls), id(sandbox_factory))
     with _answers_guard:
-        if key in _answers:
+        if key in _answers and _answers[key][0] is sandbox_factory:
             _answers.move_to_end(key)
-            return _answers[key]
+            return _answers[key][1]
         lock = _answers_locks.setdefault(key, threading.Lock())
     with lock:
         with _answers_guard:
-            if key in _answers:
-                return _answers[key]
-        path = _answers_file(task, key)
-        answers = _read_answers(path) if path is not None else None
-        if answers is None:
-            encoded = _compute_answers(task, sandbox_factory, line_edits, calls)
-            answers = tuple({i: decode(v) for i, v in side.items()} for side in encoded)
-            if path is not None:
-                _write_answers(path, encoded)
+            if key in _answers and _answers[key][0] is sandbox_factory:
+                return _answers[key][1]
+        encoded = _compute_answers(task, sandbox_factory, line_edits, calls)
+        answers = tuple({i: decode(v) for i, v in side.items()} for side in encoded)
         with _answers_guard:
-            _answers[key] = answers
+            # the factory is kept with its answers: a factory's id is reused only once it is gone
+            _answers[key] = (sandbox_factory, answers)
             while len(_answers) > _ANSWERS_KEPT:
                 _answers.popitem(last=False)
             _answers_locks.pop(key, None)
     return answers
-
-
-def _read_answers(path: Path) -> tuple[dict[int, Any], dict[int, Any]] | None:
-    """The answers kept in ``path``; None when there are none or they do not read back whole."""
-    try:
-        data = json.loads(path.read_text())
-        return tuple({int(i): decode(v) for i, v in data[side].items()} for side in ("reference", "unfixed"))
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return None
-
-
-def _write_answers(path: Path, encoded: tuple[dict[int, Any], dict[int, Any]]) -> None:
-    """Keep the answers in ``path`` (written aside, then renamed); a folder that cannot be written
-    (a read-only dataset) keeps none: the answers are computed again next time."""
-    reference, unfixed = encoded
-    try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_text(json.dumps({"reference": reference, "unfixed": unfixed}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def _compute_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int, Any], dict[int, Any]]:

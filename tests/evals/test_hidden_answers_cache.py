@@ -1,15 +1,14 @@
-"""The hidden inputs' answers are computed once per task, not once per grader: the task stream
-validates a task with a sandbox factory of its own in a folder that is renamed afterwards, and the
-trainer then grades it with another factory, and every evaluation grades the suite in a process of
-its own. Each of those used to answer the hidden inputs again in a sandbox of their own.
+"""The hidden inputs' answers are computed once per task and sandbox factory in a process, keyed by
+what decides them: the task stream validates a task in a folder it then renames, and gradings of
+one task that start together (a group's episodes) used to start a sandbox each for them.
 
 Real bubblewrap sandboxes; the factory below only counts the sandboxes it starts."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
+import threading
 
 import pytest
 
@@ -20,16 +19,17 @@ from evals.sandbox import platform_sandbox_factory
 
 
 class CountingFactory:
-    """A bwrap sandbox factory of its own (a new object, as each process and the task stream make)
-    that counts the sandboxes it starts."""
+    """A bwrap sandbox factory that counts the sandboxes it starts."""
 
     def __init__(self):
         self.base = platform_sandbox_factory("bwrap")
         self.starts = 0
+        self.lock = threading.Lock()
 
     @contextlib.contextmanager
     def __call__(self, task):
-        self.starts += 1
+        with self.lock:
+            self.starts += 1
         with self.base(task) as box:
             yield box
 
@@ -40,21 +40,37 @@ def _bwrap():
         pytest.skip("bubblewrap is not installed")
 
 
-def test_answers_of_a_validated_task_serve_later_gradings_by_other_factories_and_processes(tmp_path):
-    validating = CountingFactory()
-    task = build_task(stream_task(7, 1, 0), tmp_path / "tasks", validating)
-    assert validating.starts == 3  # the base run, the hidden answers, the reference solution's grading
-
-    training = CountingFactory()  # another factory, the task in its final folder
-    result = grade_patch(task, "", training)
+def test_a_validated_task_is_not_answered_again_in_its_final_folder(tmp_path):
+    factory = CountingFactory()
+    task = build_task(stream_task(7, 1, 0), tmp_path / "tasks", factory)  # validated aside, then renamed
+    assert factory.starts == 3  # the base run, the hidden answers, the reference solution's grading
+    result = grade_patch(task, "", factory)
     assert result.scores is not None and result.scores.reward == 0.0
-    assert training.starts == 1  # the grading's own sandbox only
+    assert factory.starts == 4  # the grading's own sandbox only
 
-    call_checks._answers.clear()  # another process: nothing in memory, the task folder's file is read
-    evaluating = CountingFactory()
-    again = grade_patch(task, "", evaluating)
-    assert evaluating.starts == 1
-    assert again.statuses == result.statuses and again.test_output == result.test_output
+    other = CountingFactory()  # another factory answers them in a sandbox of its own
+    again = grade_patch(task, "", other)
+    assert other.starts == 2 and again.statuses == result.statuses
+
+
+def test_gradings_that_start_together_answer_once(tmp_path):
+    build = CountingFactory()
+    task = build_task(stream_task(7, 3, 0), tmp_path / "tasks", build)
+    factory = CountingFactory()
+    barrier = threading.Barrier(3)
+    rewards = []
+
+    def grade():
+        barrier.wait()
+        rewards.append(grade_patch(task, "", factory).scores.reward)
+
+    threads = [threading.Thread(target=grade) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rewards == [0.0, 0.0, 0.0]
+    assert factory.starts == 3 + 1  # three gradings, one sandbox for the hidden answers
 
 
 def test_answers_are_keyed_by_what_decides_them(tmp_path):
@@ -68,21 +84,7 @@ def test_answers_are_keyed_by_what_decides_them(tmp_path):
     assert factory.starts == starts + 1 and other_seed != checks
 
     # a changed base module on the host (the same id and commit) is not taken for the old one
-    module = task.metadata["module_file"]
-    path = tmp_path / "tasks" / task.id / "repo" / module
+    path = tmp_path / "tasks" / task.id / "repo" / task.metadata["module_file"]
     path.write_text(path.read_text() + "\n")
     call_checks.graded_checks(task, factory)
     assert factory.starts == starts + 2
-
-
-def test_a_cached_answer_file_that_does_not_read_back_is_answered_again(tmp_path):
-    factory = CountingFactory()
-    task = build_task(stream_task(7, 3, 0), tmp_path / "tasks", factory)
-    checks = call_checks.graded_checks(task, factory)
-    files = list((tmp_path / "tasks" / task.id / call_checks.ANSWERS_FOLDER).glob("*.json"))
-    assert len(files) == 1 and set(json.loads(files[0].read_text())) == {"reference", "unfixed"}
-    files[0].write_text('{"reference": {"0": ["int"')  # cut short
-    call_checks._answers.clear()
-    starts = factory.starts
-    assert call_checks.graded_checks(task, factory) == checks
-    assert factory.starts == starts + 1
