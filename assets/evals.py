@@ -144,7 +144,7 @@ def deepswe_eval(
     with the run's base model (flips, attempts, flawed marks); ``viewer`` opens every attempt
     (transcript, tests, diff) in the trajectory viewer. A checkpoint of a run that ``rl_run``
     launched on Kubernetes is evaluated in an eval pod of that run, on its own engines and sandbox
-    pool (:mod:`evals.fleet_eval`), its rows written on the run volume: where the run ran decides."""
+    pool (:mod:`training.fleet_eval`), its rows written on the run volume: where the run ran decides."""
     key = context.partition_key
     rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
@@ -203,7 +203,7 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig
                     rows_path: Path) -> tuple[list[Any], None, str | None]:
     """Evaluate the partition's checkpoint in an eval pod of its Kubernetes run (the pod ``rl_run``
     wrote into the run folder, :func:`training.planner.k8s.eval_pod`): ``python -m
-    evals.fleet_eval`` through Dagster Pipes, on the run's engines and sandbox pool. The storage
+    training.fleet_eval`` through Dagster Pipes, on the run's engines and sandbox pool. The storage
     root is the run volume's mount, so the pod's paths are the volume's (``/run-data/...``) and the
     rows it writes appear at ``rows_path`` here. Returns the tasks, no rows (they are read back
     from ``rows_path``) and the checkpoint's adapter version."""

@@ -118,7 +118,7 @@ in_root "$venv/bin/python" -m compileall -qq -j 0 "$venv/lib" >/dev/null || true
 log "checking the entry points import"
 in_root "$venv/bin/python" -c "
 import importlib, torch, vllm
-for m in ('training.__main__', 'serving.replica', 'serving.router', 'serving.capture', 'sandboxes.pool', 'serving.engines.vllm_server'):
+for m in ('training.__main__', 'training.fleet_eval', 'serving.replica', 'serving.router', 'serving.capture', 'sandboxes.pool', 'serving.engines.vllm_server'):
     importlib.import_module(m)
 import training
 assert '/opt/posttrain/' in training.__file__, training.__file__

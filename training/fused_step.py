@@ -317,6 +317,31 @@ class FusedLayerParts:
         return [t for name in PROJECTIONS for t in (self.p[name].a, self.p[name].b)]
 
 
+def plain_lora(module: nn.Module) -> tuple[torch.Tensor, list[tuple[nn.Module, nn.Module, float]]] | None:
+    """(frozen weight, active (A, B, scaling) adapters) of a frozen linear or a peft LoRA linear;
+    None where the module does more than ``x @ W.T + sum(scaling * B(A(x)))`` (a bias, a merged or
+    DoRA adapter, LoRA dropout, a quantized base)."""
+    base = getattr(module, "base_layer", None)
+    if base is None:
+        ok = type(module) is nn.Linear and module.bias is None and not module.weight.requires_grad
+        return (module.weight, []) if ok else None
+    if type(base) is not nn.Linear or base.bias is not None or base.weight.requires_grad:
+        return None
+    if getattr(module, "merged", False) or getattr(module, "lora_variant", None):
+        return None
+    if getattr(module, "disable_adapters", False):
+        return base.weight, []
+    adapters = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        a, b = module.lora_A[name], module.lora_B[name]
+        if not isinstance(module.lora_dropout[name], nn.Identity) or type(a) is not nn.Linear or type(b) is not nn.Linear:
+            return None
+        adapters.append((a, b, module.scaling[name]))
+    return base.weight, adapters
+
+
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
@@ -326,8 +351,6 @@ def fused_layer_parts(layer: nn.Module) -> tuple[FusedLayerParts | None, str]:
     a Qwen3 layer (per-head q/k RMSNorm, SiLU MLP, no biases) whose seven projections each carry one
     active, plain LoRA adapter (no dropout, not merged, no DoRA) and whose only trainable parameters
     are those adapters' factors."""
-    from training.recompute import plain_lora
-
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None or not hasattr(attn, "q_norm") or not hasattr(attn, "k_norm"):
         return None, "not a Qwen3 layer (no self_attn.q_norm/k_norm)"

@@ -25,6 +25,8 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
+from training.fused_step import plain_lora  # shared with the fused layer, which imports nothing of this module
+
 from training.attention import AttentionKernels, attention_kernels, last_dim_contiguous
 
 RecomputeMode = Literal["none", "full", "attention_output"]
@@ -123,31 +125,6 @@ def _post_attention_for_backward(layer, x, attn, grad_y):
 # Hugging Face Qwen2/Qwen3 decoder layers with peft LoRA adapters.
 
 HF_LAYER_CLASSES = ("Qwen2DecoderLayer", "Qwen3DecoderLayer")
-
-
-def plain_lora(module: nn.Module) -> tuple[torch.Tensor, list[tuple[nn.Module, nn.Module, float]]] | None:
-    """(frozen weight, active (A, B, scaling) adapters) of a frozen linear or a peft LoRA linear;
-    None where the module does more than ``x @ W.T + sum(scaling * B(A(x)))`` (a bias, a merged or
-    DoRA adapter, LoRA dropout, a quantized base)."""
-    base = getattr(module, "base_layer", None)
-    if base is None:
-        ok = type(module) is nn.Linear and module.bias is None and not module.weight.requires_grad
-        return (module.weight, []) if ok else None
-    if type(base) is not nn.Linear or base.bias is not None or base.weight.requires_grad:
-        return None
-    if getattr(module, "merged", False) or getattr(module, "lora_variant", None):
-        return None
-    if getattr(module, "disable_adapters", False):
-        return base.weight, []
-    adapters = []
-    for name in module.active_adapters:
-        if name not in module.lora_A:
-            continue
-        a, b = module.lora_A[name], module.lora_B[name]
-        if not isinstance(module.lora_dropout[name], nn.Identity) or type(a) is not nn.Linear or type(b) is not nn.Linear:
-            return None
-        adapters.append((a, b, module.scaling[name]))
-    return base.weight, adapters
 
 
 class HFDecoderSplit:

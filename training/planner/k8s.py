@@ -75,7 +75,7 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 # The run's pods that may call the router: the trainer, a checkpoint's eval Job, and the engines
 ROUTER_CLIENTS = ("trainer", "eval", "engine")
 POOL_CLIENTS = ("trainer", "eval")
-EVAL_MODULE = "evals.fleet_eval"  # a checkpoint's deepswe_eval as a pod of the run (eval_pod)
+EVAL_MODULE = "training.fleet_eval"  # a checkpoint's deepswe_eval as a pod of the run (eval_pod)
 
 # a vLLM CPU replica's startup probe: 10 s apart, this many failures (30 minutes) before a restart
 START_PROBE_FAILURES = 180
@@ -602,7 +602,7 @@ EVAL_POD_FILE = "eval-pod.json"  # in the run folder: eval_pod's answer, which d
 
 def eval_pod(plan: Plan) -> dict[str, Any]:
     """The pod (``namespace``, ``metadata``, ``spec``) that evaluates a checkpoint of ``plan``'s run on
-    the run's own fleet (``python -m evals.fleet_eval``; ``deepswe_eval`` launches it through
+    the run's own fleet (``python -m training.fleet_eval``; ``deepswe_eval`` launches it through
     Dagster Pipes, setting its command and a ``checkpoint`` label): the trainer's image, volume,
     credential, router and pool, component ``eval`` (which the router's and the pool's
     NetworkPolicies admit), no Kubernetes rights, locked down like every workload. Small: the model

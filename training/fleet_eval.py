@@ -1,14 +1,15 @@
 """A checkpoint's evaluation on the fleet of its own run: the eval pod of a Kubernetes run.
 
-``deepswe_eval`` on ``POSTTRAIN_TARGET=k8s`` launches ``python -m evals.fleet_eval`` in a pod of
-the run (:func:`training.planner.k8s.eval_pod`: the run's image, volume, credential, router and
-sandbox pool; Dagster Pipes in its environment) instead of serving the checkpoint with an engine
-of its own: the model calls go through the run's router to its engine pods, the episodes and their
-gradings run in sandbox pods of the run's pool, as the trainer's episodes do. The checkpoint's
-adapter is announced to the router first (``POST /publish_adapter``: every replica that lacks the
-version loads it from the run volume), and each call names that version, so the engines may go on
-serving the trainer's newer versions beside it. The attempt rows are written to ``--rows`` on the
-run volume, where the asset reads them.
+``deepswe_eval`` of a run that ``rl_run`` launched on Kubernetes starts ``python -m
+training.fleet_eval`` in a pod of the run (:func:`training.planner.k8s.eval_pod`: the run's image,
+volume, credential, router and sandbox pool; Dagster Pipes in its environment) instead of serving
+the checkpoint with an engine of its own: the model calls go through the run's router to its
+engine pods, the episodes and their gradings run in sandbox pods of the run's pool, as the
+trainer's episodes do. The checkpoint's adapter is announced to the router first (``POST
+/publish_adapter``: every replica that lacks the version loads it from the run volume), and each
+call names that version, so the engines may go on serving the trainer's newer versions beside it.
+The attempt rows are written to ``--rows`` on the run volume, where the asset reads them. It sits
+in ``training`` (above ``evals``) because the run's fleet and checkpoints are training's.
 
 The method is :func:`evals.evaluate.evaluate`'s, unchanged: the same tasks, attempts, turns, seed
 and grading (only committed work graded; hidden inputs answered in sandboxes of the grader's own).
@@ -39,7 +40,7 @@ SETTINGS = ("attempts", "max_turns", "max_new_tokens", "temperature", "seed", "w
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m evals.fleet_eval",
+        prog="python -m training.fleet_eval",
         description="Evaluate a checkpoint of a Kubernetes run on the run's own engines (through its router, "
                     f"${ROUTER_URL_VARIABLE}) and sandbox pool; deepswe_eval launches it in the run's eval pod.")
     parser.add_argument("--checkpoint", required=True, help="the checkpoint's partition key, RUN-step_NNNNNN")
