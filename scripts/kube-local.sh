@@ -743,6 +743,11 @@ CNI_CONF
     done
     [[ $ready == True ]] || die "node posttrain-node not Ready after 300 s; see $state/logs/kubelet.log"
     log "node posttrain-node Ready (containerd with runc and runsc; kubelet, scheduler, controller-manager)"
+    # The shared run volume ([kubernetes] volume_claim = "posttrain-data", examples/embedded-k8s.toml):
+    # the plane agent binds it to a hostPath folder, which is also Dagster's storage root (POSTTRAIN_HOME)
+    apply "/api/v1/namespaces/$namespace/persistentvolumeclaims/posttrain-data" \
+        "{apiVersion: v1, kind: PersistentVolumeClaim, metadata: {name: posttrain-data, namespace: $namespace}, spec: {accessModes: [ReadWriteMany], resources: {requests: {storage: 50Gi}}}}"
+    log "shared run volume: claim $namespace/posttrain-data, on this machine at $state/volumes/$namespace/posttrain-data (POSTTRAIN_HOME)"
     echo "$state/kubeconfig"
 }
 

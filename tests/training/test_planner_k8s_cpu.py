@@ -191,5 +191,21 @@ def test_k8s_dry_run_of_the_example_prints_valid_manifests(capsys):
     assert main(["run", str(EXAMPLE), "--target", "k8s", "--dry-run"]) == 0
     out, err = capsys.readouterr()
     manifests = list(yaml.safe_load_all(out))
-    assert {m["kind"] for m in manifests} >= {"Job", "StatefulSet", "Deployment", "PersistentVolumeClaim"}
+    assert {m["kind"] for m in manifests} >= {"Job", "StatefulSet", "Deployment"}  # the volume is the shared claim
     assert "manifests valid against the Kubernetes" in err
+
+
+def test_a_shared_volume_claim_is_mounted_by_every_pod_and_not_made_by_the_run():
+    shared = k8s.build_manifests(resolve(_example(kubernetes__volume_claim="posttrain-data"), source="shared.toml"))
+    assert "PersistentVolumeClaim" not in {m["kind"] for m in shared}
+    claims = set()
+    for m in shared:
+        template = (m.get("spec") or {}).get("template")
+        for volume in ((template or {}).get("spec") or {}).get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                claims.add(volume["persistentVolumeClaim"]["claimName"])
+    assert claims == {"posttrain-data"}
+    assert k8s.eval_pod(resolve(_example(kubernetes__volume_claim="posttrain-data"), source="shared.toml"))["spec"][
+        "volumes"][0]["persistentVolumeClaim"]["claimName"] == "posttrain-data"
+    own = k8s.build_manifests(resolve(_example(kubernetes__volume_claim=None), source="own.toml"))
+    assert [m["metadata"]["name"] for m in own if m["kind"] == "PersistentVolumeClaim"] == ["embedded-k8s-data"]

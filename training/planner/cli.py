@@ -140,7 +140,7 @@ def _run_k8s(plan: Plan, args: argparse.Namespace) -> int:
     except RunStartError as exc:
         print(f"posttrain run: {exc}", file=sys.stderr)
         return EXIT_NOT_STARTED
-    print(f"wrote {plan_path} (the pods read the same plan from ConfigMap {manifests[1]['metadata']['name']})")
+    print(f"wrote {plan_path} (the pods read the same plan from ConfigMap {next(m for m in manifests if is_plan(m))['metadata']['name']})")
     # the fleet first, the trainer Job once the engines, router and pool are ready (as rl_run does)
     fleet, job = manifests[:-1], manifests[-1]
     try:

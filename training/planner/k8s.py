@@ -122,6 +122,13 @@ def _meta(plan: Plan, name: str, component: str) -> dict[str, Any]:
     }
 
 
+def volume_claim(plan: Plan) -> str:
+    """The claim every pod of the run mounts at :data:`DATA_MOUNT`: ``[kubernetes] volume_claim`` (a
+    claim already there, which several runs and Dagster's storage root share: each run keeps to
+    ``runs/RUN``), else the run's own ``R-data``, which the manifests make."""
+    return plan.run_file.kubernetes.volume_claim or f"{k8s_name(plan.run_name)}-data"
+
+
 def run_dir_in_pod(plan: Plan) -> str:
     return f"{DATA_MOUNT}/runs/{plan.run_name}"
 
@@ -200,7 +207,7 @@ def _pod_spec(plan: Plan, containers: list[dict[str, Any]], *, gpus: int = 0, se
     ``token`` (the sandbox pool alone)."""
     base = k8s_name(plan.run_name)
     volumes = [
-        {"name": "data", "persistentVolumeClaim": {"claimName": f"{base}-data"}},
+        {"name": "data", "persistentVolumeClaim": {"claimName": volume_claim(plan)}},
         {"name": "plan", "configMap": {"name": f"{base}-plan"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "20Gi"}},
         *(extra_volumes or []),
@@ -272,7 +279,7 @@ def _sglang_engines(plan: Plan, engine_service_name: str, plan_hash: dict[str, s
     engines = sglang.sglang_launch_spec(
         plan.sglang_knobs(), name=engine_service_name, image=engine_image, sidecar_image=image,
         replicas=rf.inference.engines, namespace=ns, gpus=engine_gpus,
-        adapters_volume_claim=f"{base}-data", pool="reserved",
+        adapters_volume_claim=volume_claim(plan), pool="reserved",
     )
     engines["kind"] = "StatefulSet"
     engines["metadata"]["labels"].update(_labels(plan, "engine"))
@@ -591,7 +598,8 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                          "ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}],
         },
     }
-    manifests = [volume, plan_map, credential, *accounts, role, binding, no_network, pool_ingress, engine_ingress, router_ingress,
+    volumes = [] if kube.volume_claim else [volume]  # a shared claim is the operator's, not the run's
+    manifests = [*volumes, plan_map, credential, *accounts, role, binding, no_network, pool_ingress, engine_ingress, router_ingress,
                  engine_service, engines, engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
     # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
     return [as_served(m) for m in json.loads(json.dumps(manifests))]

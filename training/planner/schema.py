@@ -213,6 +213,9 @@ class KubernetesSection:
     image: str = field(default="posttrain:latest", metadata=_key(doc="image with this package installed"))
     volume_gib: int = field(default=200, metadata=_key(POSITIVE, doc="size of the shared run volume"))
     storage_class: str | None = None
+    volume_claim: str | None = field(default=None, metadata=_key(doc=(
+        "an existing ReadWriteMany claim the run's pods mount instead of a volume of the run's own: several "
+        "runs, and the Dagster storage root (a mount of it), on one volume")))
     service_account: str | None = None
     priority_class: str | None = field(default=None, metadata=_key(doc="priorityClassName of every pod of the run"))
     keep_fleet: bool = field(default=False, metadata=_key(
