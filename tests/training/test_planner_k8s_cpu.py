@@ -116,7 +116,8 @@ def test_each_engine_pod_is_one_vllm_replica_as_the_local_path_runs_it(manifests
     assert env["POSTTRAIN_TRAINER_CREDENTIAL"]["valueFrom"]["secretKeyRef"]["name"] == "embedded-k8s-credential"
     router = next(m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-router"))
     workers = [a for a in router["spec"]["template"]["spec"]["containers"][0]["command"] if a.startswith("http://")]
-    assert workers == ["http://embedded-k8s-engine-0.embedded-k8s-engine.posttrain.svc:30001@reserved:1"]
+    assert workers == [f"http://embedded-k8s-engine-{i}.embedded-k8s-engine.posttrain.svc:30001@reserved:1"
+                       for i in range(2)]  # max_engines = 2: the second joins when the StatefulSet is scaled
 
 
 def test_the_cpu_fleet_is_locked_down_and_valid_against_the_1_37_schemas(manifests):
@@ -209,3 +210,14 @@ def test_a_shared_volume_claim_is_mounted_by_every_pod_and_not_made_by_the_run()
         "volumes"][0]["persistentVolumeClaim"]["claimName"] == "posttrain-data"
     own = k8s.build_manifests(resolve(_example(kubernetes__volume_claim=None), source="own.toml"))
     assert [m["metadata"]["name"] for m in own if m["kind"] == "PersistentVolumeClaim"] == ["embedded-k8s-data"]
+
+
+def test_the_router_knows_every_replica_the_engines_may_be_scaled_to():
+    plan = resolve(_example(inference__max_engines=3), source="elastic.toml")
+    router = next(m for m in k8s.build_manifests(plan) if m["kind"] == "Deployment" and m["metadata"]["name"].endswith("-router"))
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"] if "args" in router["spec"]["template"]["spec"]["containers"][0] \
+        else router["spec"]["template"]["spec"]["containers"][0]["command"]
+    workers = [args[i + 1] for i, a in enumerate(args) if a == "--worker"]
+    assert workers == [f"http://embedded-k8s-engine-{i}.embedded-k8s-engine.posttrain.svc:30001@reserved:1" for i in range(3)]
+    engines = next(m for m in k8s.build_manifests(plan) if m["kind"] == "StatefulSet")
+    assert engines["spec"]["replicas"] == 1  # what runs at first; the rest join when scaled

@@ -368,7 +368,8 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     workers = [
         f"http://{engine_service_name}-{i}.{engine_service_name}.{ns}.svc:{CAPTURE_PORT}"
         f"@reserved:{rf.inference.gpus_per_engine}"
-        for i in range(rf.inference.engines)
+        # every replica the StatefulSet may be scaled to: one not there yet joins when it answers
+        for i in range(max(rf.inference.engines, rf.inference.max_engines or 0))
     ]
     router_url = f"http://{base}-router.{ns}.svc:{ROUTER_PORT}"
     pool_name = f"{base}-sandbox-pool"  # the only account with Kubernetes rights: it creates sandbox pods

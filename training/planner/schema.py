@@ -83,6 +83,9 @@ class InferenceSection:
         "the server of each replica: sglang (GPUs) or vllm (vLLM's CPU build behind the capture front, "
         "python -m serving.replica); default: vllm for gpu = \"cpu\", sglang otherwise")))
     engines: int = field(default=1, metadata=_key(POSITIVE))
+    max_engines: int | None = field(default=None, metadata=_key(POSITIVE, doc=(
+        "on Kubernetes, the most replicas the engines' StatefulSet may be scaled to while the run goes "
+        "(kubectl scale): the router knows each one's name and a replica joins once it answers; default: engines")))
     gpu: str = field(default="cpu", metadata=_key(doc="hardware name: cpu, h100, h200, b200, b300, ..."))
     gpus_per_engine: int = field(default=1, metadata=_key(POSITIVE, doc="tensor-parallel size of one engine"))
     gpu_memory_gib: float | None = field(default=None, metadata=_key(POSITIVE, doc="memory of one device"))
