@@ -27,6 +27,11 @@ def _pxd_host_pid(sb) -> int:
     return int(children[0])
 
 
+def _children(pid: int) -> list[str]:
+    """The children (zombies included) of every thread of ``pid``."""
+    return [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
 def _wakeups(pid: int) -> int:
     """Context switches of every thread of ``pid`` so far: each time one of them ran after sleeping."""
     total = 0
@@ -41,7 +46,12 @@ def test_an_idle_sandbox_daemon_does_not_wake(repo, store, cache):
     with sandboxes.start(repo, runtime="bwrap", store=store, cache=cache) as sb:
         assert sb.exec("(sleep 0.01 &); true").exit_code == 0  # an orphan: reaped, then nothing to do
         pid = _pxd_host_pid(sb)
-        time.sleep(0.5)  # the orphan's end and its reaping
+        for _ in range(200):  # the orphan's end and its reaping, however loaded the machine
+            if not _children(pid):
+                break
+            time.sleep(0.05)
+        assert not _children(pid)
+        time.sleep(0.3)  # the reaper back at its pipe after the last SIGCHLD
         before = _wakeups(pid)
         time.sleep(1.5)  # a polling reaper (every 0.25 s) wakes six times meanwhile
         assert _wakeups(pid) == before
