@@ -29,7 +29,6 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 tag=${POSTTRAIN_IMAGE:-posttrain.local/posttrain:local}
 work=${POSTTRAIN_IMAGE_WORK:-$HOME/.cache/posttrain/image}
-mirror=http://deb.debian.org/debian
 # Debian packages of the image besides minbase: the interpreter and venv, TLS roots, and the
 # libraries torch's and vLLM's CPU kernels load (OpenMP, NUMA), and the C++ compiler and Python headers
 # torch.compile's CPU backend (inductor) builds vLLM's sampler with at the first request
@@ -37,29 +36,13 @@ base_packages=python3,python3-venv,python3-dev,g++,ca-certificates,libnuma1,libg
 venv=/opt/posttrain
 uid=1000
 
-log() { echo "build-image: [$SECONDS s] $*" >&2; }
-die() { echo "build-image: $*" >&2; exit 1; }
-
-[[ $(id -u) -eq 0 ]] || die "needs root (debootstrap and chroot)"
-[[ $work == /* && $work != / ]] || die "POSTTRAIN_IMAGE_WORK must be an absolute folder, got '$work'"
-command -v debootstrap >/dev/null || {
-    log "installing Debian's debootstrap"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-}
-mkdir -p "$work"
-exec {lock}>"$work/.lock"
-flock -n "$lock" || die "another build uses $work"
+what=build-image
+# shellcheck source=scripts/image-common.sh
+source "$repo/scripts/image-common.sh"
+prepare_work "$work" POSTTRAIN_IMAGE_WORK
 
 # 1. The Debian base, kept between builds (keyed by its package list).
-base=$work/base-$(printf '%s' "bookworm $base_packages" | sha256sum | cut -c1-12)
-if [[ ! -f $base/.posttrain-base ]]; then
-    log "debootstrap --variant=minbase bookworm ($base_packages)"
-    rm -rf "$base"
-    debootstrap --variant=minbase --include="$base_packages" bookworm "$base" "$mirror" >"$work/debootstrap.log" 2>&1 ||
-        die "debootstrap failed; see $work/debootstrap.log"
-    rm -rf "$base"/var/cache/apt/archives/*.deb "$base"/var/lib/apt/lists/*
-    touch "$base/.posttrain-base"
-fi
+base=$(debian_base "$work" "$base_packages")
 
 # 2. The project as a wheel, from the committed tree.
 rm -rf "$work/src" "$work/dist" && mkdir -p "$work/src" "$work/dist"
@@ -151,19 +134,6 @@ rm -rf "$root"  # GBs; the next build starts again from the Debian base
 log "image $tag: root file system $size, archive $(du -h --apparent-size "$work/posttrain-image.oci.tar" | cut -f1) at $work/posttrain-image.oci.tar"
 
 # 5. Into the node's containerd.
-if [[ ${POSTTRAIN_IMAGE_NO_IMPORT:-} != 1 ]]; then
-    sock=${POSTTRAIN_CONTAINERD_SOCK:-}
-    if [[ -z $sock ]]; then
-        checkout_id=$(basename "$repo" | sed 's/[^A-Za-z0-9._-]/-/g')-$(printf '%s' "$repo" | sha256sum | cut -c1-10)
-        sock=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local/$checkout_id}/node/containerd.sock
-    fi
-    if [[ -S $sock ]]; then
-        log "importing into the containerd of $sock (namespace k8s.io)"
-        ctr -a "$sock" -n k8s.io images import "$work/posttrain-image.oci.tar" >/dev/null || die "ctr could not import the image"
-        rm -f "$work/posttrain-image.oci.tar"
-    else
-        log "no containerd at $sock: the archive is left for \`ctr images import\`, \`podman load\` or \`skopeo copy oci-archive:...\`"
-    fi
-fi
+import_into_node "$work/posttrain-image.oci.tar"
 log "built $tag in $SECONDS s"
 echo "$tag"

@@ -21,32 +21,15 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 tag=${POSTTRAIN_TASK_IMAGE:-posttrain.local/task-base:local}
 work=${POSTTRAIN_TASK_IMAGE_WORK:-$HOME/.cache/posttrain/task-image}
-mirror=http://deb.debian.org/debian
 packages=python3,git
 uid=1000
 
-log() { echo "build-task-image: [$SECONDS s] $*" >&2; }
-die() { echo "build-task-image: $*" >&2; exit 1; }
-
-[[ $(id -u) -eq 0 ]] || die "needs root (debootstrap)"
-[[ $work == /* && $work != / ]] || die "POSTTRAIN_TASK_IMAGE_WORK must be an absolute folder, got '$work'"
-command -v debootstrap >/dev/null || {
-    log "installing Debian's debootstrap"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-}
-mkdir -p "$work"
-exec {lock}>"$work/.lock"
-flock -n "$lock" || die "another build uses $work"
-
-base=$work/base-$(printf '%s' "bookworm $packages" | sha256sum | cut -c1-12)
-if [[ ! -f $base/.posttrain-base ]]; then
-    log "debootstrap --variant=minbase bookworm ($packages)"
-    rm -rf "$base"
-    debootstrap --variant=minbase --include="$packages" bookworm "$base" "$mirror" >"$work/debootstrap.log" 2>&1 ||
-        die "debootstrap failed; see $work/debootstrap.log"
-    rm -rf "$base"/var/cache/apt/archives/*.deb "$base"/var/lib/apt/lists/* "$base"/usr/share/doc/* "$base"/usr/share/man/*
-    touch "$base/.posttrain-base"
-fi
+what=build-task-image
+# shellcheck source=scripts/image-common.sh
+source "$repo/scripts/image-common.sh"
+prepare_work "$work" POSTTRAIN_TASK_IMAGE_WORK
+base=$(debian_base "$work" "$packages")
+rm -rf "$base"/usr/share/doc/* "$base"/usr/share/man/*
 
 root=$work/rootfs
 rm -rf "$root"
@@ -75,19 +58,6 @@ size=$(du -sh --apparent-size "$root" | cut -f1)
 rm -rf "$root" "$work/layer.tar"
 log "image $tag: root file system $size, archive $(du -h --apparent-size "$work/task-image.oci.tar" | cut -f1)"
 
-if [[ ${POSTTRAIN_IMAGE_NO_IMPORT:-} != 1 ]]; then
-    sock=${POSTTRAIN_CONTAINERD_SOCK:-}
-    if [[ -z $sock ]]; then
-        checkout_id=$(basename "$repo" | sed 's/[^A-Za-z0-9._-]/-/g')-$(printf '%s' "$repo" | sha256sum | cut -c1-10)
-        sock=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local/$checkout_id}/node/containerd.sock
-    fi
-    if [[ -S $sock ]]; then
-        log "importing into the containerd of $sock (namespace k8s.io)"
-        ctr -a "$sock" -n k8s.io images import "$work/task-image.oci.tar" >/dev/null || die "ctr could not import the image"
-        rm -f "$work/task-image.oci.tar"
-    else
-        log "no containerd at $sock: the archive is left at $work/task-image.oci.tar"
-    fi
-fi
+import_into_node "$work/task-image.oci.tar"
 log "built $tag in $SECONDS s"
 echo "$tag"

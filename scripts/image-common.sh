@@ -1,0 +1,55 @@
+# What scripts/build-image.sh and scripts/build-task-image.sh share (sourced, not run): the checks
+# and lock of a build's work folder, a Debian base kept between builds, and the import of the
+# finished OCI archive into the kube-local node's containerd. The caller sets `what` (its name in
+# messages) and `repo` (the checkout) before sourcing.
+
+log() { echo "$what: [$SECONDS s] $*" >&2; }
+die() { echo "$what: $*" >&2; exit 1; }
+
+# prepare_work WORK VARIABLE: root, debootstrap installed, WORK made and locked for this build
+prepare_work() {
+    [[ $(id -u) -eq 0 ]] || die "needs root (debootstrap and chroot)"
+    [[ $1 == /* && $1 != / ]] || die "$2 must be an absolute folder, got '$1'"
+    command -v debootstrap >/dev/null || {
+        log "installing Debian's debootstrap"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+    }
+    mkdir -p "$1"
+    exec {lock}>"$1/.lock"
+    flock -n "$lock" || die "another build uses $1"
+}
+
+# debian_base WORK PACKAGES: prints the folder of `debootstrap --variant=minbase bookworm` with
+# PACKAGES (comma-separated), made once and kept (keyed by the package list)
+debian_base() {
+    local base
+    base=$1/base-$(printf '%s' "bookworm $2" | sha256sum | cut -c1-12)
+    if [[ ! -f $base/.posttrain-base ]]; then
+        log "debootstrap --variant=minbase bookworm ($2)"
+        rm -rf "$base"
+        debootstrap --variant=minbase --include="$2" bookworm "$base" http://deb.debian.org/debian >"$1/debootstrap.log" 2>&1 ||
+            die "debootstrap failed; see $1/debootstrap.log"
+        rm -rf "$base"/var/cache/apt/archives/*.deb "$base"/var/lib/apt/lists/*
+        touch "$base/.posttrain-base"
+    fi
+    echo "$base"
+}
+
+# import_into_node ARCHIVE: `ctr images import` into the containerd of the kube-local node of
+# POSTTRAIN_KUBE_STATE (or POSTTRAIN_CONTAINERD_SOCK), then the archive goes; none there (or
+# POSTTRAIN_IMAGE_NO_IMPORT=1): the archive stays for `ctr`, `podman load` or `skopeo copy oci-archive:`
+import_into_node() {
+    [[ ${POSTTRAIN_IMAGE_NO_IMPORT:-} == 1 ]] && return 0
+    local sock=${POSTTRAIN_CONTAINERD_SOCK:-} checkout_id
+    if [[ -z $sock ]]; then
+        checkout_id=$(basename "$repo" | sed 's/[^A-Za-z0-9._-]/-/g')-$(printf '%s' "$repo" | sha256sum | cut -c1-10)
+        sock=${POSTTRAIN_KUBE_STATE:-$HOME/.cache/posttrain/kube-local/$checkout_id}/node/containerd.sock
+    fi
+    if [[ -S $sock ]]; then
+        log "importing into the containerd of $sock (namespace k8s.io)"
+        ctr -a "$sock" -n k8s.io images import "$1" >/dev/null || die "ctr could not import the image"
+        rm -f "$1"
+    else
+        log "no containerd at $sock: the archive is left at $1 for \`ctr images import\`, \`podman load\` or \`skopeo copy oci-archive:...\`"
+    fi
+}
