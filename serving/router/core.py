@@ -219,8 +219,14 @@ class Router:
                     self.pending.pop(url, None)
 
     def _mark_dead(self, replica: Replica) -> None:
+        """Take ``replica`` out of rotation, and wait for it to answer again: a replica that comes
+        back under its address (a Kubernetes pod replaced under its StatefulSet name, an engine
+        restarted on its port) joins as a new one does, loading the newest adapter first. Before,
+        a dead replica stayed out for good: on the cluster a replaced engine pod never got work."""
         with self.lock:
             replica.healthy = False
+            if self.replicas.get(replica.url) is replica:  # not one removed on purpose (remove_replica)
+                self.pending.setdefault(replica.url, (replica.pool, replica.size_gpus))
 
     def _expire_sessions(self) -> None:
         cutoff = time.monotonic() - self.session_idle_s

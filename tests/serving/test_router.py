@@ -232,3 +232,26 @@ def test_a_version_published_while_a_replica_joins_reaches_it():
     finally:
         router.close()
         fake.shutdown()
+
+
+def test_a_dead_replica_that_answers_again_at_its_address_rejoins(stack, tiny_model):
+    """A Kubernetes engine pod deleted mid-run comes back under its StatefulSet name: the router takes
+    it back (its newest adapter loaded first) instead of leaving it out of rotation for good."""
+    from serving.http import serve
+    from serving.local_engine import LocalEngine
+
+    router, fleet, client, volume = stack
+    url, = fleet.scale_up(1)
+    fleet.kill(url)
+    deadline = time.monotonic() + 60
+    while router.replicas[url].healthy:
+        assert time.monotonic() < deadline, "the router never noticed the replica died"
+        time.sleep(0.05)
+    server = serve(LocalEngine(tiny_model, **fleet.engine_kwargs), host="127.0.0.1", port=int(url.rsplit(":", 1)[1]))
+    try:
+        while not router.replicas[url].healthy:
+            assert time.monotonic() < deadline + 60, "the replica that answers again was never taken back"
+            time.sleep(0.05)
+        assert client.generate(PROMPT, PARAMS, rid="back")["meta_info"]["replica"] == url
+    finally:
+        server.shutdown()
