@@ -103,56 +103,58 @@ def worker(repeats: int, runtimes: list[str], idle_s: float = 2.0) -> None:
     import sandboxes
 
     group = own_cgroup()
-    with tempfile.TemporaryDirectory() as work:
-        work = Path(work)
-        store = sandboxes.ImageStore(work / "images")
-        cache = sandboxes.LayerCache(work / "cache")
-        import pip
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            work = Path(work)
+            store = sandboxes.ImageStore(work / "images")
+            cache = sandboxes.LayerCache(work / "cache")
+            import pip
 
-        big = work / "pip-sized"
-        shutil.copytree(Path(pip.__file__).parent, big, ignore=shutil.ignore_patterns("__pycache__"))
-        repo = make_repo(work)
-        images = [sandboxes.build_image("small-task", repo, store),
-                  sandboxes.build_image("pip-sized", big, store)]
-        # a task's folder, as an episode and its grading start it (the image made from it on the way)
-        images.insert(1, repo)
-        for image, runtime in [(i, r) for i in images for r in runtimes]:
-            times = {"cold": [], "hit": []}
-            cpu = {"start": [], "stop": [], "harness": [], "machine": []}
-            steps: dict[str, list[float]] = {}
-            sandboxes.start(image, runtime=runtime, store=store, cache=cache).close()  # warm the page cache
-            for _ in range(repeats):
-                for kind in ("cold", "hit"):
-                    if kind == "cold":
-                        cache.evict(1)  # a folder's image: its task layer is unpacked again, the base is kept
-                    u0, s0, m0 = usage_s(group), self_cpu_s(), machine_busy_s()
-                    t = time.perf_counter()
-                    sb = sandboxes.start(image, runtime=runtime, store=store, cache=cache)
-                    times[kind].append(time.perf_counter() - t)
-                    u1 = usage_s(group)
-                    assert sb.cache_hit == (kind == "hit")
-                    sb.close()
-                    u2, s2, m2 = usage_s(group), self_cpu_s(), machine_busy_s()
-                    if kind == "hit":
-                        cpu["start"].append(u1 - u0)
-                        cpu["stop"].append(u2 - u1)
-                        cpu["harness"].append(s2 - s0)
-                        cpu["machine"].append(m2 - m0)
-                        for name, value in getattr(sb, "host_cpu_s", {}).items():
-                            steps.setdefault(name, []).append(value)
-            with sandboxes.start(image, runtime=runtime, store=store, cache=cache) as sb:  # one that waits
-                sb.exec("true")
-                time.sleep(0.2)
-                u0 = usage_s(group)
-                time.sleep(idle_s)
-                idle = (usage_s(group) - u0) / idle_s
-            name, size = (image.name, image.size_bytes) if isinstance(image, sandboxes.Image) else ("task-folder", 0)
-            print(json.dumps({"image": name, "size_bytes": size, "runtime": runtime,
-                              "cold_s": times["cold"], "hit_s": times["hit"], "cpu": cpu, "steps": steps,
-                              "idle_cpu_s_per_s": idle}), flush=True)
-    if group is not None:
-        (group.parent / "cgroup.procs").write_text(str(os.getpid()))
-        group.rmdir()
+            big = work / "pip-sized"
+            shutil.copytree(Path(pip.__file__).parent, big, ignore=shutil.ignore_patterns("__pycache__"))
+            repo = make_repo(work)
+            images = [sandboxes.build_image("small-task", repo, store),
+                      sandboxes.build_image("pip-sized", big, store)]
+            # a task's folder, as an episode and its grading start it (the image made from it on the way)
+            images.insert(1, repo)
+            for image, runtime in [(i, r) for i in images for r in runtimes]:
+                times = {"cold": [], "hit": []}
+                cpu = {"start": [], "stop": [], "harness": [], "machine": []}
+                steps: dict[str, list[float]] = {}
+                sandboxes.start(image, runtime=runtime, store=store, cache=cache).close()  # warm the page cache
+                for _ in range(repeats):
+                    for kind in ("cold", "hit"):
+                        if kind == "cold":
+                            cache.evict(1)  # a folder's image: its task layer is unpacked again, the base is kept
+                        u0, s0, m0 = usage_s(group), self_cpu_s(), machine_busy_s()
+                        t = time.perf_counter()
+                        sb = sandboxes.start(image, runtime=runtime, store=store, cache=cache)
+                        times[kind].append(time.perf_counter() - t)
+                        u1 = usage_s(group)
+                        assert sb.cache_hit == (kind == "hit")
+                        sb.close()
+                        u2, s2, m2 = usage_s(group), self_cpu_s(), machine_busy_s()
+                        if kind == "hit":
+                            cpu["start"].append(u1 - u0)
+                            cpu["stop"].append(u2 - u1)
+                            cpu["harness"].append(s2 - s0)
+                            cpu["machine"].append(m2 - m0)
+                            for name, value in getattr(sb, "host_cpu_s", {}).items():
+                                steps.setdefault(name, []).append(value)
+                with sandboxes.start(image, runtime=runtime, store=store, cache=cache) as sb:  # one that waits
+                    sb.exec("true")
+                    time.sleep(0.2)
+                    u0 = usage_s(group)
+                    time.sleep(idle_s)
+                    idle = (usage_s(group) - u0) / idle_s
+                name, size = (image.name, image.size_bytes) if isinstance(image, sandboxes.Image) else ("task-folder", 0)
+                print(json.dumps({"image": name, "size_bytes": size, "runtime": runtime,
+                                  "cold_s": times["cold"], "hit_s": times["hit"], "cpu": cpu, "steps": steps,
+                                  "idle_cpu_s_per_s": idle}), flush=True)
+    finally:
+        if group is not None:  # back to the parent, and the cgroup removed
+            (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()
 
 
 def run_tree(tree: Path, repeats: int, runtimes: str, idle_s: float) -> list[dict]:
