@@ -22,6 +22,12 @@ bash scripts/setup.sh
 # left running); POSTTRAIN_KUBE_TESTS=0 skips them (CI too); POSTTRAIN_KUBE_NODE=1 also runs pods on
 # a real node (tests/kube/test_node.py starts and stops it; root, and the first time a 9-minute build
 # of the kubelet and controllers).
+# Under CI=true, as root, the node tests run too (POSTTRAIN_KUBE_NODE=1): pods on a real node, and
+# the run as pods (tests/kube/test_node.py: rl_run and a checkpoint's eval on the node, its two
+# images built the first time, about 10 minutes; kept in the node's containerd and ~/.cache after).
+if [[ ${CI:-} == true && -z ${POSTTRAIN_KUBE_NODE:-} && $(id -u) -eq 0 && ${POSTTRAIN_KUBE_TESTS:-1} != 0 ]]; then
+    export POSTTRAIN_KUBE_NODE=1
+fi
 kube_started=
 kube_own_state=
 if [[ -z ${POSTTRAIN_KUBECONFIG:-} && ${POSTTRAIN_KUBE_TESTS:-1} != 0 ]]; then
