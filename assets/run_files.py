@@ -66,13 +66,14 @@ VOLUME_PATH_KEYS = (("model", "path"), ("curriculum", "tasks"), ("curriculum", "
                     ("eval", "dataset"), ("eval", "sources"))
 
 
-def on_run_volume(data: dict[str, Any], storage: PosttrainStorage) -> dict[str, Any]:
-    """``data`` with its file paths as the pods of a Kubernetes run see them. The storage root is a
-    mount of the run volume (on the test plane, the volume's own folder), and every pod's working
-    directory is the volume's root, so a path under the storage root becomes relative to it; a
-    relative one stays (already the volume's). An absolute path elsewhere is on no pod: refused,
-    naming the key."""
+def on_run_volume(data: dict[str, Any], storage: PosttrainStorage) -> list[Path]:
+    """Name ``data``'s file paths as the pods of a Kubernetes run see them (in place), and return the
+    files of this machine they name. The storage root is a mount of the run volume (on the test
+    plane, the volume's own folder), and every pod's working directory is the volume's root, so a
+    path under the storage root becomes relative to it; a relative one stays (already the
+    volume's). An absolute path elsewhere is on no pod: refused, naming the key."""
     root = storage.path
+    named = []
     for section, key in VOLUME_PATH_KEYS:
         table = data.get(section)
         value = table.get(key) if isinstance(table, dict) else None
@@ -83,7 +84,8 @@ def on_run_volume(data: dict[str, Any], storage: PosttrainStorage) -> dict[str, 
             raise ValueError(f"run file key {section}.{key}: {value} is outside the storage root {root}, which is "
                              "the run volume's mount: the pods would not see it (put it on the volume)")
         table[key] = path.relative_to(root).as_posix()
-    return data
+        named.append(path)
+    return named
 
 
 def hand_to_workloads(*paths: Path) -> None:
@@ -98,6 +100,7 @@ def hand_to_workloads(*paths: Path) -> None:
     if os.geteuid() != 0:
         return
     for top in paths:
-        top.mkdir(parents=True, exist_ok=True)
-        for path in [top, *top.rglob("*")]:
+        if not top.exists():  # a folder the pods are to write in (the run's, the eval rows')
+            top.mkdir(parents=True)
+        for path in [top, *(top.rglob("*") if top.is_dir() else ())]:
             os.lchown(path, RUN_AS, RUN_AS)

@@ -137,13 +137,9 @@ def rl_run(
         data["curriculum"]["curriculum_file"] = str(curriculum_file)
     # the embedded base is built under the storage root: on k8s that is the run volume's mount, and
     # the plan then names it (and the tasks) as the pods see them
-    built = None
     if launcher.target == "local" or data["model"].get("name") == EMBEDDED_MODEL_NAME:
-        built = ensure_embedded_base(context, data, reuse_any=True)
-    if launcher.target == "k8s":
-        on_run_volume(data, storage)
-        if built is not None:  # made here as root, perhaps with private files: the engines read it as the workloads' user
-            hand_to_workloads(built)
+        ensure_embedded_base(context, data, reuse_any=True)
+    read_by_pods = on_run_volume(data, storage) if launcher.target == "k8s" else []
     plan = resolve(data, source=source)
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)
@@ -151,7 +147,9 @@ def rl_run(
         from training.planner.k8s import EVAL_POD_FILE, eval_pod
 
         (run_dir / EVAL_POD_FILE).write_text(json.dumps(eval_pod(plan), indent=2) + "\n")
-        hand_to_workloads(run_dir, storage.evals_dir())
+        # what was made here (as root, atomic writes private) the pods read and write as their own user:
+        # seen, an engine refused model.safetensors and a trainer the suite's suite.json
+        hand_to_workloads(run_dir, storage.evals_dir(), *read_by_pods)
     context.log.info(f"run {plan.run_name}: plan {plan_path}")
     of_steps = int((data.get("trainer") or {}).get("steps") or 0)
     observer = StepObserver(context, run_dir, plan.run_name, of_steps)
