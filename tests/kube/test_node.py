@@ -335,9 +335,10 @@ def test_rl_run_and_its_checkpoints_eval_run_as_pods_on_the_node(images, admin, 
         assert result.success
         seen_pods |= {p.metadata.name for p in core.list_namespaced_pod(namespace).items}
         run_dir = storage.run_dir(run)
-        # the trainer's steps reached Dagster as observations while it ran, and its files are on the volume
-        observations = [e for e in result.get_asset_observation_events()]
-        assert len(observations) >= 2, observations
+        # the trainer's steps reached Dagster as observations of rl_run while it ran (Pipes messages from
+        # the trainer pod's log), and its files are on the volume
+        observed = instance.fetch_observations(dg.AssetKey("rl_run"), limit=10, ascending=True).records
+        assert [r.event_log_entry.asset_observation.metadata["step"].value for r in observed] == [1, 2]
         import pandas as pd
 
         steps = pd.read_parquet(metrics_dir(run_dir) / "steps.parquet")
