@@ -105,6 +105,16 @@ COPY_WORKSPACE = (f"set -e; cd {WORKDIR}; for f in * .[!.]* ..?*; do "
                   'if [ -e "$f" ] || [ -L "$f" ]; then cp -a "$f" /mnt/workspace/; fi; done')
 
 
+# The workspace's mount point is the volume's, owned by root (the pod's fsGroup only makes it the
+# sandbox user's group), while the repository in it is the sandbox user's: git (>= 2.35.2) then
+# refuses every command there ("detected dubious ownership"), so nothing the agent did could be
+# committed, and the grader's `git apply` failed too (seen on the node: every patch empty, every
+# score 0). safe.directory is honoured only from protected configuration, which includes
+# GIT_CONFIG_COUNT; pxd passes its environment to every command, the harness's and the grader's.
+GIT_SAFE_WORKSPACE = [{"name": "GIT_CONFIG_COUNT", "value": "1"}, {"name": "GIT_CONFIG_KEY_0", "value": "safe.directory"},
+                      {"name": "GIT_CONFIG_VALUE_0", "value": WORKDIR}]
+
+
 def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits = Limits(),
              settings: PodSettings = PodSettings(), preferred_nodes: list[str] | None = None,
              required_nodes: list[str] | None = None, writable_root: bool = False) -> dict:
@@ -162,7 +172,7 @@ def pod_spec(*, run: str, task_id: str, episode: str, image: str, limits: Limits
             "stdin": True, "stdinOnce": True, "tty": False,
             "workingDir": WORKDIR,
             "env": [{"name": "HOME", "value": "/home/sandbox"}, {"name": "TMPDIR", "value": "/tmp"},
-                    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+                    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}, *GIT_SAFE_WORKSPACE],
             "resources": resources,
             "securityContext": {**locked_down, "readOnlyRootFilesystem": not writable_root},
             "volumeMounts": [{"name": "workspace", "mountPath": WORKDIR}, {"name": "tmp", "mountPath": "/tmp"},

@@ -351,6 +351,9 @@ def test_rl_run_and_its_checkpoints_eval_run_as_pods_on_the_node(images, admin, 
         with sqlite3.connect(run_dir / "store" / "rollouts.sqlite") as db:
             infos = [json.loads(i) for (i,) in db.execute("select info from rollouts")]
         assert infos and {i["grade_status"] for i in infos} <= {"graded", "agent_fault", "apply_failed"}
+        # and the agent's commits reached the grader (the tiny base commits an edit in nearly every
+        # episode; before the pods' git setting, git refused the workspace and every patch was empty)
+        assert sum(1 for i in infos if i.get("patch")) >= len(infos) // 2, [i.get("patch", "")[:80] for i in infos]
         # the fleet stays ([kubernetes] keep_fleet): the checkpoint's eval runs in a pod of the run on it
         key = f"{run}-step_000002"
         instance.add_dynamic_partitions(checkpoints_partitions.name, [key])

@@ -16,9 +16,10 @@ from sandboxes.k8s import COPY_WORKSPACE, pod_spec
 BWRAP = shutil.which("bwrap")
 
 
-def run_as_sandbox_user(command: list[str], src, dest) -> subprocess.CompletedProcess:
+def run_as_sandbox_user(command: list[str], src, dest, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     binds = [a for d in ("/usr", "/bin", "/lib", "/lib64", "/etc") if os.path.exists(d) for a in ("--ro-bind", d, d)]
-    return subprocess.run(["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", BWRAP, *binds, "--proc", "/proc", "--dev", "/dev", "--bind", str(src), "/workspace",
+    sets = [a for k, v in (env or {}).items() for a in ("--setenv", k, v)]
+    return subprocess.run(["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", BWRAP, *binds, *sets, "--proc", "/proc", "--dev", "/dev", "--bind", str(src), "/workspace",
                            "--bind", str(dest), "/mnt/workspace", "--unshare-user",
                            *command], capture_output=True, text=True, timeout=60)
 
@@ -72,3 +73,34 @@ def test_an_empty_workspace_copies_nothing_and_succeeds(tmp_path):
     done = run_as_sandbox_user(["/bin/sh", "-c", COPY_WORKSPACE], tmp_path / "src", tmp_path / "dest")
     assert done.returncode == 0, done.stderr
     assert list((tmp_path / "dest").iterdir()) == []
+
+
+@pytest.mark.skipif((BWRAP is None or os.geteuid() != 0) and os.environ.get("CI") != "true",
+                    reason="needs bubblewrap and root")
+def test_git_works_in_the_copied_repository_with_the_pods_environment(tmp_path):
+    """The mount point is root's, the repository the sandbox user's: without the pod's git setting
+    git refuses the repository (every commit and every grader's `git apply` failed on the node)."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    (src / "calc.py").write_text("x = 1\n")
+    git = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(["git", "-C", str(src), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(src), "commit", "-q", "-m", "base"], check=True, env={**os.environ, **git})
+    shutil.chown(src, 1000, 1000)
+    for path in src.rglob("*"):
+        os.lchown(path, 1000, 1000)
+    dest.mkdir()
+    dest.chmod(0o777)  # root's, as the volume's mount point is
+    container = pod_spec(run="r", task_id="t", episode="e", image="registry.local/task:1")["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    script = ["/bin/sh", "-c", COPY_WORKSPACE + "; cd /mnt/workspace && echo y >> calc.py && git add -A && "
+              "git commit -q -m fix && git log --oneline | wc -l"]
+    done = run_as_sandbox_user(script, src, dest, {**env, **git, "GIT_CONFIG_VALUE_0": "/mnt/workspace"})
+    assert done.returncode == 0 and done.stdout.split()[-1] == "2", done.stderr
+    # without it (the pods before): git refuses the repository
+    again = tmp_path / "dest2"
+    again.mkdir()
+    again.chmod(0o777)
+    before = run_as_sandbox_user(script, src, again, git)
+    assert before.returncode != 0 and "dubious ownership" in before.stderr
