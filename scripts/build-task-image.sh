@@ -10,8 +10,8 @@
 # What it is: Debian bookworm (`debootstrap --variant=minbase`) with python3 (no third-party
 # packages), git, bash, coreutils and tar: what a local sandbox of such a task sees of the host's
 # /usr (sandboxes.toolchain); pxd at /opt/pxd/pxd.py (from the committed tree); the sandbox user
-# uid 1000 owning /workspace and /home/sandbox. Nothing of posttrain's (no grader code, no
-# venv): the agent's sandbox holds only its task.
+# uid 1000 owning /workspace and /home/sandbox; the skeleton's /etc/gitconfig of sandboxes.images.
+# Nothing of posttrain's (no grader code, no venv): the agent's sandbox holds only its task.
 #
 # Settings: POSTTRAIN_TASK_IMAGE (the tag, default posttrain.local/task-base:local),
 # POSTTRAIN_TASK_IMAGE_WORK (work folder, default ~/.cache/posttrain/task-image; the Debian base is
@@ -38,6 +38,16 @@ rm -f "$root/.posttrain-base"
 commit=$(git -C "$repo" rev-parse --short=12 HEAD)
 mkdir -p "$root/opt/pxd" "$root/workspace" "$root/home/sandbox"
 git -C "$repo" show HEAD:sandboxes/pxd.py >"$root/opt/pxd/pxd.py"
+# the skeleton's git and name settings every local sandbox has (sandboxes.images.BASE_FILES): the git
+# identity commits are made with, safe.directory (the workspace is a volume whose mount point is not
+# the sandbox user's), main as the default branch; without them every commit in a pod failed
+"$repo/.venv/bin/python" - "$root" <<'PY' || die "could not write the skeleton's files (needs the project's .venv)"
+import sys
+from pathlib import Path
+from sandboxes.images import BASE_FILES
+for name in ("etc/gitconfig", "etc/hosts", "etc/hostname", "etc/nsswitch.conf"):
+    Path(sys.argv[1], name).write_text(BASE_FILES[name])
+PY
 grep -q "^sandbox:" "$root/etc/passwd" || echo "sandbox:x:$uid:$uid:sandbox:/home/sandbox:/bin/bash" >>"$root/etc/passwd"
 grep -q "^sandbox:" "$root/etc/group" || echo "sandbox:x:$uid:" >>"$root/etc/group"
 chown "$uid:$uid" "$root/workspace" "$root/home/sandbox"
