@@ -173,9 +173,9 @@ class WorkloadLauncher(dg.ConfigurableResource):
 
         try:
             runner.wait_fleet(fleet, api, timeout_s=self.fleet_ready_timeout_s, poll_s=self.poll_interval_s,
-                              log=lambda line: context.log.info(f"k8s: {line}"))
+                              log=lambda line: context.log.info(f"k8s: {line}"), setting="launcher fleet_ready_timeout_s")
         except runner.RunStartError as exc:
-            raise RuntimeError(f"{exc} (launcher fleet_ready_timeout_s)") from None
+            raise RuntimeError(str(exc)) from None
 
     def _api_client(self) -> Any:
         from kubernetes import client, config

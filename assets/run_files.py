@@ -70,8 +70,9 @@ def on_run_volume(data: dict[str, Any], storage: PosttrainStorage) -> list[Path]
     """Name ``data``'s file paths as the pods of a Kubernetes run see them (in place), and return the
     files of this machine they name. The storage root is a mount of the run volume (on the test
     plane, the volume's own folder), and every pod's working directory is the volume's root, so a
-    path under the storage root becomes relative to it; a relative one stays (already the
-    volume's). An absolute path elsewhere is on no pod: refused, naming the key."""
+    path under the storage root becomes relative to it. A relative path stays (already the
+    volume's), and so does any other absolute one: it is the pods' own view (``/run-data/...``, or a
+    folder of the image)."""
     root = storage.path
     named = []
     for section, key in VOLUME_PATH_KEYS:
@@ -80,11 +81,9 @@ def on_run_volume(data: dict[str, Any], storage: PosttrainStorage) -> list[Path]
         if not isinstance(value, str) or not value or value == "bundled" or not Path(value).is_absolute():
             continue
         path = Path(value).resolve()
-        if not path.is_relative_to(root):
-            raise ValueError(f"run file key {section}.{key}: {value} is outside the storage root {root}, which is "
-                             "the run volume's mount: the pods would not see it (put it on the volume)")
-        table[key] = path.relative_to(root).as_posix()
-        named.append(path)
+        if path.is_relative_to(root):
+            table[key] = path.relative_to(root).as_posix()
+            named.append(path)
     return named
 
 

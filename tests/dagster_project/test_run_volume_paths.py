@@ -11,7 +11,7 @@ from assets.run_files import hand_to_workloads, on_run_volume
 from training.planner.k8s import RUN_AS
 
 
-def test_paths_under_the_storage_root_are_named_relative_to_the_volume_and_others_refused(tmp_path):
+def test_paths_under_the_storage_root_are_named_relative_to_the_volume_and_others_kept(tmp_path):
     storage = PosttrainStorage(root=str(tmp_path))
     data = {"model": {"path": str(tmp_path / "models" / "base")},
             "curriculum": {"tasks": str(tmp_path / "datasets" / "bundled"), "curriculum_file": "curriculum/c.json"},
@@ -20,8 +20,9 @@ def test_paths_under_the_storage_root_are_named_relative_to_the_volume_and_other
     assert data["model"]["path"] == "models/base" and data["curriculum"]["tasks"] == "datasets/bundled"
     assert data["curriculum"]["curriculum_file"] == "curriculum/c.json" and data["eval"]["dataset"] == "bundled"
     assert named == [tmp_path / "models" / "base", tmp_path / "datasets" / "bundled"]
-    with pytest.raises(ValueError, match=r"run file key curriculum\.tasks: /elsewhere/tasks is outside the storage root"):
-        on_run_volume({"curriculum": {"tasks": "/elsewhere/tasks"}}, storage)
+    # a path already as the pods see it (the volume's mount, or the image's) stays as it is
+    pods_view = {"model": {"path": "/run-data/models/olmo"}, "curriculum": {"tasks": "/opt/tasks"}}
+    assert on_run_volume(pods_view, storage) == [] and pods_view["model"]["path"] == "/run-data/models/olmo"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 and os.environ.get("CI") != "true", reason="chown needs root")

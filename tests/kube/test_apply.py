@@ -119,8 +119,9 @@ def test_posttrain_run_applies_every_manifest_and_again_changes_nothing(kubeconf
     text = EXAMPLE.read_text()
     assert text.count('namespace = "posttrain"') == 1
     run_file.write_text(text.replace('namespace = "posttrain"', f'namespace = "{namespace}"'))
+    # --no-wait: the trainer Job at once (this plane has no kubelet: the fleet never gets ready)
     command = [sys.executable, "-m", "dagster_project.cli", "run", str(run_file), "--target", "k8s",
-               "--kubeconfig", kubeconfig, "--home", str(tmp_path / "home")]
+               "--kubeconfig", kubeconfig, "--home", str(tmp_path / "home"), "--no-wait"]
     env = {**os.environ, "KUBECONFIG": kubeconfig}
     first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -132,3 +133,19 @@ def test_posttrain_run_applies_every_manifest_and_again_changes_nothing(kubeconf
         "Service/", "StatefulSet/", "PodDisruptionBudget/", "Deployment/", "Job/", "Secret/")))]
     assert len(lines) == 20 and all(line.endswith(" unchanged") for line in lines), second.stdout
     assert sum(line.endswith(" created") for line in first.stdout.splitlines()) == 20, first.stdout
+
+
+def test_posttrain_run_starts_the_trainer_only_once_the_fleet_is_ready(kubeconfig, admin, namespace, tmp_path):
+    """Without --no-wait the trainer Job waits for the engines, router and pool (its first episodes
+    would otherwise meet "no healthy replica"); on this plane they never get ready: the command
+    says what it waited for and exits 3, and no Job was made."""
+    from kubernetes import client
+
+    run_file = tmp_path / "olmo35-b300.toml"
+    run_file.write_text(EXAMPLE.read_text().replace('namespace = "posttrain"', f'namespace = "{namespace}"'))
+    done = subprocess.run([sys.executable, "-m", "dagster_project.cli", "run", str(run_file), "--target", "k8s",
+                           "--kubeconfig", kubeconfig, "--home", str(tmp_path / "home"), "--fleet-timeout", "3"],
+                          capture_output=True, text=True, env={**os.environ, "KUBECONFIG": kubeconfig}, timeout=300)
+    assert done.returncode == 3, done.stderr
+    assert "waiting for StatefulSet/" in done.stderr and "the fleet was not ready within 3 s (--fleet-timeout)" in done.stderr
+    assert client.BatchV1Api(admin).list_namespaced_job(namespace).items == []

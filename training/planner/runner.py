@@ -403,11 +403,12 @@ def fleet_not_ready(manifests: list[dict[str, Any]], api) -> list[str]:
 
 
 def wait_fleet(manifests: list[dict[str, Any]], api, *, timeout_s: float, poll_s: float = 5.0,
-               log: Callable[[str], None] = print) -> None:
+               log: Callable[[str], None] = print, setting: str = "--fleet-timeout") -> None:
     """Wait until every long-running workload of ``manifests`` is ready (:func:`fleet_not_ready`),
     saying each change of what is still awaited; ``RunStartError`` after ``timeout_s``. The
     trainer starts after this: its first episodes would otherwise meet a router with no healthy
-    replica (an engine loads its model for minutes)."""
+    replica (an engine loads its model for minutes). ``setting`` names the caller's timeout in the
+    error."""
     deadline = time.monotonic() + timeout_s
     said = None
     while waiting := fleet_not_ready(manifests, api):
@@ -415,7 +416,7 @@ def wait_fleet(manifests: list[dict[str, Any]], api, *, timeout_s: float, poll_s
             log(f"waiting for {', '.join(waiting)}")
             said = waiting
         if time.monotonic() > deadline:
-            raise RunStartError(f"the fleet was not ready within {timeout_s:g} s: {', '.join(waiting)}")
+            raise RunStartError(f"the fleet was not ready within {timeout_s:g} s ({setting}): {', '.join(waiting)}")
         time.sleep(poll_s)
     log("engines, router and sandbox pool ready")
 
