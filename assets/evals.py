@@ -148,8 +148,9 @@ def deepswe_eval(
     key = context.partition_key
     rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
-    if on_kubernetes(storage, key) and not is_harbor_dataset(config.dataset):
-        tasks, rows, adapter_version = fleet_eval_rows(context, config, storage, rows_path)
+    pod_file = run_eval_pod_file(storage, key)
+    if pod_file is not None and not is_harbor_dataset(config.dataset):
+        tasks, rows, adapter_version = fleet_eval_rows(context, config, storage, pod_file, rows_path)
     elif is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
         policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
         adapter_version = policy.adapter_version
@@ -167,8 +168,7 @@ def deepswe_eval(
             max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             seed=config.seed, workers=config.workers, log=context.log.info, engine_log=engine_log,
         )
-    path = rows_path if rows is None else write_rows(rows, rows_path)  # None: the eval pod wrote them there
-    rows = rows if rows is not None else pd.read_parquet(path).to_dict("records")
+    path = rows_path if pod_file is not None else write_rows(rows, rows_path)  # the eval pod wrote its own
 
     frame = pd.DataFrame(rows)
     summary = run_summary(frame, config.attempts)
@@ -191,31 +191,26 @@ def deepswe_eval(
     return dg.MaterializeResult(metadata={k: rounded(v) for k, v in metadata.items()}, check_results=checks)
 
 
-def on_kubernetes(storage: PosttrainStorage, checkpoint: str) -> bool:
-    """Whether ``checkpoint``'s run was launched on Kubernetes by ``rl_run`` (it left the eval pod
-    of the run in its folder)."""
+def run_eval_pod_file(storage: PosttrainStorage, checkpoint: str) -> Path | None:
+    """The eval pod ``rl_run`` left in the folder of ``checkpoint``'s run when it launched the run on
+    Kubernetes (:data:`training.planner.k8s.EVAL_POD_FILE`), else ``None``."""
     from training.planner.k8s import EVAL_POD_FILE
 
-    return (storage.run_dir(parse_checkpoint_partition_key(checkpoint)[0]) / EVAL_POD_FILE).is_file()
+    path = storage.run_dir(parse_checkpoint_partition_key(checkpoint)[0]) / EVAL_POD_FILE
+    return path if path.is_file() else None
 
 
 def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig, storage: PosttrainStorage,
-                    rows_path: Path) -> tuple[list[Any], None, str | None]:
-    """Evaluate the partition's checkpoint in an eval pod of its Kubernetes run (the pod ``rl_run``
-    wrote into the run folder, :func:`training.planner.k8s.eval_pod`): ``python -m
-    training.fleet_eval`` through Dagster Pipes, on the run's engines and sandbox pool. The storage
-    root is the run volume's mount, so the pod's paths are the volume's (``/run-data/...``) and the
-    rows it writes appear at ``rows_path`` here. Returns the tasks, no rows (they are read back
-    from ``rows_path``) and the checkpoint's adapter version."""
+                    pod_file: Path, rows_path: Path) -> tuple[list[Any], list[dict[str, Any]], str | None]:
+    """Evaluate the partition's checkpoint in the eval pod of its Kubernetes run (``pod_file``,
+    :func:`training.planner.k8s.eval_pod`): ``python -m training.fleet_eval`` through Dagster Pipes,
+    on the run's engines and sandbox pool. The storage root is the run volume's mount, so the pod's
+    paths are the volume's (``/run-data/...``) and the rows it writes appear at ``rows_path`` here.
+    Returns the tasks, the rows (read back from ``rows_path``) and the checkpoint's adapter version."""
     from training.checkpoint import read_metadata
-    from training.planner.k8s import DATA_MOUNT, EVAL_MODULE, EVAL_POD_FILE
+    from training.planner.k8s import DATA_MOUNT, EVAL_MODULE, EVAL_SETTINGS
 
     key = context.partition_key
-    run_name, _ = parse_checkpoint_partition_key(key)
-    pod_file = storage.run_dir(run_name) / EVAL_POD_FILE
-    if not pod_file.is_file():
-        raise FileNotFoundError(f"checkpoint {key}: {pod_file} is missing: its run was not launched on Kubernetes by "
-                                "rl_run, so there is no fleet of its own to evaluate on (POSTTRAIN_TARGET=local evaluates here)")
     launcher = WorkloadLauncher.from_env()  # the code location's: POSTTRAIN_TARGET and KUBECONFIG
     if launcher.target != "k8s":
         raise RuntimeError(f"checkpoint {key}: its run ran on Kubernetes and is evaluated on its own fleet there; this "
@@ -226,8 +221,7 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig
     ckpt = storage.checkpoint_dir(key)
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     hand_to_workloads(rows_path.parent)
-    settings = {k: getattr(config, k) for k in ("dataset", "split", "task_ids", "attempts", "max_turns", "max_new_tokens",
-                                                "temperature", "seed", "workers")}
+    settings = {k: getattr(config, k) for k in EVAL_SETTINGS}
     launcher.run(context, EVAL_MODULE, ["--checkpoint", key, "--checkpoint-dir", in_pod(ckpt), "--rows", in_pod(rows_path),
                                         "--settings", json.dumps(settings)],
                  pod_spec=pod["spec"], pod_meta=pod["metadata"], namespace=pod["namespace"])
@@ -235,7 +229,7 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig
         raise FileNotFoundError(f"checkpoint {key}: the eval pod ended without writing {rows_path}")
     tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split), bundled_dir=storage.datasets_dir() / "bundled"),
                          config.task_ids, config.dataset)
-    return tasks, None, read_metadata(ckpt, name=key).get("adapter_version")
+    return tasks, pd.read_parquet(rows_path).to_dict("records"), read_metadata(ckpt, name=key).get("adapter_version")
 
 
 class EvalReportConfig(dg.Config):

@@ -171,11 +171,8 @@ class WorkloadLauncher(dg.ConfigurableResource):
     def _wait_fleet(self, context: dg.AssetExecutionContext, fleet: list[dict[str, Any]], api: Any) -> None:
         from training.planner import runner
 
-        try:
-            runner.wait_fleet(fleet, api, timeout_s=self.fleet_ready_timeout_s, poll_s=self.poll_interval_s,
-                              log=lambda line: context.log.info(f"k8s: {line}"), setting="launcher fleet_ready_timeout_s")
-        except runner.RunStartError as exc:
-            raise RuntimeError(str(exc)) from None
+        runner.wait_fleet(fleet, api, timeout_s=self.fleet_ready_timeout_s, poll_s=self.poll_interval_s,
+                          log=lambda line: context.log.info(f"k8s: {line}"), setting="launcher fleet_ready_timeout_s")
 
     def _api_client(self) -> Any:
         from kubernetes import client, config

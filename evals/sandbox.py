@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import os
-import tarfile
 import uuid
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol
@@ -47,7 +45,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 import sandboxes
 from evals.tasks import Task
 from sandboxes.client import ExecResult, PxdConnectionError, PxdError
-from sandboxes.images import WORKDIR
+from sandboxes.images import WORKDIR, tar_directory
 from sandboxes.pool import PoolClient
 from sandboxes.runtimes import SandboxError
 
@@ -206,32 +204,16 @@ SANDBOX_IMAGE_VARIABLE = "POSTTRAIN_SANDBOX_IMAGE"
 _WORKSPACE_TAR = ".posttrain-workspace.tar"  # in the workspace (pxd writes nowhere else), removed once unpacked
 
 
-def workspace_tar(repo: str | Path) -> bytes:
-    """The task repository folder ``repo`` (its ``.git`` included) as an uncompressed tar whose
-    members are relative to it, owned by nobody in particular (the sandbox user unpacks it)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(Path(repo).rglob("*")):
-            if path.is_symlink() or path.is_file() or path.is_dir():
-                info = tar.gettarinfo(str(path), arcname=path.relative_to(repo).as_posix())
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                if info.isreg():
-                    with path.open("rb") as f:
-                        tar.addfile(info, f)
-                else:
-                    tar.addfile(info)
-    return buffer.getvalue()
-
-
 def copy_workspace(box: Any, repo: str | Path) -> None:
     """Unpack the task repository ``repo`` into the workspace of the fresh sandbox ``box`` (a pod of
     the cluster's pool, whose image has an empty ``/workspace``), as its own user, before any agent
     command runs there. A failure here is the infrastructure's: nothing of the agent ran yet."""
     try:
-        box.write_file(_WORKSPACE_TAR, workspace_tar(repo))
-        unpacked = box.exec(f"tar -xof {_WORKSPACE_TAR} -C {WORKDIR}; status=$?; rm -f {_WORKSPACE_TAR}; exit $status",
-                             timeout_s=120)
+        # the images' own deterministic tar (no setuid bits, no devices), under one top folder that
+        # tar strips: the workspace's mount point is not the sandbox user's to change
+        box.write_file(_WORKSPACE_TAR, tar_directory(Path(repo), "repo"))
+        unpacked = box.exec(f"tar -xof {_WORKSPACE_TAR} -C {WORKDIR} --strip-components=1; status=$?; "
+                            f"rm -f {_WORKSPACE_TAR}; exit $status", timeout_s=120)
     except (PxdError, OSError) as exc:
         raise SandboxError(f"copying the repository {repo} into sandbox {getattr(box, 'id', '?')}: {exc}") from exc
     if unpacked.exit_code != 0:

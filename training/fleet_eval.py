@@ -33,9 +33,10 @@ from evals.harness import HttpClient, episode_context
 from evals.sandbox import platform_sandbox_factory
 from training.checkpoint import checkpoint_policy
 from training.loop import AdapterRef
+from training.planner.k8s import EVAL_SETTINGS
 from training.remote_fleet import ROUTER_URL_VARIABLE, RemoteFleet
 
-SETTINGS = ("attempts", "max_turns", "max_new_tokens", "temperature", "seed", "workers")
+RUN_SETTINGS = EVAL_SETTINGS[3:]  # of the settings --settings carries, how the tasks are run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace, log=print) -> Path:
         f"{settings.get('attempts', 8)} attempts through {router}")
     rows = evaluate(tasks, HttpClient(router), tokenizer, platform_sandbox_factory("k8s"), checkpoint=args.checkpoint,
                     adapter_version=version, stop_token_ids=eos_ids,
-                    **{**episode_context(policy.base_model), **{k: settings[k] for k in SETTINGS if k in settings}})
+                    **{**episode_context(policy.base_model), **{k: settings[k] for k in RUN_SETTINGS if k in settings}})
     path = write_rows(rows, Path(args.rows))
     log(f"{len(rows)} attempt rows written to {path}")
     return path

@@ -76,6 +76,9 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 ROUTER_CLIENTS = ("trainer", "eval", "engine")
 POOL_CLIENTS = ("trainer", "eval")
 EVAL_MODULE = "training.fleet_eval"  # a checkpoint's deepswe_eval as a pod of the run (eval_pod)
+# the eval settings the pod is given (deepswe_eval's config keys): which tasks, then how they are run
+EVAL_SETTINGS = ("dataset", "split", "task_ids", "attempts", "max_turns", "max_new_tokens", "temperature", "seed",
+                 "workers")
 
 # a vLLM CPU replica's startup probe: 10 s apart, this many failures (30 minutes) before a restart
 START_PROBE_FAILURES = 180
@@ -176,6 +179,17 @@ CONTAINER_SECURITY = {
 
 def credential_secret_name(plan: Plan) -> str:
     return f"{k8s_name(plan.run_name)}-{CREDENTIAL_COMPONENT}"
+
+
+def _fleet_client_env(plan: Plan) -> list[dict[str, Any]]:
+    """What a pod that uses the run's fleet is given (the trainer, a checkpoint's eval pod): the
+    router's and the sandbox pool's Services, the run's credential, and the sandbox image of tasks
+    that are folders, not images (:func:`evals.sandbox.platform_sandbox_factory`)."""
+    base, ns, rf = k8s_name(plan.run_name), plan.run_file.kubernetes.namespace, plan.run_file
+    return [{"name": "POSTTRAIN_ROUTER_URL", "value": f"http://{base}-router.{ns}.svc:{ROUTER_PORT}"},
+            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": f"http://{base}-sandbox-pool.{ns}.svc:{POOL_PORT}"},
+            _credential_env(plan),
+            *([{"name": "POSTTRAIN_SANDBOX_IMAGE", "value": rf.sandbox.image}] if rf.sandbox.image else [])]
 
 
 def _credential_env(plan: Plan) -> dict[str, Any]:
@@ -371,9 +385,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         # every replica the StatefulSet may be scaled to: one not there yet joins when it answers
         for i in range(max(rf.inference.engines, rf.inference.max_engines or 0))
     ]
-    router_url = f"http://{base}-router.{ns}.svc:{ROUTER_PORT}"
     pool_name = f"{base}-sandbox-pool"  # the only account with Kubernetes rights: it creates sandbox pods
-    pool_url = f"http://{pool_name}.{ns}.svc:{POOL_PORT}"
     trainer_account = kube.service_account or f"{base}-trainer"
     # a changed plan rolls the long-running pods (they read it at start); the Job's template is immutable
     plan_hash = {"posttrain.dev/plan-sha256": hashlib.sha256(plan.to_json_text().encode()).hexdigest()[:16]}
@@ -416,10 +428,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "image": image,
                     # one process per GPU (torchrun) when the pod has several: every GPU trains
                     "command": [*trainer_launcher(gpus), *trainer_args(f"{PLAN_MOUNT}/{PLAN_FILE}", run_dir_in_pod(plan))],
-                    "env": [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": router_url},
-                            {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": pool_url}, _credential_env(plan),
-                            # the sandbox pods of tasks that are folders, not images (evals.sandbox)
-                            *([{"name": "POSTTRAIN_SANDBOX_IMAGE", "value": rf.sandbox.image}] if rf.sandbox.image else [])],
+                    "env": [*_env(plan), *_fleet_client_env(plan)],
                     "volumeMounts": [*_MOUNTS, *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus > 1 else [])],
                     "resources": _resources(plan.pods["trainer"]["cpu"], plan.pods["trainer"]["memory"], gpus),
                 }], gpus=gpus, service_account=trainer_account,
@@ -618,17 +627,14 @@ def eval_pod(plan: Plan) -> dict[str, Any]:
     runs on the engines and the episodes in sandbox pods. ``rl_run`` writes it into the run folder
     (:data:`EVAL_POD_FILE`), where the evaluations of the run's checkpoints read it."""
     base = k8s_name(plan.run_name)
-    ns = plan.run_file.kubernetes.namespace
     rf = plan.run_file
-    env = [*_env(plan), {"name": "POSTTRAIN_ROUTER_URL", "value": f"http://{base}-router.{ns}.svc:{ROUTER_PORT}"},
-           {"name": "POSTTRAIN_SANDBOX_POOL_URL", "value": f"http://{base}-sandbox-pool.{ns}.svc:{POOL_PORT}"},
-           _credential_env(plan),
-           *([{"name": "POSTTRAIN_SANDBOX_IMAGE", "value": rf.sandbox.image}] if rf.sandbox.image else [])]
     spec = _pod_spec(plan, [{
-        "name": "eval", "image": rf.kubernetes.image, "env": env, "volumeMounts": list(_MOUNTS),
+        "name": "eval", "image": rf.kubernetes.image, "env": [*_env(plan), *_fleet_client_env(plan)],
+        "volumeMounts": list(_MOUNTS),
         "resources": _resources("100m", "2Gi"),  # it mostly waits on the engines and the sandbox pods
     }], service_account=rf.kubernetes.service_account or f"{base}-trainer", restartPolicy="Never")
-    return {"namespace": ns, "metadata": {"labels": _labels(plan, "eval")}, "spec": json.loads(json.dumps(spec))}
+    return {"namespace": rf.kubernetes.namespace, "metadata": {"labels": _labels(plan, "eval")},
+            "spec": json.loads(json.dumps(spec))}
 
 
 POOL_ACCOUNT_SUFFIX = "-sandbox-pool"  # the pool's service account is RUN-sandbox-pool
