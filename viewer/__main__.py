@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -40,13 +41,35 @@ def main(argv: list[str] | None = None) -> int:
     if not home.is_dir():
         print(f"python -m viewer: --home {home}: not a folder", file=sys.stderr)
         return 2
+    try:
+        # Bound before the line below is printed: whoever reads it (posttrain ui, a test) can connect at
+        # once; a port in use is this error, not a line announcing a viewer that never serves.
+        listener = _listen(args.host.strip("[]"), args.port)
+    except OSError as exc:
+        print(f"python -m viewer: cannot serve on {host_name(args.host)}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     url = f"http://{host_name(args.host) if args.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{args.port}"
     record_viewer_url(home, url)  # links written from now on, by any process of this home, point here
     print(f"trajectory viewer on http://{host_name(args.host)}:{args.port} (home {home})", flush=True)
     allowed = list(dict.fromkeys([*LOOPBACK_NAMES, args.host, *args.allow_host]))
-    uvicorn.run(create_app(home, tensorboard_url=args.tensorboard_url, allowed_hosts=allowed), host=args.host,
-                port=args.port, log_level="warning")
+    app = create_app(home, tensorboard_url=args.tensorboard_url, allowed_hosts=allowed)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (an IPv4 or IPv6 address or a name)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 if __name__ == "__main__":

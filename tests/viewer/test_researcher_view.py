@@ -114,6 +114,35 @@ def _run_with_discarded(home: Path) -> str:
     return "s"
 
 
+def test_the_viewer_announces_its_address_only_once_it_listens(home_copy):
+    """`posttrain ui` and the tests read the viewer's "trajectory viewer on" line as "it serves": the
+    port is bound before the line is printed, so a request right after it is answered; a port already
+    taken is a clear error and exit 1, with no line announcing a viewer that never serves."""
+    import socket
+
+    home, _ = home_copy
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "viewer", "--home", str(home), "--port", str(port)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done
+    assert "trajectory viewer on" not in done.stdout
+    assert f"cannot serve on 127.0.0.1:{port}" in done.stderr
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "viewer", "--home", str(home), "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert f"trajectory viewer on http://127.0.0.1:{port}" in proc.stdout.readline()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted at once: the port is bound before the line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_steps_table_and_histograms_keep_discarded_rollouts_apart(home_copy, served_copy):
     home, _ = home_copy
     run = _run_with_discarded(home)
