@@ -15,9 +15,12 @@ authorized by the real server, and pods stay Pending. Each test gets a namespace
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -127,13 +130,31 @@ def token_client(admin, namespace: str, account: str, seconds: int = 600):
     return client.ApiClient(configuration)
 
 
+@contextlib.contextmanager
+def plane_lock(kubeconfig: str, exclusive: bool):
+    """A lock on the plane, across the pytest processes of one run (a file beside its kubeconfig):
+    held exclusively while tests/kube/test_node.py runs a node on it, shared by each test that stands
+    in for the controllers (``no_controllers``), so neither starts while the other runs, whichever
+    worker of ``scripts/test.sh`` takes which file first."""
+    with open(Path(kubeconfig).resolve().parent / ".posttrain-tests.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture
-def no_controllers(admin):
-    """Skip on a plane with a node (``kube-local.sh start-node``): the test plays the part of the
-    controllers and kubelet (status subresources, pods left Pending), which real ones would overwrite."""
+def no_controllers(admin, kubeconfig):
+    """A plane without a node for the test's length: the test plays the part of the controllers and
+    kubelet (status subresources, pods left Pending), which real ones would overwrite. It waits while
+    tests/kube/test_node.py has its node up (``plane_lock``); on a plane whose node someone else
+    started (``kube-local.sh start-node`` by hand) it is skipped, saying so."""
     from kubernetes import client
 
-    nodes = client.CoreV1Api(admin).list_node().items
-    if nodes:
-        pytest.skip(f"this plane runs controllers and a node ({nodes[0].metadata.name}): the test stands in "
-                    "for them and needs a plane without (scripts/kube-local.sh start alone)")
+    with plane_lock(kubeconfig, exclusive=False):
+        nodes = client.CoreV1Api(admin).list_node().items
+        if nodes:
+            pytest.skip(f"this plane runs controllers and a node ({nodes[0].metadata.name}): the test stands in "
+                        "for them and needs a plane without (scripts/kube-local.sh start alone)")
+        yield

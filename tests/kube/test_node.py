@@ -6,6 +6,11 @@ gVisor's runsc as RuntimeClass ``gvisor``, images built from this machine's file
 so, when the plane has no Ready node; with ``POSTTRAIN_KUBE_NODE=1`` (``POSTTRAIN_KUBE_NODE=1 bash
 scripts/test.sh``) the module starts the node itself and stops it afterwards.
 
+Then the workload image (scripts/build-image.sh, ./Containerfile) in a pod locked down as the run's
+manifests lock every workload container (uid 1000, read-only root, every capability dropped, /tmp an
+emptyDir): the project installed in the image's venv, not editable, every entry point the manifests
+run importable, vLLM's CPU build and torch included.
+
 The last test is the run as pods: ``rl_run`` materialized in Dagster with the Kubernetes launcher
 for ``examples/embedded-k8s.toml`` (its two images built here when missing, with
 ``POSTTRAIN_KUBE_NODE=1``: about 10 minutes the first time): the trainer Job's pod against the
@@ -32,7 +37,7 @@ import pytest
 
 from sandboxes import k8s as sandbox_k8s
 from sandboxes.pool import PoolClient, PoolConfig, SandboxPool, make_server
-from tests.kube.conftest import token_client
+from tests.kube.conftest import plane_lock, token_client
 from tests.kube.test_apply import example_in
 from training.planner import k8s, resolve, runner
 
@@ -56,29 +61,30 @@ def _node_ready(admin) -> bool | None:
 
 
 @pytest.fixture(scope="module")
-def node(admin):
+def node(admin, kubeconfig):
     """The plane's node: one already there, or with ``POSTTRAIN_KUBE_NODE=1`` one this module starts
     (``kube-local.sh start-node``: root; the first time it builds the node's binaries, about 9
     minutes) and stops afterwards, Node object included, so later tests see a plane without one."""
-    import os
-    import subprocess
-
-    started = False
-    if _node_ready(admin) is None and os.environ.get("POSTTRAIN_KUBE_NODE") == "1":
+    # no test that stands in for the controllers (conftest.no_controllers) runs while this module's node is up
+    with plane_lock(kubeconfig, exclusive=True):
+        started = False
         script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "kube-local.sh")
-        done = subprocess.run(["bash", script, "start-node"], capture_output=True, text=True, timeout=45 * 60)
-        if done.returncode != 0:
-            pytest.fail(f"kube-local.sh start-node failed: {done.stderr[-2000:]}")
-        started = True
-    ready = _node_ready(admin)
-    if ready is None:
-        pytest.skip("no node on this plane: `bash scripts/kube-local.sh start-node` (root), or POSTTRAIN_KUBE_NODE=1 "
-                    "for scripts/test.sh")
-    if not ready:
-        pytest.skip(f"node {NODE} is not Ready")
-    yield NODE
-    if started:
-        subprocess.run(["bash", script, "stop-node"], capture_output=True, text=True, timeout=300)
+        if _node_ready(admin) is None and os.environ.get("POSTTRAIN_KUBE_NODE") == "1":
+            done = subprocess.run(["bash", script, "start-node"], capture_output=True, text=True, timeout=45 * 60)
+            if done.returncode != 0:
+                pytest.fail(f"kube-local.sh start-node failed: {done.stderr[-2000:]}")
+            started = True
+        try:
+            ready = _node_ready(admin)
+            if ready is None:
+                pytest.skip("no node on this plane: `bash scripts/kube-local.sh start-node` (root), or "
+                            "POSTTRAIN_KUBE_NODE=1 for scripts/test.sh")
+            if not ready:
+                pytest.skip(f"node {NODE} is not Ready")
+            yield NODE
+        finally:
+            if started:
+                subprocess.run(["bash", script, "stop-node"], capture_output=True, text=True, timeout=300)
 
 
 def wait_phase(core, namespace: str, name: str, phases: tuple[str, ...], timeout_s: float = 120.0):
@@ -289,6 +295,46 @@ def images(node, kubeconfig):
         assert done.returncode == 0, f"scripts/{IMAGES[tag]} failed: {done.stderr[-3000:]}"
     assert set(IMAGES) <= node_images(state)
     return state
+
+
+WORKLOAD_IMAGE = "posttrain.local/posttrain:local"  # scripts/build-image.sh
+
+PROBE = r"""
+import importlib, json, os, sys
+for module in ("training.__main__", "serving.replica", "serving.router", "serving.capture", "sandboxes.pool",
+               "serving.engines.vllm_server"):
+    importlib.import_module(module)
+import torch, vllm, training
+try:
+    open("/opt/posttrain/written-by-the-pod", "w")
+    writable = True
+except OSError:
+    writable = False
+print(json.dumps({"uid": os.getuid(), "python": sys.executable, "training": training.__file__, "torch": torch.__version__,
+                  "vllm": vllm.__version__, "root_writable": writable, "cwd": os.getcwd()}))
+"""
+
+
+def test_the_image_runs_every_entry_point_as_uid_1000_from_its_own_venv(admin, namespace, images):
+    from kubernetes import client
+
+    core = client.CoreV1Api(admin)
+    core.create_namespaced_pod(namespace, {"metadata": {"name": "image"}, "spec": {
+        "restartPolicy": "Never", "automountServiceAccountToken": False, "securityContext": dict(k8s.POD_SECURITY),
+        "containers": [{"name": "main", "image": WORKLOAD_IMAGE, "imagePullPolicy": "Never", "command": ["python", "-c", PROBE],
+                        "workingDir": k8s.DATA_MOUNT, "env": [{"name": "HOME", "value": "/tmp/home"}],
+                        "securityContext": dict(k8s.CONTAINER_SECURITY), "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}]}})
+    done = wait_phase(core, namespace, "image", ("Succeeded", "Failed"), timeout_s=600)
+    log = core.read_namespaced_pod_log("image", namespace, _preload_content=False).data.decode()
+    print(log)
+    assert done.status.phase == "Succeeded", log
+    seen = json.loads(log.strip().splitlines()[-1])
+    assert seen["uid"] == 1000 and seen["cwd"] == k8s.DATA_MOUNT and not seen["root_writable"]
+    assert seen["python"] == "/opt/posttrain/bin/python"
+    assert seen["training"].startswith("/opt/posttrain/lib/python3.11/site-packages/training/")  # installed, not a checkout
+    assert seen["torch"].startswith("2.13.0") and seen["vllm"]
+    core.delete_namespaced_pod("image", namespace, grace_period_seconds=0)
 
 
 @pytest.mark.slow

@@ -15,7 +15,6 @@ import time
 from datetime import datetime, timezone
 
 import dagster as dg
-import pytest
 
 from assets.resources import PosttrainStorage, WorkloadLauncher
 from assets.training import rl_run
