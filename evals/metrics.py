@@ -8,7 +8,6 @@ on, so the difference and its interval describe the same tasks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -69,11 +68,6 @@ def bootstrap(
     return Estimate(float(statistic(values)), float(low), float(high), level, int(values.size))
 
 
-def per_task_pass_at_k(counts: Mapping[str, tuple[int, int]], k: int) -> dict[str, float]:
-    """pass@k of each task from its ``(attempts, passed)``; tasks with fewer than k attempts are skipped."""
-    return {task: pass_at_k(n, c, k) for task, (n, c) in counts.items() if n >= k}
-
-
 def paired_difference(
     new: Mapping[str, float],
     base: Mapping[str, float],
@@ -88,10 +82,6 @@ def paired_difference(
         raise ValueError("paired_difference: the two checkpoints share no task")
     diffs = np.array([new[t] - base[t] for t in common])
     return bootstrap(diffs, resamples=resamples, level=level, seed=seed)
-
-
-def mean_or_nan(values: Sequence[float]) -> float:
-    return float(np.mean(values)) if len(values) else math.nan
 
 
 def paired_attempt_difference(

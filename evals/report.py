@@ -67,10 +67,6 @@ def signal_counts(rows: pd.DataFrame) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def without_flagged(rows: pd.DataFrame) -> pd.DataFrame:
-    return rows[~flagged_mask(rows)]
-
-
 def per_task(rows: pd.DataFrame, k: int) -> pd.DataFrame:
     """One row per task: graded attempts ``n``, passes ``c``, pass@1, pass@k and mean target scores."""
     graded = rows[rows["status"] != INFRA_ERROR]
