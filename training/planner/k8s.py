@@ -75,6 +75,7 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 # The run's pods that may call the router: the trainer, a checkpoint's eval Job, and the engines
 ROUTER_CLIENTS = ("trainer", "eval", "engine")
 POOL_CLIENTS = ("trainer", "eval")
+ENGINE_CLIENTS = ("router", "trainer")  # the pods that may call the engines (their capture front)
 EVAL_MODULE = "training.fleet_eval"  # a checkpoint's deepswe_eval as a pod of the run (eval_pod)
 # the eval settings the pod is given (deepswe_eval's config keys): which tasks, then how they are run
 EVAL_SETTINGS = ("dataset", "split", "task_ids", "attempts", "max_turns", "max_new_tokens", "temperature", "seed",
@@ -281,7 +282,6 @@ def _sglang_engines(plan: Plan, engine_service_name: str, plan_hash: dict[str, s
     probes, the capture sidecar in front of it on localhost, the run volume mounted for adapters);
     here it becomes a StatefulSet so each replica has a name."""
     rf, kube, image, ns = plan.run_file, plan.run_file.kubernetes, plan.run_file.kubernetes.image, plan.run_file.kubernetes.namespace
-    base = k8s_name(plan.run_name)
     engine_gpus = rf.inference.gpus_per_engine
     if rf.inference.gpu == "cpu":
         raise ValueError("[inference] engine = \"sglang\" on Kubernetes needs GPUs (SGLang's image); gpu = \"cpu\" "
@@ -371,25 +371,61 @@ def _vllm_engines(plan: Plan, engine_service_name: str, plan_hash: dict[str, str
     }
 
 
-def build_manifests(plan: Plan) -> list[dict[str, Any]]:
-    """Every object of the run, in the order they should be applied."""
-    rf = plan.run_file
-    kube = rf.kubernetes
-    base = k8s_name(plan.run_name)
-    image = kube.image
-    ns = kube.namespace
-    engine_service_name = f"{base}-engine"
-    workers = [
-        f"http://{engine_service_name}-{i}.{engine_service_name}.{ns}.svc:{CAPTURE_PORT}"
-        f"@reserved:{rf.inference.gpus_per_engine}"
-        # every replica the StatefulSet may be scaled to: one not there yet joins when it answers
-        for i in range(max(rf.inference.engines, rf.inference.max_engines or 0))
-    ]
-    pool_name = f"{base}-sandbox-pool"  # the only account with Kubernetes rights: it creates sandbox pods
-    trainer_account = kube.service_account or f"{base}-trainer"
-    # a changed plan rolls the long-running pods (they read it at start); the Job's template is immutable
-    plan_hash = {"posttrain.dev/plan-sha256": hashlib.sha256(plan.to_json_text().encode()).hexdigest()[:16]}
+def _engine_service_name(plan: Plan) -> str:
+    return f"{k8s_name(plan.run_name)}-engine"
 
+
+def _ingress_policy(plan: Plan, name: str, component: str, clients: tuple[str, ...], port: int) -> dict[str, Any]:
+    """A NetworkPolicy that lets only the pods of ``clients`` (components of the run) reach ``port``
+    of ``component``'s pods; the kubelet's probes are not filtered."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(plan, name, component),
+        "spec": {
+            "podSelector": {"matchLabels": _selector(plan, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, c)}} for c in clients],
+                         "ports": [{"protocol": "TCP", "port": port}]}],
+        },
+    }
+
+
+def _network_policies(plan: Plan) -> list[dict[str, Any]]:
+    """Who may connect to what: sandboxes to nothing and from nothing, the pool, the engines and the
+    router each from their clients only."""
+    no_network = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(plan, "sandboxes-no-network", "sandbox"),
+        "spec": {
+            # Sandboxes have no network at all: the pool reaches pxd through the API server's attach
+            # stream (kubelet to container runtime), which is not pod traffic. Both directions are
+            # listed and no rule is given: nothing is allowed (an empty list, written out, is stored
+            # as none, and every apply would then bump the object's generation).
+            "podSelector": {"matchLabels": sandbox_selector(k8s_name(plan.run_name))},
+            "policyTypes": ["Ingress", "Egress"],
+        },
+    }
+    return [
+        no_network,
+        # Only the run's trainer and its checkpoints' eval pods may ask for sandboxes; the pool's own
+        # egress (the API server) is open.
+        _ingress_policy(plan, "sandbox-pool-ingress", "sandbox-pool", POOL_CLIENTS, POOL_PORT),
+        # SGLang listens on the pod IP for the kubelet's probes (which NetworkPolicy does not
+        # filter), and its API loads weights and adapters from any path: only the router (model
+        # calls) and the trainer (each adapter version's sharded upload) may connect, and only
+        # to the capture sidecar, which talks to SGLang on localhost.
+        _ingress_policy(plan, "engine-ingress", "engine", ENGINE_CLIENTS, CAPTURE_PORT),
+        # The router publishes adapters and carries every model call: only the run's trainer and
+        # eval pods and its engines may connect (sandboxes have no network; nothing else of the
+        # namespace, nor of the cluster, is let in).
+        _ingress_policy(plan, "router-ingress", "router", ROUTER_CLIENTS, ROUTER_PORT),
+    ]
+
+
+def _run_volume(plan: Plan) -> dict[str, Any]:
+    kube = plan.run_file.kubernetes
     volume: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -402,19 +438,13 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
     }
     if kube.storage_class:
         volume["spec"]["storageClassName"] = kube.storage_class
+    return volume
 
-    plan_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(plan, "plan", "plan"),
-        "data": {PLAN_FILE: plan.to_json_text()},
-    }
-    # No data here: apply_k8s makes the value at the first apply and keeps it after (see above).
-    credential = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                  "metadata": _meta(plan, CREDENTIAL_COMPONENT, CREDENTIAL_COMPONENT)}
 
+def _trainer_job(plan: Plan) -> dict[str, Any]:
+    rf = plan.run_file
     gpus = rf.trainer.gpus
-    trainer = {
+    return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _meta(plan, "trainer", "trainer"),
@@ -425,19 +455,23 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                 "metadata": {"labels": _labels(plan, "trainer")},
                 "spec": _pod_spec(plan, [{
                     "name": "trainer",
-                    "image": image,
+                    "image": rf.kubernetes.image,
                     # one process per GPU (torchrun) when the pod has several: every GPU trains
                     "command": [*trainer_launcher(gpus), *trainer_args(f"{PLAN_MOUNT}/{PLAN_FILE}", run_dir_in_pod(plan))],
                     "env": [*_env(plan), *_fleet_client_env(plan)],
                     "volumeMounts": [*_MOUNTS, *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus > 1 else [])],
                     "resources": _resources(plan.pods["trainer"]["cpu"], plan.pods["trainer"]["memory"], gpus),
-                }], gpus=gpus, service_account=trainer_account,
+                }], gpus=gpus, service_account=rf.kubernetes.service_account or f"{k8s_name(plan.run_name)}-trainer",
                     extra_volumes=[_shm(16)] if gpus > 1 else None, restartPolicy="Never"),
             },
         },
     }  # fmt: skip
 
-    engine_gpus = rf.inference.gpus_per_engine
+
+def _engine_fleet(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]:
+    """The engines' headless Service, their StatefulSet (vLLM's CPU build or SGLang) and its
+    PodDisruptionBudget."""
+    engine_service_name = _engine_service_name(plan)
     if plan.engine == "vllm":
         engines = _vllm_engines(plan, engine_service_name, plan_hash)
     else:
@@ -452,25 +486,22 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
             "ports": [{"name": "capture", "protocol": "TCP", "port": CAPTURE_PORT, "targetPort": CAPTURE_PORT}],
         },
     }
-    engine_ingress = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(plan, "engine-ingress", "engine"),
-        "spec": {
-            # SGLang listens on the pod IP for the kubelet's probes (which NetworkPolicy does not
-            # filter), and its API loads weights and adapters from any path: only the router (model
-            # calls) and the trainer (each adapter version's sharded upload) may connect, and only
-            # to the capture sidecar, which talks to SGLang on localhost.
-            "podSelector": {"matchLabels": _selector(plan, "engine")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, "router")}},
-                                  {"podSelector": {"matchLabels": _selector(plan, "trainer")}}],
-                         "ports": [{"protocol": "TCP", "port": CAPTURE_PORT}]}],
-        },
-    }
     # one engine at a time may be drained (the router moves its sessions); a lone engine never is
-    engine_pdb = _pdb(plan, "engine", "engine", maxUnavailable=1 if rf.inference.engines > 1 else 0)
+    engine_pdb = _pdb(plan, "engine", "engine", maxUnavailable=1 if plan.run_file.inference.engines > 1 else 0)
+    return [engine_service, engines, engine_pdb]
 
+
+def _router(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]:
+    """The router's Service, its Deployment (every engine replica the fleet may be scaled to as a
+    worker) and its PodDisruptionBudget."""
+    rf = plan.run_file
+    engine_service_name, ns = _engine_service_name(plan), rf.kubernetes.namespace
+    workers = [
+        f"http://{engine_service_name}-{i}.{engine_service_name}.{ns}.svc:{CAPTURE_PORT}"
+        f"@reserved:{rf.inference.gpus_per_engine}"
+        # every replica the StatefulSet may be scaled to: one not there yet joins when it answers
+        for i in range(max(rf.inference.engines, rf.inference.max_engines or 0))
+    ]
     router = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -482,7 +513,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                 "metadata": {"labels": _labels(plan, "router"), "annotations": dict(plan_hash)},
                 "spec": _pod_spec(plan, [{
                     "name": "router",
-                    "image": image,
+                    "image": rf.kubernetes.image,
                     "command": ["python", "-m", WORKLOAD_MODULES["router"], "--host", "0.0.0.0",
                                 "--port", str(ROUTER_PORT), "--policy", "kv_headroom",
                                 *[arg for w in workers for arg in ("--worker", w)],
@@ -496,10 +527,15 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
             },
         },
     }  # fmt: skip
-    router_service = _http_service(plan, "router", ROUTER_PORT)
     # the run's only router carries every session: a drain waits for the run (or the operator)
-    router_pdb = _pdb(plan, "router", "router", maxUnavailable=0)
+    return [_http_service(plan, "router", ROUTER_PORT), router, _pdb(plan, "router", "router", maxUnavailable=0)]
 
+
+def _service_accounts(plan: Plan) -> list[dict[str, Any]]:
+    """The trainer's account (unless the run file names one) and the sandbox pool's, with the Role
+    and RoleBinding of the pool: the only account with Kubernetes rights (it creates sandbox pods)."""
+    kube = plan.run_file.kubernetes
+    pool_name = f"{k8s_name(plan.run_name)}{POOL_ACCOUNT_SUFFIX}"
     accounts = []
     if not kube.service_account:  # the trainer's own account: bound to nothing, no token mounted
         accounts.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(plan, "trainer", "trainer"),
@@ -530,8 +566,16 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
         "kind": "RoleBinding",
         "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": pool_name},
-        "subjects": [{"kind": "ServiceAccount", "name": pool_name, "namespace": ns}],
+        "subjects": [{"kind": "ServiceAccount", "name": pool_name, "namespace": kube.namespace}],
     }
+    return [*accounts, role, binding]
+
+
+def _sandbox_pool(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]:
+    """The sandbox pool's Service and Deployment (the pool's own service account: it creates the
+    sandbox pods, owned by its pod so that deleting the pool deletes them)."""
+    rf = plan.run_file
+    base, ns = k8s_name(plan.run_name), rf.kubernetes.namespace
     sbx = rf.sandbox
     max_sandboxes = sbx.max_sandboxes or plan.producer_budget_samples
     pool = {
@@ -547,7 +591,7 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                 "metadata": {"labels": _labels(plan, "sandbox-pool"), "annotations": dict(plan_hash)},
                 "spec": _pod_spec(plan, [{
                     "name": "sandbox-pool",
-                    "image": image,
+                    "image": rf.kubernetes.image,
                     "command": ["python", "-m", WORKLOAD_MODULES["sandbox_pool"],
                                 "--namespace", ns, "--run", base, "--host", "0.0.0.0", "--port", str(POOL_PORT),
                                 "--max-sandboxes", str(max_sandboxes),
@@ -563,54 +607,33 @@ def build_manifests(plan: Plan) -> list[dict[str, Any]]:
                     "volumeMounts": _MOUNTS,
                     # two stream threads and their buffers per connected sandbox: about 2 MiB each
                     "resources": _resources(plan.pods["sandbox_pool"]["cpu"], plan.pods["sandbox_pool"]["memory"]),
-                }], service_account=pool_name, token=True),
+                }], service_account=f"{base}{POOL_ACCOUNT_SUFFIX}", token=True),
             },
         },
     }  # fmt: skip
-    pool_service = _http_service(plan, "sandbox-pool", POOL_PORT)
-    no_network = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(plan, "sandboxes-no-network", "sandbox"),
-        "spec": {
-            # Sandboxes have no network at all: the pool reaches pxd through the API server's attach
-            # stream (kubelet to container runtime), which is not pod traffic. Both directions are
-            # listed and no rule is given: nothing is allowed (an empty list, written out, is stored
-            # as none, and every apply would then bump the object's generation).
-            "podSelector": {"matchLabels": sandbox_selector(base)},
-            "policyTypes": ["Ingress", "Egress"],
-        },
+    return [_http_service(plan, "sandbox-pool", POOL_PORT), pool]
+
+
+def build_manifests(plan: Plan) -> list[dict[str, Any]]:
+    """Every object of the run, in the order they should be applied: the run volume (unless the run
+    file names a shared claim, which is the operator's), the plan, the credential's Secret, the
+    service accounts and the pool's rights, the NetworkPolicies, then the engines, the router, the
+    sandbox pool and the trainer's Job, each with its Service and PodDisruptionBudget."""
+    # a changed plan rolls the long-running pods (they read it at start); the Job's template is immutable
+    plan_hash = {"posttrain.dev/plan-sha256": hashlib.sha256(plan.to_json_text().encode()).hexdigest()[:16]}
+    plan_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(plan, "plan", "plan"),
+        "data": {PLAN_FILE: plan.to_json_text()},
     }
-    pool_ingress = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(plan, "sandbox-pool-ingress", "sandbox-pool"),
-        "spec": {
-            # Only the run's trainer and its checkpoints' eval pods may ask for sandboxes; the pool's own
-            # egress (the API server) is open.
-            "podSelector": {"matchLabels": _selector(plan, "sandbox-pool")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, c)}} for c in POOL_CLIENTS],
-                         "ports": [{"protocol": "TCP", "port": POOL_PORT}]}],
-        },
-    }
-    router_ingress = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(plan, "router-ingress", "router"),
-        "spec": {
-            # The router publishes adapters and carries every model call: only the run's trainer and
-            # eval pods and its engines may connect (sandboxes have no network; nothing else of the
-            # namespace, nor of the cluster, is let in). The kubelet's probes are not filtered.
-            "podSelector": {"matchLabels": _selector(plan, "router")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": _selector(plan, c)}} for c in ROUTER_CLIENTS],
-                         "ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}],
-        },
-    }
-    volumes = [] if kube.volume_claim else [volume]  # a shared claim is the operator's, not the run's
-    manifests = [*volumes, plan_map, credential, *accounts, role, binding, no_network, pool_ingress, engine_ingress, router_ingress,
-                 engine_service, engines, engine_pdb, router_service, router, router_pdb, pool_service, pool, trainer]  # fmt: skip
+    # No data here: apply_k8s makes the value at the first apply and keeps it after (see above).
+    credential = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                  "metadata": _meta(plan, CREDENTIAL_COMPONENT, CREDENTIAL_COMPONENT)}
+    volumes = [] if plan.run_file.kubernetes.volume_claim else [_run_volume(plan)]
+    manifests = [*volumes, plan_map, credential, *_service_accounts(plan), *_network_policies(plan),
+                 *_engine_fleet(plan, plan_hash), *_router(plan, plan_hash), *_sandbox_pool(plan, plan_hash),
+                 _trainer_job(plan)]
     # Plain, unshared data: printed YAML then has no anchors, and a caller may edit one object safely.
     return [as_served(m) for m in json.loads(json.dumps(manifests))]
 
