@@ -111,7 +111,7 @@ def tiny_shape() -> DecoderShape:
 
 
 def build_backend(config, device: str, dtype: torch.dtype, recompute: str, seq_len: int, lora_rank: int,
-                  data_parallel=None) -> TorchPeftBackend:
+                  data_parallel=None, learning_rate: float = 1e-5) -> TorchPeftBackend:
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -123,7 +123,7 @@ def build_backend(config, device: str, dtype: torch.dtype, recompute: str, seq_l
     base.config.use_cache = False
     return TorchPeftBackend.from_model(
         base, lora_rank=lora_rank, lora_alpha=2 * lora_rank, recompute=recompute, device=device,
-        micro_batch_tokens=seq_len, max_grad_norm=1e9, learning_rate=1e-5, data_parallel=data_parallel,
+        micro_batch_tokens=seq_len, max_grad_norm=1e9, learning_rate=learning_rate, data_parallel=data_parallel,
     )
 
 
@@ -334,9 +334,16 @@ def step_worker(args) -> None:
     seq_len = int(args.contexts)
     if args.variant:
         _apply_variant(args.variant)
-    backend = build_backend(config, device, torch.bfloat16, args.mode, seq_len, shape.lora_rank)
+    backend = build_backend(config, device, torch.bfloat16, args.mode, seq_len, shape.lora_rank,
+                            learning_rate=args.lr)
+    fp8_layers = 0
+    if args.variant == "fp8":
+        from training.fused_step import use_fp8_base_weights
+
+        fp8_layers = use_fp8_base_weights(backend.model)
     initial = [m.detach().cpu().clone() for m in backend.masters]
-    batch = batch_of(seq_len, shape.vocab_size, seed=seq_len)
+    # --batches N: step i trains batch i mod N (the same N batches in every process that is given N)
+    batches = [batch_of(seq_len, shape.vocab_size, seed=seq_len + i) for i in range(args.batches)]
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -346,7 +353,7 @@ def step_worker(args) -> None:
     for i in range(args.warmup + args.steps):
         sync(device)
         t0 = time.perf_counter()
-        result = backend.train_step(batch, DEFAULT_LOSS)
+        result = backend.train_step(batches[i % len(batches)], DEFAULT_LOSS)
         sync(device)
         took = time.perf_counter() - t0
         if i >= args.warmup:
@@ -368,6 +375,17 @@ def step_worker(args) -> None:
                    + ")" + (f"; passed over: {c.rejected}" if c.rejected else ""))
     except ImportError:
         pass
+    if args.variant == "fp8":
+        from training import fused_step
+        from training.fp8 import chosen_quantize
+
+        parts = [c.cell_contents for m in backend.model.modules() if type(m).__name__ in ("Qwen3DecoderLayer",)
+                 for c in (m.forward.__closure__ or ()) if isinstance(c.cell_contents, dict)]
+        parts = [v for d in parts for v in d.values() if isinstance(v, fused_step.FusedLayerParts)]
+        q = chosen_quantize(device, torch.bfloat16)
+        kernels += (f"; FP8 base weights in {fp8_layers} layers, {sum(p.fp8_calls for p in parts)} layer calls in FP8"
+                    + (f" (bf16 instead: {parts[0].fp8_skipped})" if parts and parts[0].fp8_skipped else "")
+                    + f"; row quantization {q.name} (error {q.error:.1e})" + (f", passed over {q.rejected}" if q.rejected else ""))
     times_sorted = sorted(times)
     args.json.write_text(json.dumps({
         "seq_len": seq_len, "mode": args.mode, "step_s": times_sorted[len(times) // 2], "step_s_all": times,
@@ -441,6 +459,7 @@ VARIANTS = {
     "no-fused-layer": "the layers on training.recompute.KeepAttentionOutput (autograd), the head fused",
     "no-fused-head": "the head on training.logprobs.token_logprobs, the layers fused",
     "eager-kernels": "both fused, the elementwise kernels eager (not compiled)",
+    "fp8": "FP8 products for the frozen layer weights (training.fp8, opt-in), the adapter in bf16",
 }
 
 
@@ -457,6 +476,8 @@ def _apply_variant(name: str) -> None:
     elif name == "eager-kernels":
         eager = fused_step.StepKernelChoice(fused_step.EAGER_KERNELS, {}, {"torch.compile": "left out (--ablate eager-kernels)"})
         fused_step.chosen_step_kernels = torch_peft.chosen_step_kernels = lambda device, dtype: eager
+    elif name == "fp8":
+        pass  # step_worker opts the model in once it is built
     else:
         raise SystemExit(f"--variant {name!r}: expected one of {', '.join(VARIANTS)}")
 
@@ -484,12 +505,14 @@ def compare(args) -> None:
     results: dict[tuple[int, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seq_len in [int(c) for c in args.contexts.split(",") if c]:
-            runs = trees + ([(f"this tree, {v}", here.parents[1], v) for v in ablate] if seq_len in ablate_contexts else [])
+            runs = trees + ([("this tree, fp8", here.parents[1], "fp8")] if args.fp8 else []) \
+                + ([(f"this tree, {v}", here.parents[1], v) for v in ablate] if seq_len in ablate_contexts else [])
             for label, tree, variant in runs:
                 out, adapter = Path(tmp) / "step.json", Path(tmp) / f"adapter-{seq_len}-{len(results)}.pt"
                 cmd = [sys.executable, str(here), "--step-worker", "--code-tree", str(tree), "--device", device,
                        "--model", args.model, "--contexts", str(seq_len), "--mode", args.mode, "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--json", str(out), "--save-adapter", str(adapter),
+                       "--lr", str(args.lr), "--batches", str(args.batches),
                        *(["--variant", variant] if variant else []),
                        *(["--layers", str(args.layers)] if args.layers else [])]
                 t0 = time.perf_counter()
@@ -520,31 +543,122 @@ def compare(args) -> None:
         rows = []
         for (seq_len, label), r in results.items():
             b = results[(seq_len, base)]
-            if label.startswith("this tree, "):
+            if label.startswith("this tree, ") and label != "this tree, fp8":
                 label = f"{label} (this tree is {results[(seq_len, 'this tree')]['tokens_per_s'] / r['tokens_per_s']:.2f}x of it)"
             log(f"| {seq_len} | {label} | {r['step_s']:.3f} ({', '.join(f'{t:.3f}' for t in r['step_s_all'])}) | "
                 f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f}x | "
                 f"{percent(mfu(r['model_tflops'], peak))} | {r['model_tflops'] / matmul:.1%} | {r['peak_gib']:.1f} | "
                 f"{r['peak_gib'] / b['peak_gib']:.2f}x |")
         log("")
-        log(f"losses and adapter, {new} against {base} (the same initial weights, adapter and batch):")
-        log(f"| context | step | loss, {base} | loss, {new} | loss rel. diff | grad norm rel. diff |")
-        log("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for seq_len in sorted({k[0] for k in results}):
-            b, n = results[(seq_len, base)], results[(seq_len, new)]
-            for i, (lb, ln) in enumerate(zip(b["losses"], n["losses"])):
-                log(f"| {seq_len} | {i + 1} | {lb:.6f} | {ln:.6f} | {abs(ln - lb) / max(abs(lb), 1e-30):.1e} | "
-                    f"{abs(n['grad_norms'][i] - b['grad_norms'][i]) / b['grad_norms'][i]:.1e} |")
-            db, dn = torch.load(b["adapter"]).double(), torch.load(n["adapter"]).double()
-            rows.append({"seq_len": seq_len, "adapter_update_rel_diff": float((dn - db).norm() / db.norm()),
-                         "adapter_update_cosine": float(torch.nn.functional.cosine_similarity(dn, db, dim=0))})
-            log(f"{seq_len}: adapter change after 3 steps (float32 masters), {new} against {base}: relative difference "
-                f"{rows[-1]['adapter_update_rel_diff']:.2e}, cosine {rows[-1]['adapter_update_cosine']:.6f}")
+        for new in [new] + (["this tree, fp8"] if args.fp8 else []):
+            rows += _loss_table(results, base, new)
+        if args.fp8:
+            fp8_matmul_table(device)
+        if args.loss_curve:
+            rows.append(loss_curve(args, here, tmp))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"datasheet_peak_tflops": peak, "matmul_tflops": matmul,
                                          "steps": list(results.values()), "adapter": rows}, indent=1))
     log(f"total {time.perf_counter() - started:.0f} s")
+
+
+def _loss_table(results: dict, base: str, new: str) -> list[dict]:
+    """Every step's loss and gradient norm of ``new`` beside ``base``'s, and the adapter's change after
+    three steps, at each context both ran."""
+    rows = []
+    log("")
+    log(f"losses and adapter, {new} against {base} (the same initial weights, adapter and batch):")
+    log(f"| context | step | loss, {base} | loss, {new} | loss rel. diff | grad norm rel. diff |")
+    log("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for seq_len in sorted({k[0] for k in results if k[1] == new}):
+        b, n = results[(seq_len, base)], results[(seq_len, new)]
+        for i, (lb, ln) in enumerate(zip(b["losses"], n["losses"])):
+            log(f"| {seq_len} | {i + 1} | {lb:.6f} | {ln:.6f} | {abs(ln - lb) / max(abs(lb), 1e-30):.1e} | "
+                f"{abs(n['grad_norms'][i] - b['grad_norms'][i]) / b['grad_norms'][i]:.1e} |")
+        db, dn = torch.load(b["adapter"]).double(), torch.load(n["adapter"]).double()
+        rows.append({"seq_len": seq_len, "adapter_update_rel_diff": float((dn - db).norm() / db.norm()),
+                     "adapter_update_cosine": float(torch.nn.functional.cosine_similarity(dn, db, dim=0))})
+        rows[-1]["code"] = new
+        log(f"{seq_len}: adapter change after 3 steps (float32 masters), {new} against {base}: relative difference "
+            f"{rows[-1]['adapter_update_rel_diff']:.2e}, cosine {rows[-1]['adapter_update_cosine']:.6f}")
+    return rows
+
+
+def fp8_matmul_table(device: str) -> None:
+    """bf16 ``mm`` against FP8 ``torch._scaled_mm`` (row-wise scales, bf16 out) on the layer's product
+    shapes at 8192 tokens, and the row quantization of the input alone, each the median of 20."""
+    if device != "cuda":
+        return
+    from training.fp8 import Fp8Weight, chosen_quantize
+
+    quantize = chosen_quantize(device, torch.bfloat16).quantize_rows
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(20):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[10]
+
+    log("")
+    log("| product (tokens x in -> out) | bf16 mm TFLOP/s | FP8 _scaled_mm TFLOP/s | row quantization of the input, ms | FP8 with it, speed-up |")
+    log("| --- | ---: | ---: | ---: | ---: |")
+    for name, (m, k, n) in {"q/k/v stacked": (8192, 4096, 6144), "o": (8192, 4096, 4096),
+                            "gate/up stacked": (8192, 4096, 24576), "down": (8192, 12288, 4096),
+                            "down input gradient": (8192, 4096, 12288)}.items():
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        f = Fp8Weight.of(w)
+        xq, xs = quantize(x)
+        t_bf16 = timed(lambda: x @ w.t())
+        t_fp8 = timed(lambda: f.forward(xq, xs, torch.bfloat16))
+        t_q = timed(lambda: quantize(x))
+        flop = 2 * m * k * n
+        log(f"| {name} ({m} x {k} -> {n}) | {flop / t_bf16 / 1e12:.0f} | {flop / t_fp8 / 1e12:.0f} | {t_q * 1e3:.3f} | "
+            f"{t_bf16 / (t_fp8 + t_q):.2f}x |")
+        del x, w, f, xq, xs
+
+
+def loss_curve(args, here: Path, tmp: str) -> dict:
+    """This tree's step in bf16 and in FP8 mode for ``--loss-curve`` steps on the same batches (``--batches``
+    of them in turn) at the first context, each in a process of its own; prints the two loss curves side
+    by side."""
+    seq_len = int(args.contexts.split(",")[0])
+    curves = {}
+    for label, variant in (("bf16", ""), ("fp8", "fp8")):
+        out = Path(tmp) / f"curve-{label}.json"
+        cmd = [sys.executable, str(here), "--step-worker", "--code-tree", str(here.parents[1]), "--device", args.device,
+               "--model", args.model, "--contexts", str(seq_len), "--mode", args.mode, "--steps", str(args.loss_curve),
+               "--warmup", "0", "--json", str(out), "--lr", str(args.curve_lr), "--batches", str(args.curve_batches),
+               *(["--variant", variant] if variant else []), *(["--layers", str(args.layers)] if args.layers else [])]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            log(proc.stdout[-3000:] + proc.stderr[-6000:])
+            raise SystemExit(f"loss curve, {label}: the step worker failed ({proc.returncode})")
+        curves[label] = json.loads(out.read_text())
+        log(f"loss curve {label}: {args.loss_curve} steps at {seq_len} in {time.perf_counter() - t0:.0f} s "
+            f"(median step {curves[label]['step_s']:.3f} s); {curves[label]['step_kernels'][-200:]}")
+    bf, f8 = curves["bf16"]["losses"], curves["fp8"]["losses"]
+    diffs = [abs(b - f) / max(abs(b), 1e-30) for b, f in zip(bf, f8)]
+    log("")
+    log(f"loss curve at {seq_len} tokens, lr {args.curve_lr:g}, {args.curve_batches} batches in turn, the same in both runs:")
+    log("| step | loss, bf16 | loss, FP8 base weights | rel. diff | grad norm, bf16 | grad norm, FP8 |")
+    log("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for i, (b, f) in enumerate(zip(bf, f8)):
+        log(f"| {i + 1} | {b:.6e} | {f:.6e} | {diffs[i]:.1e} | {curves['bf16']['grad_norms'][i]:.4e} | "
+            f"{curves['fp8']['grad_norms'][i]:.4e} |")
+    summary = {"loss_curve_steps": len(bf), "max_rel_diff": max(diffs), "mean_rel_diff": sum(diffs) / len(diffs),
+               "first_loss": [bf[0], f8[0]], "last_loss": [bf[-1], f8[-1]], "bf16": bf, "fp8": f8}
+    log(f"loss curve: FP8 against bf16, largest rel. diff {summary['max_rel_diff']:.1e}, mean {summary['mean_rel_diff']:.1e}; "
+        f"first loss {bf[0]:.6e} / {f8[0]:.6e}, last {bf[-1]:.6e} / {f8[-1]:.6e}")
+    return summary
 
 
 
@@ -574,6 +688,15 @@ def main() -> None:
                         f"left out ({', '.join(VARIANTS)})")
     parser.add_argument("--ablate-contexts", default="8192", help="the contexts --ablate runs at")
     parser.add_argument("--variant", default="", help=argparse.SUPPRESS)  # one --ablate run
+    parser.add_argument("--fp8", action="store_true", help="with --compare-with: also run this tree with FP8 "
+                        "products for the frozen weights (training.fp8) at every context")
+    parser.add_argument("--lr", type=float, default=1e-5, help="the adapter's learning rate in the compared steps")
+    parser.add_argument("--batches", type=int, default=1, help="step i trains batch i mod this (compared steps)")
+    parser.add_argument("--loss-curve", type=int, default=0, metavar="STEPS",
+                        help="with --compare-with: this tree's bf16 and FP8 steps for STEPS steps on the same batches "
+                             "at the first context, the loss curves side by side")
+    parser.add_argument("--curve-lr", type=float, default=1e-3, help="the learning rate of --loss-curve")
+    parser.add_argument("--curve-batches", type=int, default=1, help="how many batches --loss-curve cycles through")
     parser.add_argument("--precision-check", action="store_true",
                         help="the bf16 step, today's arithmetic and the fused one, against float32 (use --layers)")
     args = parser.parse_args()

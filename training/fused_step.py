@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.fp8 import FP8_ATTRIBUTE, MULTIPLE, Fp8LayerWeights, chosen_quantize, fp8_supported
+
 # -- the elementwise kernels, eager forms (the compiled ones are these, traced) -----------------
 
 
@@ -312,9 +314,36 @@ class FusedLayerParts:
         self.softmax_scale = attn.scaling
         self.kernels = None  # attention kernels (training.attention), set at the first call
         self.step_kernels: StepKernels | None = None
+        self.layer = layer
+        self.fp8: Fp8LayerWeights | None = None  # made at the first call in FP8 mode (training.fp8)
+        self.quantize: Callable | None = None
+        self.fp8_calls = 0  # layer calls whose frozen products ran in FP8
+        self.fp8_skipped = ""  # why the last call in FP8 mode ran bf16 products instead
 
     def trainable(self) -> list[nn.Parameter]:
         return [t for name in PROJECTIONS for t in (self.p[name].a, self.p[name].b)]
+
+    def fp8_weights(self, x2: torch.Tensor) -> Fp8LayerWeights | None:
+        """The layer's frozen weights in FP8 when the layer is in FP8 mode
+        (:func:`use_fp8_base_weights`) and this call can use them (a device with FP8 products, a
+        token count that is a multiple of 16), made at the first such call; else None."""
+        if not getattr(self.layer, FP8_ATTRIBUTE, False):
+            return None
+        if x2.shape[0] % MULTIPLE:
+            self.fp8_skipped = f"{x2.shape[0]} tokens, not a multiple of {MULTIPLE}"
+            return None
+        if self.fp8 is None:
+            ok, why = fp8_supported(x2.device)
+            dims = [d for name in PROJECTIONS for d in self.p[name].weight.shape]
+            if ok and any(d % MULTIPLE for d in dims):
+                ok, why = False, f"a projection dimension is not a multiple of {MULTIPLE}"
+            if not ok:
+                self.fp8_skipped = why
+                return None
+            self.quantize = chosen_quantize(x2.device, x2.dtype).quantize_rows
+            self.fp8 = Fp8LayerWeights.of({name: self.p[name].weight for name in PROJECTIONS})
+        self.fp8_calls += 1
+        return self.fp8
 
 
 def plain_lora(module: nn.Module) -> tuple[torch.Tensor, list[tuple[nn.Module, nn.Module, float]]] | None:
@@ -403,7 +432,9 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
     adapters' rank-r activations for backward, with forward and backward written out (see the module
     docstring). Same arguments as :class:`training.recompute.KeepAttentionOutput` with
     :class:`FusedLayerParts` as the layer and the 14 LoRA factors (``parts.trainable()``) as
-    ``trainable``. Rows are causal and unmasked (right-padded rows, as the backend builds)."""
+    ``trainable``. Rows are causal and unmasked (right-padded rows, as the backend builds). In FP8
+    mode (``training.fp8``) the frozen products, forward, replayed and input gradients, run in FP8
+    against the stacked q/k/v and gate/up weights; the adapter's products stay in the model's dtype."""
 
     @staticmethod
     def forward(ctx, parts: FusedLayerParts, x, cos, sin, *trainable):
@@ -412,35 +443,34 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
         tokens = b * s
         x2 = x.reshape(tokens, hidden)
         cos2, sin2 = (t.expand(b, s, t.shape[-1]).reshape(tokens, t.shape[-1]) for t in (cos, sin))
+        f8 = parts.fp8_weights(x2)
         with torch.no_grad():
-            q, k, v, q_raw, k_raw, xa_qkv = _attention_inputs(parts, x2, cos2, sin2, None)
+            q, k, v, q_raw, k_raw, xa_qkv = _attention_inputs(parts, x2, cos2, sin2, None, f8)
             del q_raw, k_raw
             q4, k4, v4 = (t.view(b, s, -1, parts.head_dim).transpose(1, 2) for t in (q, k, v))
             attn, lse, state = parts.kernels.forward(q4, k4, v4, parts.softmax_scale)
             del q, k, v, q4, k4, v4
             attn2 = attn.transpose(1, 2).reshape(tokens, -1)
             xa_o = torch.mm(attn2, p["o_proj"].a.t())
-            y = _lora_out(attn2, p["o_proj"], xa_o, residual=x2)
+            y = _residual_out(parts, "o_proj", attn2, xa_o, x2, f8)
             h2 = F.rms_norm(y, (hidden,), *parts.norm_post)
             a_gu = torch.cat((p["gate_proj"].a, p["up_proj"].a))
             xa_gu = torch.mm(h2, a_gu.t())
-            r_g = p["gate_proj"].a.shape[0]
-            gate = _lora_out(h2, p["gate_proj"], xa_gu[:, :r_g])
-            up = _lora_out(h2, p["up_proj"], xa_gu[:, r_g:])
+            gate, up = _gate_up(parts, h2, xa_gu, f8)
             del h2
             act = sk.swiglu(gate, up)
             del gate, up
             xa_d = torch.mm(act, p["down_proj"].a.t())
-            out = _lora_out(act, p["down_proj"], xa_d, residual=y)
+            out = _residual_out(parts, "down_proj", act, xa_d, y, f8)
             del act, y
         ctx.save_for_backward(x, cos, sin, attn, lse, xa_qkv, xa_o, xa_gu, xa_d)
-        ctx.parts, ctx.state = parts, state
+        ctx.parts, ctx.state, ctx.f8 = parts, state, f8
         return out.view(b, s, hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, cos, sin, attn, lse, xa_qkv, xa_o, xa_gu, xa_d = ctx.saved_tensors
-        parts = ctx.parts
+        parts, f8 = ctx.parts, ctx.f8
         p, sk = parts.p, parts.step_kernels
         want_x = ctx.needs_input_grad[1]
         b, s, hidden = x.shape
@@ -454,17 +484,15 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
 
         # the post-attention half, rebuilt up to the down projection's input
         attn2 = attn.transpose(1, 2).reshape(tokens, -1)
-        y = _lora_out(attn2, p["o_proj"], xa_o, residual=x2)
+        y = _residual_out(parts, "o_proj", attn2, xa_o, x2, f8)
         w_post, eps_post = parts.norm_post
         h2 = F.rms_norm(y, (hidden,), w_post, eps_post)
         r_g = p["gate_proj"].a.shape[0]
-        gate = _lora_out(h2, p["gate_proj"], xa_gu[:, :r_g])
-        up = _lora_out(h2, p["up_proj"], xa_gu[:, r_g:])
+        gate, up = _gate_up(parts, h2, xa_gu, f8)
 
         # down projection: its frozen product is not rebuilt, only its input gradient is made
         dxa_d, grad_b_d = _lora_grads(dout, xa_d, p["down_proj"])
-        # each input gradient below starts as its rank-r part, the frozen products added in their epilogue
-        d_act = torch.mm(dxa_d, p["down_proj"].a).addmm_(dout, p["down_proj"].weight)
+        d_act = _input_grad(parts, [dout], ["down_proj"], dxa_d, p["down_proj"].a, f8 and f8.down)
         act, d_gate, d_up = sk.swiglu_backward(gate, up, d_act)
         del gate, up, d_act
         grads["down_proj"] = (torch.mm(dxa_d.t(), act), grad_b_d)
@@ -475,7 +503,7 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
         dxa_u, grad_b_u = _lora_grads(d_up, xa_gu[:, r_g:], p["up_proj"])
         dxa_gu = torch.cat((dxa_g, dxa_u), dim=1)
         a_gu = torch.cat((p["gate_proj"].a, p["up_proj"].a))
-        d_h2 = torch.mm(dxa_gu, a_gu).addmm_(d_gate, p["gate_proj"].weight).addmm_(d_up, p["up_proj"].weight)
+        d_h2 = _input_grad(parts, [d_gate, d_up], ["gate_proj", "up_proj"], dxa_gu, a_gu, f8 and f8.gate_up)
         del d_gate, d_up
         grad_a_g, grad_a_u = _split_rows(torch.mm(dxa_gu.t(), h2), [r_g, a_gu.shape[0] - r_g])
         grads["gate_proj"], grads["up_proj"] = (grad_a_g, grad_b_g), (grad_a_u, grad_b_u)
@@ -485,11 +513,11 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
 
         # output projection
         dxa_o, grad_b_o = _lora_grads(dy, xa_o, p["o_proj"])
-        d_attn = torch.mm(dxa_o, p["o_proj"].a).addmm_(dy, p["o_proj"].weight)
+        d_attn = _input_grad(parts, [dy], ["o_proj"], dxa_o, p["o_proj"].a, f8 and f8.o)
         grads["o_proj"] = (torch.mm(dxa_o.t(), attn2), grad_b_o)
 
         # the pre-attention half, rebuilt; attention backward on the kept output and log-sum-exp
-        q, k, v, q_raw, k_raw, _ = _attention_inputs(parts, x2, cos2, sin2, xa_qkv)
+        q, k, v, q_raw, k_raw, _ = _attention_inputs(parts, x2, cos2, sin2, xa_qkv, f8)
         q4, k4, v4 = (t.view(b, s, -1, parts.head_dim).transpose(1, 2) for t in (q, k, v))
         d_attn4 = d_attn.view(b, s, -1, parts.head_dim).transpose(1, 2)
         dq4, dk4, dv4 = parts.kernels.backward(d_attn4, q4, k4, v4, attn, lse, ctx.state, parts.softmax_scale)
@@ -515,17 +543,59 @@ class FusedKeepAttentionOutput(torch.autograd.Function):
         grad_x = None
         if want_x:
             a_qkv = torch.cat([p[n].a for n in ("q_proj", "k_proj", "v_proj")])
-            d_h1 = torch.mm(dxa_qkv, a_qkv).addmm_(d_q, p["q_proj"].weight)
-            d_h1.addmm_(d_k, p["k_proj"].weight).addmm_(dv, p["v_proj"].weight)
+            d_h1 = _input_grad(parts, [d_q, d_k, dv], ["q_proj", "k_proj", "v_proj"], dxa_qkv, a_qkv, f8 and f8.qkv)
             del d_q, d_k, dv
             grad_x = sk.rms_norm_backward(d_h1, x2, w_in, eps_in, dy).view(b, s, hidden)
         return (None, grad_x, None, None, *(g for name in PROJECTIONS for g in grads[name]))
 
 
-def _attention_inputs(parts: FusedLayerParts, x2, cos2, sin2, xa_qkv):
+def _residual_out(parts: FusedLayerParts, name: str, x: torch.Tensor, xa: torch.Tensor, residual: torch.Tensor,
+                  f8: Fp8LayerWeights | None) -> torch.Tensor:
+    """``residual + x @ W.T + scaling * xa @ B.T`` of the o or down projection; in FP8 mode the frozen
+    product in FP8 (``x`` quantized per row here), the residual and the rank-r product added after it."""
+    proj = parts.p[name]
+    if f8 is None:
+        return _lora_out(x, proj, xa, residual=residual)
+    weight = f8.o if name == "o_proj" else f8.down
+    return weight.forward(*parts.quantize(x), x.dtype).add_(residual).addmm_(xa, proj.b.t(), alpha=proj.scaling)
+
+
+def _gate_up(parts: FusedLayerParts, h2: torch.Tensor, xa_gu: torch.Tensor, f8: Fp8LayerWeights | None):
+    """``(gate, up)`` projections of the normed ``h2`` with their LoRA (``xa_gu``: gate's rank-r
+    activations, then up's); in FP8 mode one product against the stacked weights, gate and up being
+    column slices of it."""
+    p = parts.p
+    r_g = p["gate_proj"].a.shape[0]
+    if f8 is None:
+        return _lora_out(h2, p["gate_proj"], xa_gu[:, :r_g]), _lora_out(h2, p["up_proj"], xa_gu[:, r_g:])
+    gu = f8.gate_up.forward(*parts.quantize(h2), h2.dtype)
+    inter = p["gate_proj"].weight.shape[0]
+    gate, up = gu[:, :inter], gu[:, inter:]
+    gate.addmm_(xa_gu[:, :r_g], p["gate_proj"].b.t(), alpha=p["gate_proj"].scaling)
+    up.addmm_(xa_gu[:, r_g:], p["up_proj"].b.t(), alpha=p["up_proj"].scaling)
+    return gate, up
+
+
+def _input_grad(parts: FusedLayerParts, grads: list[torch.Tensor], names: list[str], dxa: torch.Tensor,
+                a: torch.Tensor, f8_weight) -> torch.Tensor:
+    """``sum(g @ W_name) + dxa @ a``: the gradient of the input shared by the projections ``names``
+    for their output gradients ``grads``, ``a`` their stacked LoRA ``A`` matrices and ``dxa`` the
+    rank-r gradients. bf16: the rank-r part first, each frozen product added in its epilogue; FP8
+    (``f8_weight``, the stacked weights): the output gradients side by side, quantized per row in one
+    pass, one product, the rank-r part added after it."""
+    if f8_weight is None:
+        out = torch.mm(dxa, a)
+        for g, name in zip(grads, names):
+            out.addmm_(g, parts.p[name].weight)
+        return out
+    return f8_weight.backward(*parts.quantize(*grads), grads[0].dtype).addmm_(dxa, a)
+
+
+def _attention_inputs(parts: FusedLayerParts, x2, cos2, sin2, xa_qkv, f8: Fp8LayerWeights | None = None):
     """``(q, k, v, q before norm and RoPE, k likewise, xa_qkv)`` of a layer for the flattened input
     ``x2`` (tokens, hidden); q and k (tokens, heads·head_dim) after per-head norm and RoPE.
-    ``xa_qkv`` (the q/k/v adapters' rank-r activations) is made here when None."""
+    ``xa_qkv`` (the q/k/v adapters' rank-r activations) is made here when None. In FP8 mode q, k and
+    v come from one product against the stacked weights."""
     p, sk = parts.p, parts.step_kernels
     w_in, eps_in = parts.norm_in
     h1 = F.rms_norm(x2, (x2.shape[-1],), w_in, eps_in)
@@ -534,14 +604,41 @@ def _attention_inputs(parts: FusedLayerParts, x2, cos2, sin2, xa_qkv):
         xa_qkv = torch.mm(h1, torch.cat([p[n].a for n in ("q_proj", "k_proj", "v_proj")]).t())
     xa_q, xa_k, xa_v = torch.split(xa_qkv, ranks, dim=1)
     tokens, d = x2.shape[0], parts.head_dim
-    q_raw = _lora_out(h1, p["q_proj"], xa_q).view(tokens, -1, d)
-    k_raw = _lora_out(h1, p["k_proj"], xa_k).view(tokens, -1, d)
-    v = _lora_out(h1, p["v_proj"], xa_v)
+    if f8 is None:
+        q_raw = _lora_out(h1, p["q_proj"], xa_q).view(tokens, -1, d)
+        k_raw = _lora_out(h1, p["k_proj"], xa_k).view(tokens, -1, d)
+        v = _lora_out(h1, p["v_proj"], xa_v)
+    else:
+        qkv = f8.qkv.forward(*parts.quantize(h1), h1.dtype)
+        outs = torch.split(qkv, [p[n].weight.shape[0] for n in ("q_proj", "k_proj", "v_proj")], dim=1)
+        for out, xa, name in zip(outs, (xa_q, xa_k, xa_v), ("q_proj", "k_proj", "v_proj")):
+            out.addmm_(xa, p[name].b.t(), alpha=p[name].scaling)
+        q_raw, k_raw = outs[0].view(tokens, -1, d), outs[1].view(tokens, -1, d)
+        v = outs[2].contiguous()
     del h1
     (w_qn, eps_qn), (w_kn, eps_kn) = parts.q_norm, parts.k_norm
     q = sk.qk_norm_rope(q_raw, w_qn, cos2, sin2, eps_qn).view(tokens, -1)
     k = sk.qk_norm_rope(k_raw, w_kn, cos2, sin2, eps_kn).view(tokens, -1)
     return q, k, v, q_raw, k_raw, xa_qkv
+
+
+def use_fp8_base_weights(model: nn.Module, on: bool = True) -> int:
+    """Opt the decoder layers of ``model`` that the fused layer can run (:func:`fused_layer_parts`)
+    into FP8 products for their frozen weights (``training.fp8``; ``on=False`` turns it off again);
+    returns how many. The layers take it up at their next call with gradients through
+    :class:`FusedKeepAttentionOutput` (``recompute="attention_output"`` with the fused kernels).
+    Raises ``ValueError`` with the reason when no layer qualifies."""
+    count, why = 0, "no decoder layers (modules with self_attn and mlp)"
+    for layer in (m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")):
+        parts, reason = fused_layer_parts(layer)
+        if parts is None:
+            why = reason
+            continue
+        setattr(layer, FP8_ATTRIBUTE, bool(on))
+        count += 1
+    if count == 0:
+        raise ValueError(f"use_fp8_base_weights: no layer of {type(model).__name__} can run the fused layer: {why}")
+    return count
 
 
 __all__ = [
@@ -554,4 +651,5 @@ __all__ = [
     "chosen_step_kernels",
     "frozen_head_token_logprobs",
     "fused_layer_parts",
+    "use_fp8_base_weights",
 ]
