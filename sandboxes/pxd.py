@@ -58,26 +58,33 @@ it. As PID 1 pxd reaps orphans when a child ends (SIGCHLD): it waits only for zo
 did not start (found in /proc), never stealing the exit status of its own commands.
 
 This file uses only the standard library: it runs under whatever ``python3`` the sandbox has. Two
-sandboxes start per episode, so its start-up is kept short: it loads ``re`` (through ``base64``)
-only to decode a base64 file write, ``socket`` only for ``--socket``, and never OpenSSL (through
-``hashlib``).
+sandboxes start per episode, so its start-up is kept short: its imports are the interpreter's
+built-in modules (``_thread``, ``_signal``, ``select``, ``_json`` for the JSON codec, ``ctypes``
+for ``prctl``), not ``subprocess``, ``threading``, ``selectors``, ``signal`` or ``json``, which pull
+in ``enum``, ``re``, ``locale`` and ``collections`` (about 10 ms of CPU a start on the host, more
+under gVisor: docs/benchmarks.md, "pxd on built-in modules"). A command starts with ``fork`` and
+``execve`` (:class:`_Child`). It loads ``re`` (through ``base64``) only to decode a base64 file
+write, ``socket`` only for ``--socket``, ``json`` only where ``_json`` is missing or to word a
+malformed body's error, and never OpenSSL (through ``hashlib``).
 """
 
 from __future__ import annotations
 
+import _thread
 import binascii
 import ctypes
 import errno
 import fcntl
-import json
 import os
-import selectors
-import signal
+import select
 import stat
-import subprocess
 import sys
-import threading
 import time
+
+try:
+    import _signal as signal  # the C module: the signal module wraps its numbers in enums (enum, re)
+except ImportError:  # pragma: no cover - an interpreter without it
+    import signal
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -96,6 +103,63 @@ DRAIN_AFTER_EXIT_S = 0.5  # how long output pipes may stay open after the comman
 DRAIN_AFTER_KILL_S = 5.0  # the same after kill_others, when every writer is dead
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error"}
+
+
+_JSON_SPACE = " \t\n\r"
+
+
+def _unserializable(obj):
+    raise TypeError(f"Object of type {obj.__class__.__name__} is not JSON serializable")
+
+
+def _json_codec():
+    """``(loads, dumps)``: ``json.loads`` of UTF-8 bytes and ``json.dumps(obj, separators=(",", ":"))``,
+    made of ``_json``, the json package's C half, set up as the package sets it up (the package
+    itself imports ``re`` and ``enum``: about 4 ms of CPU a start). Where ``_json`` is missing or
+    does not take these arguments, or a sample does not come out as the package gives it, the
+    json package."""
+    try:
+        import _json
+
+        class Context:  # what the C scanner reads of a json.JSONDecoder
+            strict = True
+            object_hook = None
+            object_pairs_hook = None
+            parse_float = float
+            parse_int = int
+            parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+
+        scan = _json.make_scanner(Context)
+        # markers None: no cycle check (an answer is never cyclic); ensure_ascii, allow_nan as json.dumps
+        encode = _json.make_encoder(None, _unserializable, _json.encode_basestring_ascii, None, ":", ",",
+                                    False, False, True)
+
+        def loads(data: bytes):
+            text = data.decode("utf-8", "surrogatepass")  # a UnicodeDecodeError is a ValueError
+            start = len(text) - len(text.lstrip(_JSON_SPACE))
+            try:
+                obj, end = scan(text, start)
+            except StopIteration as exc:
+                raise ValueError(f"Expecting value: char {exc.value}") from None
+            if text[end:].strip(_JSON_SPACE):
+                raise ValueError(f"Extra data: char {end}")
+            return obj
+
+        def dumps(obj) -> str:
+            return "".join(encode(obj, 0))
+
+        sample = {"a": [1, -2.5, "\u00e9\n", None, True, False, {}], "b": ""}
+        if (dumps(sample) != '{"a":[1,-2.5,"\\u00e9\\n",null,true,false,{}],"b":""}'
+                or loads(b' {"a": [1, -2.5, "\\u00e9\\n", null, true, false, {}], "b": ""} ') != sample):
+            raise ValueError("_json does not answer as the json package does")
+        return loads, dumps
+    except (ImportError, AttributeError, TypeError, ValueError):
+        import json
+
+        return json.loads, lambda obj: json.dumps(obj, separators=(",", ":"))
+
+
+json_loads, json_dumps = _json_codec()
 
 
 class RequestError(Exception):
@@ -142,7 +206,7 @@ def read_message(rfile):
 
 def _sha256_builtin():
     """The interpreter's own SHA-256 (``_sha256`` up to Python 3.11, ``_sha2`` after): loading
-    OpenSSL for ``hashlib`` costs more than the daemon's every other import but ``subprocess``."""
+    OpenSSL for ``hashlib`` costs more than all the daemon's other imports."""
     try:
         from _sha2 import sha256
     except ImportError:
@@ -174,10 +238,10 @@ def answer_mac(key: bytes, seq: int, status_line: bytes, body: bytes) -> str:
 
 def write_response(wfile, status: int, obj, key: bytes | None = None, seq: int = 0) -> None:
     """Write one answer; with ``key``, add its ``X-Pxd-Mac`` (answer number ``seq`` on this connection)."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    body = json_dumps(obj).encode()
     if len(body) > MAX_ANSWER_BYTES:
         status = 500
-        body = json.dumps({"error": f"the answer is {len(body)} bytes, over pxd's cap of {MAX_ANSWER_BYTES}; "
+        body = json_dumps({"error": f"the answer is {len(body)} bytes, over pxd's cap of {MAX_ANSWER_BYTES}; "
                                     "ask for less (smaller head_bytes/tail_bytes/max_bytes)"}).encode()
     status_line = f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}".encode()
     mac = f"{MAC_HEADER}: {answer_mac(key, seq, status_line, body)}\r\n".encode() if key is not None else b""
@@ -287,7 +351,7 @@ class Daemon:
         self.shell = shell if os.path.exists(shell) else "/bin/sh"
         self.started = time.monotonic()
         self.sessions: dict[str, Session] = {}
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
         self.base_env = dict(os.environ)
         self.base_env.setdefault("HOME", self.workspace)
 
@@ -305,7 +369,7 @@ class Daemon:
         if method != want_method:
             return 405, {"error": f"{target} takes {want_method}, not {method}"}
         try:
-            body = json.loads(body_bytes) if body_bytes else {}
+            body = json_loads(body_bytes) if body_bytes else {}
         except ValueError as exc:
             return 400, {"error": f"body is not JSON: {exc}"}
         if not isinstance(body, dict):
@@ -638,19 +702,15 @@ def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge, *, results_
     killed once the command ends, before the pipes are drained and the answer is made."""
     started = time.monotonic()
     results_r = results_w = None
-    extra = {}
     spawned = False
     if results_fd is not None:
-        results_r, results_w = os.pipe()
         # the write end lands at results_fd in the child; every descriptor pxd opened is close-on-exec
         # (pxd closed what it inherited at start), so nothing else reaches the command
-        extra = dict(close_fds=False, preexec_fn=lambda: os.dup2(results_w, results_fd, inheritable=True))
+        results_r, results_w = os.pipe()
     try:
-        proc = _Child(
-            argv, cwd=cwd, env=env, start_new_session=True,
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE, **extra,
-        )
+        proc = _Child(argv, cwd=cwd, env=env, stdin=PIPE if stdin is not None else DEVNULL,
+                      stderr=STDOUT if merge else PIPE,
+                      keep_fd=(results_w, results_fd) if results_fd is not None else None)
         spawned = True
     except FileNotFoundError:
         raise RequestError(f"command not found: {argv[0]!r}")
@@ -665,21 +725,23 @@ def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge, *, results_
                 os.close(results_r)
     out, err = Capture(head, tail), Capture(head, tail)
     results = Capture(results_cap, 0)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    reading = {proc.stdout.fileno(): out}  # descriptor -> where its bytes go, until its EOF
     if not merge:
-        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        reading[proc.stderr.fileno()] = err
     if results_r is not None:
-        sel.register(results_r, selectors.EVENT_READ, results)
+        reading[results_r] = results
+    poller = select.poll()
+    for fd in reading:
+        poller.register(fd, select.POLLIN)
     if stdin is not None:
-        threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True).start()
+        _thread.start_new_thread(_feed, (proc.stdin, stdin.encode()))
     deadline = started + timeout_s
     timed_out = False
     exited_at = None
     drain_s = DRAIN_AFTER_EXIT_S
     others_killed = None
     try:
-        while sel.get_map():
+        while reading:
             now = time.monotonic()
             if exited_at is None and proc.poll() is not None:
                 # the command is done: anything it left behind goes with it
@@ -697,22 +759,22 @@ def run_command(argv, cwd, env, timeout_s, head, tail, stdin, merge, *, results_
             wait = 0.05 if exited_at is None else 0.01
             if exited_at is None:
                 wait = min(wait, max(0.0, deadline - now))
-            for key, _ in sel.select(wait):
-                data = os.read(key.fd, 65536)
+            for fd, _ in poller.poll(wait * 1000):
+                data = os.read(fd, 65536)
                 if data:
-                    key.data.add(data)
+                    reading[fd].add(data)
                 else:
-                    sel.unregister(key.fileobj)
+                    poller.unregister(fd)
+                    del reading[fd]
         if not timed_out and exited_at is None:
             # every pipe closed; the command may still be running
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except _Timeout:
                 timed_out = True
         if kill_others and others_killed is None:
             others_killed = kill_other_processes()
     finally:
-        sel.close()
         _kill_group(proc.pid)
         returncode = proc.wait()
         if is_init():
@@ -753,13 +815,10 @@ class Session:
 
     def __init__(self, shell: str, cwd: str, env: dict):
         self.id = os.urandom(8).hex()
-        self.proc = _Child(
-            [shell] + (["--noprofile", "--norc"] if shell.endswith("bash") else []),
-            cwd=cwd, env=env, start_new_session=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )
+        self.proc = _Child([shell] + (["--noprofile", "--norc"] if shell.endswith("bash") else []),
+                           cwd=cwd, env=env, stdin=PIPE, stderr=PIPE)
         self.alive = True
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
 
     def run(self, command: str, timeout_s: float, head: int, tail: int) -> dict:
         with self.lock:
@@ -786,7 +845,7 @@ class Session:
                 if remaining <= 0:
                     timed_out = True
                     break
-                ready = selectors_select([fd for fd, s in streams.items() if not s.done], remaining)
+                ready = readable([fd for fd, s in streams.items() if not s.done], remaining)
                 for fd in ready:
                     data = os.read(fd, 65536)
                     if not data:
@@ -816,14 +875,12 @@ class Session:
                 pass
 
 
-def selectors_select(fds: list, timeout: float) -> list:
-    sel = selectors.DefaultSelector()
-    try:
-        for fd in fds:
-            sel.register(fd, selectors.EVENT_READ)
-        return [key.fd for key, _ in sel.select(timeout)]
-    finally:
-        sel.close()
+def readable(fds: list, timeout: float) -> list:
+    """Those of ``fds`` with bytes to read or at their end, waiting up to ``timeout`` seconds."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(timeout * 1000)]
 
 
 class _MarkedStream:
@@ -879,18 +936,140 @@ def _chown_new(name: str, dir_fd: int) -> None:
         os.chown(name, *COMMAND_IDS, dir_fd=dir_fd, follow_symlinks=False)
 
 
-class _Child(subprocess.Popen):
-    """A process pxd starts and waits for itself; the orphan reaper leaves its exit status alone."""
+class _Timeout(Exception):
+    """A :meth:`_Child.wait` with a timeout that ran out."""
 
-    def __init__(self, *args, **kwargs):
+
+PIPE, DEVNULL, STDOUT = -1, -3, -2  # what a _Child's standard stream is (subprocess's numbers)
+
+
+class _Child:
+    """A process pxd starts and waits for itself; the orphan reaper leaves its exit status alone.
+
+    Started with ``fork`` and ``execve`` (``subprocess`` costs its imports at every sandbox's start):
+    in a session of its own (its own process group, which pxd kills when it is done), in ``cwd``
+    with exactly ``env``, as the command user when pxd has one (:func:`set_command_ids`: no
+    supplementary groups), stdin a pipe or ``/dev/null``, stdout a pipe, stderr a pipe or the stdout
+    pipe. Only descriptors 0-2 and ``keep_fd`` (``(fd, target)``: ``fd`` made descriptor ``target``)
+    reach the command: every other descriptor pxd holds is close-on-exec (it closed what it
+    inherited at start). Why a start failed (the command missing, not executable, ``cwd`` gone)
+    comes back over a close-on-exec pipe and is raised here as the ``OSError`` it was."""
+
+    def __init__(self, argv: list, *, cwd: str, env: dict, stdin: int = DEVNULL, stderr: int = PIPE,
+                 keep_fd: tuple | None = None):
+        self.returncode = None
+        child_ends, own_ends = [], []  # the pipes' ends the command gets, and pxd's
+        try:
+            if stdin == PIPE:
+                in_r, in_w = os.pipe()
+                own_ends.append(in_w)
+            else:
+                in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
+            child_ends.append(in_r)
+            out_r, out_w = os.pipe()
+            child_ends.append(out_w)
+            own_ends.append(out_r)
+            err_r, err_w = None, out_w
+            if stderr == PIPE:
+                err_r, err_w = os.pipe()
+                child_ends.append(err_w)
+                own_ends.append(err_r)
+            fail_r, fail_w = os.pipe()
+            child_ends.append(fail_w)
+            own_ends.append(fail_r)
+            env = {str(k): str(v) for k, v in env.items()}
+            with _children_lock:
+                self.pid = os.fork()
+                if self.pid == 0:  # the child: only os calls from here to the exec
+                    _exec_child(argv, cwd, env, in_r, out_w, err_w, fail_w, keep_fd)
+                _children[self.pid] = self
+        except BaseException:
+            for fd in child_ends + own_ends:
+                os.close(fd)
+            raise
+        for fd in child_ends:
+            os.close(fd)
+        failure = b""
+        while chunk := os.read(fail_r, 4096):  # EOF at the exec (close-on-exec) or the child's exit
+            failure += chunk
+        os.close(fail_r)
+        self.stdin = open(in_w, "wb") if in_w is not None else None
+        self.stdout = open(out_r, "rb", buffering=0)
+        self.stderr = open(err_r, "rb", buffering=0) if err_r is not None else None
+        if failure:
+            self.wait()
+            for f in (self.stdin, self.stdout, self.stderr):
+                if f is not None:
+                    f.close()
+            number, _, where = failure.decode(errors="replace").partition(":")
+            raise OSError(int(number), os.strerror(int(number)), where)
+
+    def poll(self):
+        """The exit status (``-N`` for signal N) once the process ended, else None."""
+        if self.returncode is None:
+            self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            while self.returncode is None:
+                self._reap(0)
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Timeout(f"pid {self.pid} still runs after {timeout} s")
+            time.sleep(min(delay, remaining, 0.05))
+            delay *= 2
+        return self.returncode
+
+    def _reap(self, flags: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:  # waited for elsewhere; its status is lost (subprocess says 0 too)
+            self.returncode = 0
+            return
+        except InterruptedError:
+            return
+        if pid == self.pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+
+def _exec_child(argv, cwd, env, stdin_fd, stdout_fd, stderr_fd, fail_fd, keep_fd) -> None:
+    """The forked child's side of :class:`_Child`: never returns (exec, or ``_exit(127)`` after
+    writing ``errno:where`` to ``fail_fd``)."""
+    try:
+        where = "setsid"
+        os.setsid()
+        where = "dup2"
+        os.dup2(stdin_fd, 0)
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
+        if keep_fd is not None:
+            os.dup2(keep_fd[0], keep_fd[1], inheritable=True)
+        where = cwd
+        os.chdir(cwd)
         if COMMAND_IDS is not None:
-            kwargs.update(user=COMMAND_IDS[0], group=COMMAND_IDS[1], extra_groups=[])
-        with _children_lock:
-            super().__init__(*args, **kwargs)
-            _children[self.pid] = self
+            where = "setuid"
+            os.setgroups([])
+            os.setresgid(COMMAND_IDS[1], COMMAND_IDS[1], COMMAND_IDS[1])
+            os.setresuid(COMMAND_IDS[0], COMMAND_IDS[0], COMMAND_IDS[0])
+        # exec resets handled signals to their default, not ignored ones: Python ignores these two
+        for number in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(number, signal.SIG_DFL)
+        where = argv[0]
+        os.execvpe(argv[0], argv, env)  # PATH searched as env's PATH says, as subprocess does
+    except BaseException as exc:
+        number = getattr(exc, "errno", None) or errno.EINVAL
+        try:
+            os.write(fail_fd, f"{number}:{where}".encode(errors="replace"))
+        finally:
+            os._exit(127)
 
 
-_children_lock = threading.Lock()
+_children_lock = _thread.allocate_lock()
 _children: dict = {}  # pid -> _Child not yet known to be waited for
 
 
@@ -958,7 +1137,7 @@ def start_reaper() -> None:
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler, so the wakeup fd is written
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    threading.Thread(target=_reaper_loop, args=(wake_r,), daemon=True).start()
+    _thread.start_new_thread(_reaper_loop, (wake_r,))
 
 
 def _reaper_loop(wake_fd: int) -> None:
@@ -1014,7 +1193,7 @@ def close_inherited_fds() -> None:
 
 def reserve_results_fds() -> None:
     """Hold descriptors 3..9 with close-on-exec placeholders, so that no pipe pxd makes (nor
-    subprocess's own error pipe) lands there and a command's ``results_fd`` replaces only a placeholder."""
+    a _Child's own failure pipe) lands there and a command's ``results_fd`` replaces only a placeholder."""
     placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     for fd in range(3, 10):
         if fd != placeholder:
@@ -1083,7 +1262,7 @@ def serve_socket(daemon: Daemon, server) -> None:
 
     while True:
         conn, _ = server.accept()
-        threading.Thread(target=one, args=(conn,), daemon=True).start()
+        _thread.start_new_thread(one, (conn,))
 
 
 USAGE = "usage: pxd.py --workspace DIR (--stdio | --socket PATH) [--max-file-bytes N] [--command-uid UID]"
@@ -1154,7 +1333,7 @@ def main(argv=None) -> int:
             serve_stream(daemon, rfile, proto_out, key)
         else:
             server = listen_unix(args["socket"])  # listening before the ready line goes out
-            threading.Thread(target=serve_socket, args=(daemon, server), daemon=True).start()
+            _thread.start_new_thread(serve_socket, (daemon, server))
             write_ready(sys.stdout.buffer)
             while sys.stdin.buffer.read(65536):  # the lifeline: exit when the parent goes away
                 pass

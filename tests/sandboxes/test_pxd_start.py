@@ -1,0 +1,89 @@
+"""pxd's start imports only the interpreter's built-in modules, and the commands it starts itself
+(fork and exec, no ``subprocess``) get what ``subprocess`` gave them: their own session, default
+SIGPIPE, only descriptors 0-2 (and a results descriptor when asked), the command user, clear
+errors for a command that cannot start.
+
+Every sandbox starts a pxd, and its imports were two thirds of the CPU of a bwrap start+stop
+(docs/benchmarks.md, "pxd on built-in modules")."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+import sandboxes
+from sandboxes.runtimes import compiled_pxd
+from sandboxes.toolchain import SANDBOX_PYTHON
+from tests.sandboxes.conftest import runtime_params
+
+# what the pure-Python modules behind subprocess, threading, selectors, signal and json load
+# the descriptors a command holds (``ls /proc/self/fd`` fails under gVisor 20221219)
+FDS = "python3 -I -S -c \"import os; print('fds:', *sorted(map(int, os.listdir('/proc/self/fd'))))\""
+SLOW_MODULES = {"subprocess", "threading", "selectors", "signal", "json", "json.decoder", "enum", "re", "locale",
+                "collections", "contextlib", "warnings", "base64", "socket", "hashlib"}
+
+
+def test_pxd_start_imports_no_slow_module():
+    """The sandbox's interpreter starting the compiled daemon as the runtimes do (``--help`` exits
+    after the module's imports): none of the modules that cost most of its start is loaded."""
+    out = subprocess.run([SANDBOX_PYTHON, "-I", "-S", "-X", "importtime", str(compiled_pxd()), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "ctypes" in loaded  # the listing is read right (ctypes, for prctl, is the one pure-Python package)
+    assert not loaded & SLOW_MODULES, sorted(loaded & SLOW_MODULES)
+
+
+def test_the_json_codec_is_the_json_packages():
+    """pxd's codec on ``_json`` answers as ``json.loads`` / ``json.dumps(separators=(",", ":"))`` on
+    what requests and answers hold, and refuses what json refuses with a ValueError."""
+    import json
+
+    from sandboxes import pxd
+
+    for value in ({"argv": ["sh", "-c", "echo \u00e9 \"q\" \\\\ \x01"], "timeout_s": 1.5, "env": {}, "n": -3},
+                  {"nested": [[], {}, [None, True, False]], "big": 10 ** 30, "f": 1e-7, "s": "\ud800"[:0] + "\u2603"}):
+        assert pxd.json_dumps(value) == json.dumps(value, separators=(",", ":"))
+        assert pxd.json_loads(json.dumps(value, indent=2).encode()) == value
+    for bad in (b"", b"{not json", b"{} {}", b"[1,]", b"\xff", b"{\"a\": 1"):
+        with pytest.raises(ValueError):
+            pxd.json_loads(bad)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        pxd.json_dumps({"x": object()})
+
+
+@pytest.mark.parametrize("runtime", runtime_params())
+def test_commands_pxd_starts_get_what_subprocess_gave_them(repo, store, cache, runtime):
+    """In a real sandbox: a command runs in a session of its own, with SIGPIPE at its default (a
+    reader that goes away ends ``yes``), as the sandbox user, in the asked folder with the asked
+    variables, sees only descriptors 0-2 (3 with ``results_fd``, holding what it wrote), reads
+    its stdin; a missing command, a non-executable file and a missing folder are clear errors,
+    and the sandbox answers afterwards."""
+    with sandboxes.start(repo, runtime=runtime, store=store, cache=cache) as sb:
+        r = sb.exec("ps -o sid= -p $$; ps -o pid= -p $$; grep -E '^(SigIgn|Uid)' /proc/self/status; "
+                    f"{FDS}; pwd; echo \"$PT_X\"",
+                    cwd="/workspace", env={"PT_X": "seen"})
+        assert r.exit_code == 0, r.output
+        lines = r.stdout.splitlines()
+        if lines[0].strip().isdigit():  # ps exists in the sandbox's /usr
+            assert lines[0].strip() == lines[1].strip(), lines  # the shell leads its own session
+        status = dict(line.split(":", 1) for line in lines if line.startswith(("SigIgn", "Uid")))
+        if "SigIgn" in status:  # gVisor's /proc does not show it; the yes | head below does
+            assert int(status["SigIgn"].strip(), 16) == 0, status  # nothing ignored: SIGPIPE at its default
+        assert status["Uid"].split() == ["1000"] * 4, status
+        fds = [line for line in lines if line.startswith("fds:")][0].split()[1:]
+        assert fds == ["0", "1", "2", "3"], fds  # 0-2 and the listing's own descriptor
+        assert lines[-2:] == ["/workspace", "seen"]
+        r = sb.exec(["/bin/bash", "-c", "yes | head -c 3 >/dev/null; echo ${PIPESTATUS[0]}"], timeout_s=20)
+        assert r.stdout.strip() == "141", r.output  # yes ended by SIGPIPE (128 + 13)
+        r = sb.exec(["/bin/sh", "-c", FDS + "; printf done >&4"], results_fd=4)
+        assert r.stdout.split() == ["fds:", "0", "1", "2", "3", "4"] and r.results == b"done", (r.output, r.results)
+        r = sb.pxd.exec(["cat"], stdin="fed through stdin")
+        assert r.stdout == "fed through stdin"
+        for argv, words in ((["no-such-command-xyz"], "command not found"), (["/workspace/calc.py"], "not executable")):
+            with pytest.raises(Exception, match=words):
+                sb.pxd.exec(argv)
+        with pytest.raises(Exception, match="no-such-dir|not a folder|does not exist|not found"):
+            sb.pxd.exec(["true"], cwd="/workspace/no-such-dir")
+        assert sb.exec("echo alive").stdout == "alive\n"
