@@ -31,6 +31,13 @@ far the adapter's change after three steps differs:
     git worktree add --detach .wt54-base 1ec7686
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python bench/trainer_throughput.py --compare-with .wt54-base
 
+``--fp8`` adds this tree's step with FP8 products for the frozen layer weights (``training.fp8``,
+opt-in) at every context, its losses against the baseline's, and bf16 against FP8 products on the
+layer's shapes; ``--loss-curve 50`` then runs this tree's bf16 and FP8 steps for 50 steps on the same
+batches (``--curve-batches`` of them in turn, ``--curve-lr``) and prints the two loss curves:
+
+    python bench/trainer_throughput.py --compare-with .wt54-base --contexts 8192,32768 --fp8 --loss-curve 50
+
 ``--ablate no-fused-layer,no-fused-head,eager-kernels`` adds runs of this tree with one fused piece
 (``training.fused_step``) left out, at ``--ablate-contexts``. ``--precision-check --layers 2`` puts
 today's bf16 arithmetic and the fused step beside a float32 step of the same weights and adapter.

@@ -29,6 +29,9 @@ is checked once per process, device type and dtype against its eager form in flo
 (:func:`chosen_step_kernels`, as :func:`training.attention.chosen_attention_kernels` checks the
 attention kernels): one that raises or disagrees is replaced by the eager form, the reason kept. On
 the CPU the eager forms run; the tests compare every path here with the unfused one in float64.
+
+:func:`use_fp8_base_weights` opts a model's fused layers into FP8 products for their frozen weights
+(``training.fp8``; the adapter and its gradients stay in the model's dtype), off by default.
 """
 
 from __future__ import annotations
