@@ -24,15 +24,17 @@ The pool's port admits only the run's trainer pods (its NetworkPolicy); sandbox 
 
 **Who may call it.** Every route but ``GET /health`` (the kubelet's readiness probe, which sends no
 credential) needs the run's credential, ``Authorization: Bearer <credential>``, else ``403``
-before any of the body is read: the trainer credential of :mod:`serving.capture_store` (the same
+before any of the body is read: the trainer credential (:mod:`sandboxes.httpserver.auth`: the same
 variables, ``$POSTTRAIN_TRAINER_CREDENTIAL`` or the file named by
 ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE``; on Kubernetes both the trainer's and the pool's pods take it
 from the run's Secret). A NetworkPolicy is only as good as the cluster's CNI; the credential holds
-on any network. :class:`PoolClient` sends it. Each connection is bounded: its request line, headers
-and body must all arrive within ``request_timeout_s`` (60 s; else ``408`` or a plain close), a body
-is at most ``MAX_BODY_BYTES`` (``413``, unread), an answer the client does not read is dropped after
-the same time, and at most ``max_connections`` are open at once (more are answered ``503``). The
-server listens on loopback unless told otherwise (``--host 0.0.0.0`` in the pool's pod).
+on any network. :class:`PoolClient` sends it. The API is served by the project's one HTTP layer
+(:mod:`sandboxes.httpserver`, as the engines and the router are), with the same bounds: a request's
+line and headers must arrive within ``request_timeout_s`` (60 s; else a plain close), its body within
+as long again (``408``), a kept-alive connection idle that long is closed, a body is at most
+``MAX_BODY_BYTES`` (``413``, unread), and at most ``max_connections`` are open at once (more are
+answered ``503``). The server listens on loopback unless told otherwise (``--host 0.0.0.0`` in the
+pool's pod).
 A request may ask for a writable root (``"writable_root": true``, a task whose verifier installs
 into the image's environment): its pod's sandbox container gets ``readOnlyRootFilesystem: false``
 and is otherwise as locked down (:func:`sandboxes.k8s.pod_spec`); absent means false.
@@ -80,12 +82,8 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
-import hmac
-import io
 import json
 import os
-import re
-import secrets
 import socket
 import sys
 import threading
@@ -94,8 +92,10 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from sandboxes.httpserver import Bearer, Endpoint, HttpError, HttpLimits, HttpServer, Reply, Request, Text
+from sandboxes.httpserver.auth import CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, MIN_CREDENTIAL_CHARS, Credential, process_credential
 
 from sandboxes import k8s, placement
 from sandboxes.client import ANSWER_MARGIN_S, ExecResult, PxdClient, PxdConnectionError, PxdError
@@ -105,17 +105,7 @@ from sandboxes.runtimes import Limits
 DEFAULT_PORT = 30200
 MAX_BODY_BYTES = 64 * 1024 * 1024  # pxd's own request limit
 REQUEST_TIMEOUT_S = 60.0  # request line, headers and body of one request; also each answer's write
-# The run's credential: serving.capture_store's trainer credential, read from the same variables
-# (that module is a layer above this one; tests/sandboxes/test_pool_api.py holds the names together).
-CREDENTIAL_ENV = "POSTTRAIN_TRAINER_CREDENTIAL"
-CREDENTIAL_FILE_ENV = "POSTTRAIN_TRAINER_CREDENTIAL_FILE"
-MIN_CREDENTIAL_CHARS = 32
-_CREDENTIAL = re.compile(r"[\x21-\x7e]+")
-# As serving.capture_store does: a process given no credential makes one for itself and the
-# processes it starts (a pool and its client in one test process, a pool started by it).
-_MADE_HERE = not os.environ.get(CREDENTIAL_ENV) and not os.environ.get(CREDENTIAL_FILE_ENV)
-if _MADE_HERE:
-    os.environ[CREDENTIAL_ENV] = secrets.token_hex(32)
+# The run's credential: the trainer credential (sandboxes.httpserver.auth, shared with serving).
 OWNER_LABEL = f"{k8s.LABEL_PREFIX}/owner"
 # pxd routes the pool forwards; anything else is refused (404) before it reaches a pod
 PXD_ROUTES = ("/health", "/exec", "/file/read", "/file/write", "/git/status", "/git/diff", "/git/commit",
@@ -949,87 +939,39 @@ def _writable_root_from(body: dict) -> bool:
 
 
 def run_credential() -> str:
-    """The run's credential (see the module docstring); a bad value raises naming its variable."""
-    value = os.environ.get(CREDENTIAL_ENV)
-    where = f"${CREDENTIAL_ENV}"
-    if not value:
-        path = os.environ.get(CREDENTIAL_FILE_ENV, "")
-        where = f"${CREDENTIAL_FILE_ENV} ({path})"
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"{where}: the run's credential file cannot be read: {exc.strerror}") from None
-    if len(value) < MIN_CREDENTIAL_CHARS or not _CREDENTIAL.fullmatch(value):
-        raise ValueError(f"{where}: the run's credential must be at least {MIN_CREDENTIAL_CHARS} printable "
-                         f"characters without spaces, got {len(value)} characters")
-    return value
+    """The run's credential: this process's trainer credential (:func:`sandboxes.httpserver.auth.process_credential`)."""
+    return process_credential().value
 
 
-def _presents(credential: str, authorization: str | None) -> bool:
-    scheme, _, token = (authorization or "").partition(" ")
-    given = token.strip().encode("utf-8", "surrogateescape")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given, credential.encode())
+def _json_object(req: Request) -> dict:
+    """The request's body as a JSON object (``{}`` for none); anything else is a 400."""
+    try:
+        body = json.loads(req.body or b"{}")
+    except ValueError as exc:
+        raise HttpError(400, f"bad JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "bad JSON body: the body must be a JSON object")
+    return body
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A connection's reads, each allowed only the time left before the handler's deadline: a
-    client that sends its request a byte at a time gets no more time than one that sends nothing
-    (a plain socket timeout restarts with every byte)."""
+class PoolServer(HttpServer):
+    """The pool's HTTP API on the project's HTTP layer (:mod:`sandboxes.httpserver`); ``serve_forever``,
+    ``server_address`` and ``server_close`` are the names its callers (``main``, the tests) use."""
 
-    def __init__(self, sock: socket.socket, handler: "BaseHTTPRequestHandler"):
-        self.sock = sock
-        self.handler = handler
+    @property
+    def server_address(self) -> tuple[str, int]:
+        return self.host, self.port
 
-    def readable(self) -> bool:
-        return True
+    def serve_forever(self) -> None:
+        self.serve_until_stopped()
 
-    def readinto(self, buffer) -> int:
-        left = self.handler.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
-
-
-class _PoolHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` at once: one more is answered 503 and
-    closed at once (each held connection ends within the request timeout, so a slot comes back)."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler, max_connections: int):
-        self.slots = threading.BoundedSemaphore(max_connections)
-        self.max_connections = max_connections
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.settimeout(1.0)
-                body = json.dumps({"error": f"the pool has {self.max_connections} connections open; try again"}).encode()
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+    def server_close(self) -> None:
+        self.shutdown()
 
 
 def make_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
-                credential: str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                max_body_bytes: int = MAX_BODY_BYTES, max_connections: int | None = None) -> ThreadingHTTPServer:
+                credential: Credential | str | None = None, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                max_body_bytes: int = MAX_BODY_BYTES, max_connections: int | None = None) -> PoolServer:
     """The pool's HTTP API (JSON bodies):
 
     - ``POST /v1/sandboxes`` ``{image, task_id, episode, limits?, writable_root?}`` ->
@@ -1041,159 +983,97 @@ def make_server(pool: SandboxPool, host: str = "127.0.0.1", port: int = DEFAULT_
     - ``DELETE /v1/sandboxes/ID``: end the episode's sandbox (its pod is deleted)
     - ``POST /v1/warm`` ``{image, count, limits?}``; ``GET /metrics`` (Prometheus text); ``GET /health``
 
-    Every route but ``GET /health`` needs ``credential`` (default: :func:`run_credential`) as
-    ``Authorization: Bearer``; the module docstring says how each connection is bounded.
-    ``max_connections`` defaults to two per sandbox the pool may hold, and 16 more.
+    Every route but ``GET /health`` needs ``credential`` (default: this process's, :func:`run_credential`)
+    as ``Authorization: Bearer``, declared with the route and checked by the HTTP layer before any of
+    the body is read; the module docstring says how each connection is bounded (``request_timeout_s``
+    is the layer's header, idle and body timeout). ``max_connections`` defaults to two per sandbox the
+    pool may hold, and 16 more. Call ``start()`` (or ``serve_forever()``) to serve.
     """
-    credential = credential if credential is not None else run_credential()
-    if len(credential) < MIN_CREDENTIAL_CHARS:
-        raise ValueError(f"make_server: the credential must be at least {MIN_CREDENTIAL_CHARS} characters")
+    credential = process_credential() if credential is None else credential
+    try:
+        credential = credential if isinstance(credential, Credential) else Credential(credential, "make_server")
+    except ValueError:
+        raise ValueError(f"make_server: the credential must be at least {MIN_CREDENTIAL_CHARS} characters") from None
     if request_timeout_s <= 0:
         raise ValueError(f"make_server: request_timeout_s must be > 0, got {request_timeout_s!r}")
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms wait between them
-        deadline = 0.0
-
-        def setup(self):
-            super().setup()
-            self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
-
-        def handle_one_request(self):
-            # idle time before a kept-alive connection's next request counts against it too
-            self.deadline = time.monotonic() + request_timeout_s
-            super().handle_one_request()
-
-        def log_message(self, *args):
-            pass
-
-        def _send(self, status: int, payload: Any, content_type: str = "application/json") -> None:
-            data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-            self.connection.settimeout(request_timeout_s)  # a client that does not read its answer
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _refuse(self, status: int, message: str) -> None:
-            """An answer after which the connection closes (the body, if any, is left unread)."""
-            self.close_connection = True
-            self._send(status, {"error": message})
-
-        def _authorized(self) -> bool:
-            if self.command == "GET" and self.path == "/health":
-                return True
-            if _presents(credential, self.headers.get("Authorization")):
-                return True
-            self._refuse(403, f"{self.command} {self.path.split('?')[0][:200]} needs the run's credential "
-                              f"(Authorization: Bearer; ${CREDENTIAL_ENV} in the trainer's and the pool's pods)")
-            return False
-
-        def _body(self) -> dict:
-            raw_length = self.headers.get("Content-Length")
-            if self.headers.get("Transfer-Encoding"):
-                raise ValueError("a body needs Content-Length (no transfer coding)")
-            if raw_length is None:
-                return {}
-            if not raw_length.strip().isdigit():
-                raise ValueError(f"Content-Length {raw_length[:40]!r} is not a number of bytes")
-            length = int(raw_length)
-            if length > max_body_bytes:
-                raise _TooLarge(f"the body is {length} bytes; at most {max_body_bytes}")
-            raw = self.rfile.read(length) if length else b"{}"
-            if len(raw) < length:
-                raise ValueError(f"the body ended after {len(raw)} of {length} bytes")
-            body = json.loads(raw or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-            return body
-
-        def do_GET(self):
-            if not self._authorized():
-                return
-            if self.path == "/metrics":
-                return self._send(200, pool.metrics_text(), "text/plain; version=0.0.4")
-            if self.path == "/health":
-                return self._send(200, {"ok": True, "instance": pool.config.instance})
-            return self._send(404, {"error": f"no route GET {self.path}"})
-
-        def do_DELETE(self):
-            if not self._authorized():
-                return
-            parts = self.path.strip("/").split("/")
-            if len(parts) == 3 and parts[:2] == ["v1", "sandboxes"]:
-                box = pool.get(parts[2])
-                if box is None:
-                    return self._send(404, {"error": f"no sandbox {parts[2]}"})
-                pool.release(box)
-                return self._send(200, {"deleted": box.id})
-            return self._send(404, {"error": f"no route DELETE {self.path}"})
-
-        def do_POST(self):
-            if not self._authorized():
-                return
-            try:
-                body = self._body()
-            except _TooLarge as exc:
-                return self._refuse(413, str(exc))
-            except TimeoutError:
-                return self._refuse(408, f"the body did not arrive within {request_timeout_s:g} s")
-            except ValueError as exc:
-                return self._refuse(400, f"bad JSON body: {exc}")
-            parts = self.path.strip("/").split("/")
-            try:
-                if parts == ["v1", "sandboxes"]:
-                    writable_root = _writable_root_from(body)
-                    box = pool.acquire(body.get("image"), task_id=str(body.get("task_id") or "task"),
-                                       episode=str(body.get("episode") or uuid.uuid4().hex[:8]),
-                                       limits=_limits_from(body, pool.config.default_limits),
-                                       writable_root=writable_root)
-                    return self._send(200, {"id": box.id, "pod": box.pod_name, "node": box.node,
-                                            "runtime": box.runtime.name, "warm_hit": box.cache_hit,
-                                            "start_s": box.start_s, "writable_root": box.writable_root})
-                if parts == ["v1", "warm"]:
-                    count = body.get("count")
-                    if isinstance(count, bool) or not isinstance(count, int):
-                        return self._send(400, {"error": f"count must be an integer, got {count!r}"})
-                    pool.keep_warm(body.get("image"), count, _limits_from(body, pool.config.default_limits))
-                    return self._send(200, {"image": body.get("image"), "count": count})
-                if len(parts) >= 4 and parts[:2] == ["v1", "sandboxes"]:
-                    return self._forward(parts[2], "/" + "/".join(parts[3:]), body)
-            except PoolFull as exc:
-                return self._send(429, {"error": str(exc)})
-            except SandboxError as exc:
-                return self._send(503 if "did not start" in str(exc) or "cannot start" in str(exc) else 400,
-                                  {"error": str(exc)})
-            return self._send(404, {"error": f"no route POST {self.path}"})
-
-        def _forward(self, sandbox_id: str, route: str, body: dict) -> None:
-            if route not in PXD_ROUTES:
-                return self._send(404, {"error": f"no pxd route {route}; routes: {', '.join(PXD_ROUTES)}"})
-            box = pool.get(sandbox_id)
-            if box is None:
-                return self._send(404, {"error": f"no sandbox {sandbox_id} (closed, idle too long, or never made)",
-                                        "gone": True})
-            box.touch()
-            if route in ("/exec", "/session/exec") and "timeout_s" not in body:
-                body["timeout_s"] = pool.config.command_timeout_s
-            timeout = body.get("timeout_s", 0)
-            wait_s = (timeout if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else 0) + ANSWER_MARGIN_S
-            try:
-                answer = box.pxd.request("GET" if route == "/health" else "POST", route, body, wait_s=wait_s)
-            except PxdError as exc:
-                return self._send(exc.status, {"error": exc.message})
-            except PxdConnectionError as exc:
-                pool.release(box)
-                return self._send(502, {"error": str(exc), "gone": True})
-            box.touch()
-            return self._send(200, answer)
-
     connections = max_connections if max_connections is not None else 2 * pool.config.max_sandboxes + 16
-    return _PoolHTTPServer((host, port), Handler, connections)
+    limits = HttpLimits(header_timeout_s=request_timeout_s, idle_timeout_s=request_timeout_s,
+                        body_timeout_s=request_timeout_s, max_connections=connections, max_body_bytes=max_body_bytes,
+                        answer_header_timeout=False)
+    access = Bearer(credential, lambda req: f"{req.method} {req.path.split('?')[0][:200]} needs the run's credential "
+                                            f"(Authorization: Bearer; ${CREDENTIAL_ENV} in the trainer's and the pool's pods)")
+
+    def failed(exc: SandboxError) -> Reply:
+        return Reply({"error": str(exc)}, status=429 if isinstance(exc, PoolFull) else
+                     503 if "did not start" in str(exc) or "cannot start" in str(exc) else 400)
+
+    def start(req: Request) -> Any:
+        body = _json_object(req)
+        try:
+            writable_root = _writable_root_from(body)
+            box = pool.acquire(body.get("image"), task_id=str(body.get("task_id") or "task"),
+                               episode=str(body.get("episode") or uuid.uuid4().hex[:8]),
+                               limits=_limits_from(body, pool.config.default_limits), writable_root=writable_root)
+        except SandboxError as exc:
+            return failed(exc)
+        return {"id": box.id, "pod": box.pod_name, "node": box.node, "runtime": box.runtime.name,
+                "warm_hit": box.cache_hit, "start_s": box.start_s, "writable_root": box.writable_root}
+
+    def warm(req: Request) -> Any:
+        body = _json_object(req)
+        count = body.get("count")
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise HttpError(400, f"count must be an integer, got {count!r}")
+        try:
+            pool.keep_warm(body.get("image"), count, _limits_from(body, pool.config.default_limits))
+        except SandboxError as exc:
+            return failed(exc)
+        return {"image": body.get("image"), "count": count}
+
+    def delete(req: Request) -> Any:
+        if len(req.params) != 1:
+            raise HttpError(404, f"no route DELETE {req.path}")
+        box = pool.get(req.params[0])
+        if box is None:
+            raise HttpError(404, f"no sandbox {req.params[0]}")
+        pool.release(box)
+        return {"deleted": box.id}
+
+    def forward(req: Request) -> Any:
+        if len(req.params) < 2:
+            raise HttpError(404, f"no route POST {req.path}")
+        sandbox_id, route = req.params[0], "/" + "/".join(req.params[1:])
+        body = _json_object(req)
+        if route not in PXD_ROUTES:
+            raise HttpError(404, f"no pxd route {route}; routes: {', '.join(PXD_ROUTES)}")
+        box = pool.get(sandbox_id)
+        if box is None:
+            return Reply({"error": f"no sandbox {sandbox_id} (closed, idle too long, or never made)", "gone": True},
+                         status=404)
+        box.touch()
+        if route in ("/exec", "/session/exec") and "timeout_s" not in body:
+            body["timeout_s"] = pool.config.command_timeout_s
+        timeout = body.get("timeout_s", 0)
+        wait_s = (timeout if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else 0) + ANSWER_MARGIN_S
+        try:
+            answer = box.pxd.request("GET" if route == "/health" else "POST", route, body, wait_s=wait_s)
+        except PxdError as exc:
+            raise HttpError(exc.status, exc.message) from None
+        except PxdConnectionError as exc:
+            pool.release(box)
+            return Reply({"error": str(exc), "gone": True}, status=502)
+        box.touch()
+        return answer
+
+    routes = {
+        ("GET", "/health"): lambda req: {"ok": True, "instance": pool.config.instance},
+        ("GET", "/metrics"): Endpoint(lambda req: Text(pool.metrics_text()), access),
+        ("POST", "/v1/sandboxes"): Endpoint(start, access),
+        ("POST", "/v1/warm"): Endpoint(warm, access),
+        ("POST", "/v1/sandboxes/"): Endpoint(forward, access),
+        ("DELETE", "/v1/sandboxes/"): Endpoint(delete, access),
+    }
+    return PoolServer(routes, host, port, limits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1375,11 +1255,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        credential = run_credential()
+        credential = process_credential()
     except ValueError as exc:
         print(f"sandbox pool: {exc}", file=sys.stderr)
         return 2
-    if _MADE_HERE:
+    if credential.source == "generated":
         print(f"sandbox pool: neither ${CREDENTIAL_ENV} nor ${CREDENTIAL_FILE_ENV} is set: no client can call it; "
               "give it the run's credential (the trainer's)", file=sys.stderr, flush=True)
     try:

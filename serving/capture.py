@@ -45,8 +45,8 @@ from serving.capture_store import CaptureStore, trainer_headers, warn_if_credent
 from serving.client import HttpPool
 from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
-from serving.http import (EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, check_generate_sessions,
-                          require_trainer, session_routes)
+from serving.http import (Endpoint, EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, generate_access,
+                          session_routes, trainer_only)
 from serving.protocol import (BASE_WEIGHT_VERSION, GenerateRequest, engine_adapter, parse_adapter_load,
                               parse_adapter_name, parse_generate, render_metrics)
 
@@ -77,12 +77,12 @@ class CaptureFront(JsonServer):
         self.adapters: dict[str, str] = {}  # version name -> path, loaded through this front
         self._lock = threading.Lock()
         self._calls = itertools.count()
-        routes: dict[tuple[str, str], Route] = {
-            ("POST", "/generate"): self._generate,
-            ("POST", "/load_lora_adapter"): self._load,
-            ("POST", "/unload_lora_adapter"): self._unload,
-            ("PUT", "/lora_shards/"): self._shard,
-            ("POST", "/commit_lora_adapter"): self._commit,
+        routes: dict[tuple[str, str], Route | Endpoint] = {
+            ("POST", "/generate"): Endpoint(self._generate, generate_access(self.capture)),
+            ("POST", "/load_lora_adapter"): Endpoint(self._load, trainer_only(self.capture, "loading an adapter")),
+            ("POST", "/unload_lora_adapter"): Endpoint(self._unload, trainer_only(self.capture, "unloading an adapter")),
+            ("PUT", "/lora_shards/"): Endpoint(self._shard, trainer_only(self.capture, "uploading an adapter")),
+            ("POST", "/commit_lora_adapter"): Endpoint(self._commit, trainer_only(self.capture, "loading an adapter")),
             ("GET", "/health"): self._health,
             ("GET", "/health_generate"): self._health,
             ("GET", "/server_info"): self._server_info,
@@ -133,7 +133,6 @@ class CaptureFront(JsonServer):
     def _generate(self, req: Request) -> Any:
         body = req.json()
         requests = parse_generate(body)
-        check_generate_sessions(self.capture, requests, req.headers)
         if not isinstance(body["input_ids"][0], list):
             return self.generate_one(requests[0])
         with ThreadPoolExecutor(max_workers=min(len(requests), 32)) as ex:
@@ -152,13 +151,11 @@ class CaptureFront(JsonServer):
             return sorted(self.adapters)
 
     def _load(self, req: Request) -> Any:
-        require_trainer(self.capture, req.headers, "loading an adapter")
         name, path = parse_adapter_load(req.json())
         self.load_adapter(name, path)
         return {"success": True, "loaded_adapters": self._loaded()}
 
     def _unload(self, req: Request) -> Any:
-        require_trainer(self.capture, req.headers, "unloading an adapter")
         name = parse_adapter_name(req.json())
         self.engine.unload_adapter(name)
         with self._lock:
@@ -169,7 +166,6 @@ class CaptureFront(JsonServer):
         return EngineServer._shard(self, req)  # the engine server's receiving code, on this front's assembler
 
     def _commit(self, req: Request) -> Any:
-        require_trainer(self.capture, req.headers, "loading an adapter")
         body = req.json()
         name = parse_adapter_name(body)
         # The engine reads the assembled adapter from this path: the same machine, or a volume both mount.

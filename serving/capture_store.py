@@ -23,94 +23,75 @@ A chat call without a session id gets a new one made by the server (``chat-<rand
 capped on their own (``max_anonymous_sessions``, oldest dropped first), so a flood of them never
 evicts an episode's session; every session holds at most ``max_calls_per_session`` calls.
 
-**The trainer credential** is ``$POSTTRAIN_TRAINER_CREDENTIAL``, else the contents of the file named
-by ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE`` (a mounted secret), at least 32 printable characters. A
-process where neither is set makes a random one when this module is imported and puts it in its own
-environment, so the replicas, engines and routers it starts (they inherit the environment) share it
-and no other process knows it. It is never put on a command line (``ps`` shows those to every user),
-and sandboxes start with an empty environment.
+**The trainer credential** is a :class:`sandboxes.httpserver.auth.Credential`: given to a process as
+``$POSTTRAIN_TRAINER_CREDENTIAL`` or the file named by ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE`` (a
+mounted secret), read in one place (``Credential.from_environment``), at least 32 printable
+characters; a process given none makes one that the processes it starts share (that module's
+docstring). A store, a router or a client holds the object it is given (this process's by
+default), and the HTTP layer checks it where a route declares it (:mod:`serving.http`). It is never
+put on a command line (``ps`` shows those to every user), and sandboxes start with an empty
+environment.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import os
-import re
-import secrets
 import sys
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from sandboxes.httpserver.auth import (CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, MIN_CREDENTIAL_CHARS,  # noqa: F401 (serving's names for them)
+                             Credential, process_credential)
 from serving.protocol import GenerateRequest
 
 SESSION_HEADER = "X-Session-Id"
 SESSION_KEY_HEADER = "X-Session-Key"
-CREDENTIAL_ENV = "POSTTRAIN_TRAINER_CREDENTIAL"
-CREDENTIAL_FILE_ENV = "POSTTRAIN_TRAINER_CREDENTIAL_FILE"
-MIN_CREDENTIAL_CHARS = 32
 ANONYMOUS_PREFIX = "chat-"  # the ids a server makes up for calls that name no session
-_CREDENTIAL = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: one header token
 _KEY_DOMAIN = b"posttrain-session-key\0"
-
-_MADE_HERE = not os.environ.get(CREDENTIAL_ENV) and not os.environ.get(CREDENTIAL_FILE_ENV)
-if _MADE_HERE:
-    os.environ[CREDENTIAL_ENV] = secrets.token_hex(32)
+_ENGINE_KEY_DOMAIN = b"posttrain-engine-api-key\0"
 
 
 def trainer_credential() -> str:
-    """The trainer credential (see the module docstring); a bad value raises naming its variable."""
-    value = os.environ.get(CREDENTIAL_ENV)
-    where = f"${CREDENTIAL_ENV}"
-    if not value:
-        path = os.environ.get(CREDENTIAL_FILE_ENV, "")
-        where = f"${CREDENTIAL_FILE_ENV} ({path})"
-        try:
-            value = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"{where}: the trainer credential file cannot be read: {exc.strerror}") from None
-    if len(value) < MIN_CREDENTIAL_CHARS or not _CREDENTIAL.fullmatch(value):
-        raise ValueError(f"{where}: the trainer credential must be at least {MIN_CREDENTIAL_CHARS} printable "
-                         f"characters without spaces (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`), "
-                         f"got {len(value)} characters")
-    return value
+    """The value of this process's credential (:func:`sandboxes.httpserver.auth.process_credential`)."""
+    return process_credential().value
+
+
+def as_credential(credential: Credential | str | None) -> Credential:
+    """``credential`` as an object; None is this process's (:func:`sandboxes.httpserver.auth.process_credential`)."""
+    if credential is None:
+        return process_credential()
+    return credential if isinstance(credential, Credential) else Credential(credential)
 
 
 def warn_if_credential_is_private(what: str) -> None:
     """A server started on its own with no trainer credential given made one that no other process
     knows: only the keys it hands out open its sessions. Say so on stderr, once at its start."""
-    if _MADE_HERE:
+    if process_credential().source == "generated":
         print(f"{what}: neither ${CREDENTIAL_ENV} nor ${CREDENTIAL_FILE_ENV} is set: sessions open only with the "
               "keys this process hands out; give the trainer, the router and the replicas one credential",
               file=sys.stderr, flush=True)
 
 
-def environment_with(credential: str) -> dict[str, str]:
+def environment_with(credential: Credential | str) -> dict[str, str]:
     """This process's environment with ``credential`` as the trainer credential: for a replica or
     router started to serve a given credential (never passed on its command line)."""
-    env = {k: v for k, v in os.environ.items() if k != CREDENTIAL_FILE_ENV}
-    env[CREDENTIAL_ENV] = credential
-    return env
+    return as_credential(credential).environment()
 
 
-def session_key(credential: str, session_id: str) -> str:
+def session_key(credential: Credential | str, session_id: str) -> str:
     """The key of ``session_id``: what its calls and reads carry in ``X-Session-Key``."""
-    return hmac.new(credential.encode(), _KEY_DOMAIN + session_id.encode(), hashlib.sha256).hexdigest()
+    return as_credential(credential).derive(_KEY_DOMAIN, session_id.encode())
 
 
-def trainer_headers(credential: str | None = None) -> dict[str, str]:
+def trainer_headers(credential: Credential | str | None = None) -> dict[str, str]:
     """Headers that present the trainer credential (any session, the list of sessions)."""
-    return {"Authorization": f"Bearer {credential if credential is not None else trainer_credential()}"}
+    return as_credential(credential).headers()
 
 
-_ENGINE_KEY_DOMAIN = b"posttrain-engine-api-key\0"
-
-
-def engine_headers(credential: str | None = None) -> dict[str, str]:
+def engine_headers(credential: Credential | str | None = None) -> dict[str, str]:
     """Headers for the engine server behind a capture front (vLLM's own API, which the project
     starts with ``VLLM_API_KEY`` set to :func:`engine_api_key`): made from the trainer credential,
     so the front and the trainer's tools agree on it and no other loopback client can load adapters
@@ -118,17 +99,15 @@ def engine_headers(credential: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {engine_api_key(credential)}"}
 
 
-def engine_api_key(credential: str | None = None) -> str:
+def engine_api_key(credential: Credential | str | None = None) -> str:
     """The engine server's key (see :func:`engine_headers`); not the credential itself, which the
     engine never needs."""
-    credential = credential if credential is not None else trainer_credential()
-    return hmac.new(credential.encode(), _ENGINE_KEY_DOMAIN, hashlib.sha256).hexdigest()
+    return as_credential(credential).derive(_ENGINE_KEY_DOMAIN)
 
 
-def session_headers(session_id: str, credential: str | None = None) -> dict[str, str]:
+def session_headers(session_id: str, credential: Credential | str | None = None) -> dict[str, str]:
     """Headers of a call into ``session_id``: its id and its key."""
-    credential = credential if credential is not None else trainer_credential()
-    return {SESSION_HEADER: session_id, SESSION_KEY_HEADER: session_key(credential, session_id)}
+    return {SESSION_HEADER: session_id, SESSION_KEY_HEADER: session_key(as_credential(credential), session_id)}
 
 
 def new_session_id() -> str:
@@ -136,23 +115,20 @@ def new_session_id() -> str:
     return f"{ANONYMOUS_PREFIX}{uuid.uuid4().hex}"
 
 
-def _same(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
-
-
-def presents_credential(credential: str, headers: Mapping[str, str] | None) -> bool:
-    """True when ``headers`` (lower-case names, as :class:`serving.http.Request` has them) carry
+def presents_credential(credential: Credential | str, headers: Mapping[str, str] | None) -> bool:
+    """True when ``headers`` (lower-case names, as :class:`sandboxes.httpserver.Request` has them) carry
     ``Authorization: Bearer <credential>``."""
-    scheme, _, token = (headers or {}).get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and _same(token.strip(), credential)
+    return as_credential(credential).presented_by(headers)
 
 
-def may_use_session(credential: str, session_id: str, headers: Mapping[str, str] | None) -> bool:
+def may_use_session(credential: Credential | str, session_id: str, headers: Mapping[str, str] | None) -> bool:
     """True when ``headers`` carry ``session_id``'s key or the trainer credential."""
+    credential = as_credential(credential)
     given = (headers or {}).get(SESSION_KEY_HEADER.lower())
-    if given is not None and _same(given.strip(), session_key(credential, session_id)):
+    if given is not None and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                 session_key(credential, session_id).encode()):
         return True
-    return presents_credential(credential, headers)
+    return credential.presented_by(headers)
 
 
 def refusal(session_id: str, doing: str) -> str:
@@ -186,9 +162,9 @@ class CaptureStore:
     are dropped past ``max_sessions``, the oldest anonymous ones past ``max_anonymous_sessions``.
     ``credential`` is the trainer credential the store checks keys against (the process's by default)."""
 
-    def __init__(self, max_sessions: int = 100_000, *, credential: str | None = None,
+    def __init__(self, max_sessions: int = 100_000, *, credential: Credential | str | None = None,
                  max_anonymous_sessions: int = 1024, max_calls_per_session: int = 10_000):
-        self.credential = credential if credential is not None else trainer_credential()
+        self.credential = as_credential(credential)
         self.max_sessions = max_sessions
         self.max_anonymous_sessions = max_anonymous_sessions
         self.max_calls_per_session = max_calls_per_session
@@ -203,7 +179,7 @@ class CaptureStore:
         return may_use_session(self.credential, session_id, headers)
 
     def is_trainer(self, headers: Mapping[str, str] | None) -> bool:
-        return presents_credential(self.credential, headers)
+        return self.credential.presented_by(headers)
 
     def is_full(self, session_id: str) -> bool:
         """True when the session holds ``max_calls_per_session`` calls: it takes no more."""

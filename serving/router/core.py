@@ -31,7 +31,8 @@ from typing import Any
 from urllib.parse import quote
 
 from serving.adapters import newest_adapter, newest_version, version_sort_key
-from serving.capture_store import SESSION_KEY_HEADER, may_use_session, refusal, session_key, trainer_credential, trainer_headers
+from serving.capture_store import (SESSION_KEY_HEADER, Credential, as_credential, may_use_session, refusal, session_key,
+                                   trainer_headers)
 from serving.client import EngineError, HttpPool
 from serving.http import HttpError
 from serving.protocol import BadRequest, parse_generate, parse_metrics
@@ -44,7 +45,7 @@ LATEST = "latest"
 class Router:
     def __init__(self, policy: str | Policy = "kv_headroom", *, adapters_volume: str | None = None,
                  poll_interval_s: float = 0.5, session_idle_s: float = 600.0, max_retries: int = 3,
-                 affinity_tokens: int = 64, timeout_s: float = 600.0, credential: str | None = None,
+                 affinity_tokens: int = 64, timeout_s: float = 600.0, credential: Credential | str | None = None,
                  max_anonymous_sessions: int = 1024):
         if isinstance(policy, str):
             if policy not in POLICIES:
@@ -56,7 +57,7 @@ class Router:
         self.session_idle_s = session_idle_s
         self.max_retries = max_retries
         self.affinity_tokens = affinity_tokens
-        self.credential = credential if credential is not None else trainer_credential()
+        self.credential = as_credential(credential)  # this process's by default
         self.max_anonymous_sessions = max_anonymous_sessions
         self.pool = HttpPool(timeout_s)
         self.replicas: dict[str, Replica] = {}

@@ -18,11 +18,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.capture_store import presents_credential
-from serving.http import HttpError, HttpLimits, JsonServer, Request, Text
+from serving.http import Endpoint, HttpError, HttpLimits, JsonServer, Request, SessionAccess, Text, needs_bearer
 from serving.protocol import BadRequest, parse_adapter_name
 from serving.router.chat import RouterChat
 from serving.router.core import Router
+
+
+def _rid_in_body(req: Request) -> list[str]:
+    body = req.json()
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        raise BadRequest("rid must be the session id (a string)")
+    return [rid]
+
+
+def _rid_in_path(req: Request) -> list[str]:
+    return ["/".join(req.params)]
 
 
 class RouterServer(JsonServer):
@@ -31,13 +42,13 @@ class RouterServer(JsonServer):
         routes = {
             ("POST", "/generate"): lambda r: router.generate(r.json(), r.body, headers=r.headers),
             ("POST", "/v1/chat/completions"): RouterChat(router),
-            ("POST", "/end_session"): self._end_session,
-            ("GET", "/sessions/"): self._session,
-            ("POST", "/workers"): self._add_worker,
-            ("POST", "/add_worker"): self._add_worker,
-            ("POST", "/remove_worker"): self._remove_worker,
+            ("POST", "/end_session"): Endpoint(self._end_session, SessionAccess(router.check_session, "ending it", _rid_in_body)),
+            ("GET", "/sessions/"): Endpoint(self._session, SessionAccess(router.check_session, "reading it", _rid_in_path)),
+            ("POST", "/workers"): Endpoint(self._add_worker, needs_bearer(router.credential, "adding a worker")),
+            ("POST", "/add_worker"): Endpoint(self._add_worker, needs_bearer(router.credential, "adding a worker")),
+            ("POST", "/remove_worker"): Endpoint(self._remove_worker, needs_bearer(router.credential, "removing a worker")),
             ("GET", "/workers"): lambda r: {"workers": [x.describe() for x in list(router.replicas.values())]},
-            ("POST", "/publish_adapter"): self._publish,
+            ("POST", "/publish_adapter"): Endpoint(self._publish, needs_bearer(router.credential, "publishing an adapter")),
             ("GET", "/health"): lambda r: {"status": "ok"},
             ("GET", "/server_info"): lambda r: {"policy": router.policy.name, "newest_ready_version": router.newest_ready_version(),
                                                 "replicas": len(router.replicas)},
@@ -46,24 +57,13 @@ class RouterServer(JsonServer):
         super().__init__(routes, host, port, limits=limits)
 
     def _end_session(self, req: Request) -> Any:
-        body = req.json()
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            raise BadRequest("rid must be the session id (a string)")
-        self.router.check_session(rid, req.headers, "ending it")
-        return {"ended": self.router.end_session(rid)}
+        return {"ended": self.router.end_session(_rid_in_body(req)[0])}
 
     def _session(self, req: Request) -> Any:
         rid = "/".join(req.params)
-        self.router.check_session(rid, req.headers, "reading it")
         return {"rid": rid, "session_id": rid, "calls": self.router.session_record(rid)}
 
-    def _trainer_only(self, req: Request, doing: str) -> None:
-        if not presents_credential(self.router.credential, req.headers):
-            raise HttpError(403, f"{doing} needs the trainer credential (Authorization: Bearer)")
-
     def _add_worker(self, req: Request) -> Any:
-        self._trainer_only(req, "adding a worker")
         body = req.json()
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
@@ -77,7 +77,6 @@ class RouterServer(JsonServer):
         return replica.describe()
 
     def _remove_worker(self, req: Request) -> Any:
-        self._trainer_only(req, "removing a worker")
         body = req.json()
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
@@ -88,7 +87,6 @@ class RouterServer(JsonServer):
         return {"removed": url}
 
     def _publish(self, req: Request) -> Any:
-        self._trainer_only(req, "publishing an adapter")
         body = req.json()
         name = parse_adapter_name(body)
         path = body.get("lora_path")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxes.files import NotARegularFile, read_regular_bytes
+from sandboxes.httpserver.auth import Credential
 from sandboxes.home import default_home
 from training.planner.resolve import Plan
 
@@ -327,13 +328,13 @@ def is_credential(manifest: dict[str, Any]) -> bool:
 
 def with_credential(manifest: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
     """The credential Secret with its value: the one the server holds (an apply never changes the
-    credential of running pods), else a new random one (64 hex characters)."""
+    credential of running pods), else a new one (:meth:`Credential.generate`, the one place credentials
+    are made)."""
     import base64
-    import secrets
 
     value = ((before or {}).get("data") or {}).get(CREDENTIAL_KEY)
     if not value:
-        value = base64.b64encode(secrets.token_hex(32).encode()).decode()
+        value = base64.b64encode(Credential.generate().value.encode()).decode()
     return {**manifest, "data": {CREDENTIAL_KEY: value}}
 
 
