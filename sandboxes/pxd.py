@@ -59,9 +59,9 @@ did not start (found in /proc), never stealing the exit status of its own comman
 
 This file uses only the standard library: it runs under whatever ``python3`` the sandbox has. Two
 sandboxes start per episode, so its start-up is kept short: its imports are the interpreter's
-built-in modules (``_thread``, ``_signal``, ``select``, ``_json`` for the JSON codec, ``ctypes``
-for ``prctl``), not ``subprocess``, ``threading``, ``selectors``, ``signal`` or ``json``, which pull
-in ``enum``, ``re``, ``locale`` and ``collections`` (about 10 ms of CPU a start on the host, more
+built-in modules (``_thread``, ``_signal``, ``select``, ``_json`` for the JSON codec, ``_ctypes``
+for ``prctl``), not ``subprocess``, ``threading``, ``selectors``, ``signal``, ``json`` or ``ctypes``,
+which pull in ``enum``, ``re``, ``locale``, ``struct`` and ``collections`` (about 10 ms of CPU a start on the host, more
 under gVisor: docs/benchmarks.md, "pxd on built-in modules"). A command starts with ``fork`` and
 ``execve`` (:class:`_Child`). It loads ``re`` (through ``base64``) only to decode a base64 file
 write, ``socket`` only for ``--socket``, ``json`` only where ``_json`` is missing or to word a
@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import _thread
 import binascii
-import ctypes
 import errno
 import fcntl
 import os
@@ -1171,14 +1170,41 @@ def kill_other_processes(give_up_s: float = 5.0) -> int:
     return len(seen)
 
 
+def _libc_prctl():
+    """``(prctl, get_errno)``: libc's ``prctl(2)`` (int arguments, int result, errno kept), called
+    through ``_ctypes``, the ctypes package's C half, declared as the package declares ``c_int``
+    and a ``CDLL(None, use_errno=True)`` function (the package's own start costs about 1.6 ms of
+    CPU a sandbox); through the package where ``_ctypes`` is missing or declines these."""
+    try:
+        import _ctypes
+
+        class CInt(_ctypes._SimpleCData):
+            _type_ = "i"
+
+        class CFunction(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+            _restype_ = CInt
+
+        class Libc:  # what CFuncPtr reads of a ctypes.CDLL: the dlopen handle (of the program itself)
+            _handle = _ctypes.dlopen(None, 0)
+
+        return CFunction(("prctl", Libc)), _ctypes.get_errno
+    except (ImportError, AttributeError, TypeError, OSError):
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl, ctypes.get_errno
+
+
 def protect_self() -> None:
     """Make pxd non-dumpable: processes of the same uid can then neither ptrace it, nor take its
     descriptors with pidfd_getfd, nor open its /proc/<pid>/fd, mem or environ (all need
     CAP_SYS_PTRACE, which nothing in a sandbox has)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_DUMPABLE = 4
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise SystemExit(f"pxd: prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(ctypes.get_errno())}")
+    prctl, get_errno = _libc_prctl()
+    PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
+    if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise SystemExit(f"pxd: prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(get_errno())}")
+    if prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise SystemExit("pxd: still dumpable after prctl(PR_SET_DUMPABLE, 0)")
 
 def close_inherited_fds() -> None:
     """Close every descriptor above 2 that pxd inherited: what pxd opens later is close-on-exec, so
