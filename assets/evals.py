@@ -6,12 +6,15 @@ checkpoint's newest run and shows the spread between repeats; it refreshes on it
 ``deepswe_eval`` partition is materialized (declarative automation, run by the daemon).
 """
 
+import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pandas as pd
+import pydantic
 
 from assets.checks import (
     ATTEMPTS_CHECK, DUPLICATES_CHECK, INFRA_CHECK, REPORT_CHECK, check_attempts_recorded, check_infra_share,
@@ -33,10 +36,12 @@ from evals.report import (
     report_rows, run_summary, signal_counts, spread_markdown,
 )
 from evals.sandbox import platform_sandbox_factory
+from evals.settings import EvalSection, parse_eval_table
 from sandboxes.k8s import LABEL_PREFIX, label_value
+from sandboxes.settings import SettingsError, as_table, key_name
 from training.checkpoint import checkpoint_policy, metrics_dir
 from training.planner.runner import PLAN_FILENAME
-from training.planner.schema import EvalSection, PlanError, parse_eval_table
+from training.planner.schema import PlanError
 from training.progress import plot_curves, rows_from_steps_parquet
 from viewer import links
 from viewer.data import checkpoint_tasks
@@ -44,45 +49,41 @@ from viewer.data import checkpoint_tasks
 EVAL_POOL = "eval"  # the instance lets two ops of this pool run at once (dagster_project/instance.py)
 
 
-EVAL_DEFAULTS = EvalSection()  # the run file's [eval] defaults: the config's below are these
+EVAL_DEFAULTS = EvalSection()  # the run file's [eval] defaults
 
 
-class DeepSWEEvalConfig(dg.Config):
-    """How a checkpoint is evaluated: the keys and defaults of the run file's ``[eval]`` table
-    (``training.planner.schema.EvalSection``, which documents each), so a run's eval and this
-    config read alike. The checkpoint sensor, the demo and ``posttrain backfill`` fill it from the
-    run's ``[eval]`` (:func:`eval_run_config`).
+def dagster_config(section: type, name: str, doc: str) -> type[dg.Config]:
+    """A Dagster config class with the keys, types, defaults and meanings of a run-file section (a
+    frozen dataclass of ``sandboxes.settings`` fields): the launchpad shows each key's meaning, and
+    the section stays the one place the keys are declared. A list of names is a list here (Dagster
+    config has no tuples); the constraints are the section's, checked when the asset reads the config."""
+    hints = typing.get_type_hints(section)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        hint, default = hints[f.name], f.default
+        if typing.get_origin(hint) is tuple:
+            hint, default = list[str], list(default)
+        fields[key_name(f)] = (hint, pydantic.Field(default=default, description=f.metadata.get("doc") or None))
+    config = pydantic.create_model(name, __base__=dg.Config, **fields)
+    config.__doc__, config.__module__ = doc, __name__
+    return config
 
-    ``dataset``: ``bundled`` (the suite under the datasets folder), a task source (a SWE-bench file,
-    a built suite folder), or a Harbor dataset folder (DeepSWE v1.1's ``tasks/``, or ``posttrain
-    tasks export-harbor`` output), whose images are built from the repository sources in
-    ``sources`` and whose attempts run DeepSWE v1.1's verifier flow (``assets.harbor_eval``).
-    ``task_ids``: the tasks to evaluate (empty: all of ``split``; ``all``: every split).
-    ``network``: a Harbor image built here may reach the package registries (date cutoff on).
-    ``environment_check``: the reference solution runs once per Harbor image, and strict credit
-    spares the existing tests it fails there. ``max_infra_error_share``: the share of attempts
-    lost to the infrastructure above which the run's check fails."""
 
-    dataset: str = EVAL_DEFAULTS.dataset
-    sources: str = EVAL_DEFAULTS.sources or ""
-    task_ids: list[str] = list(EVAL_DEFAULTS.task_ids)
-    split: str = EVAL_DEFAULTS.split
-    attempts: int = EVAL_DEFAULTS.attempts
-    max_turns: int = EVAL_DEFAULTS.max_turns
-    max_new_tokens: int = EVAL_DEFAULTS.max_new_tokens
-    temperature: float = EVAL_DEFAULTS.temperature
-    seed: int = EVAL_DEFAULTS.seed
-    workers: int = EVAL_DEFAULTS.workers
-    sandbox_runtime: str = EVAL_DEFAULTS.sandbox_runtime
-    network: bool = EVAL_DEFAULTS.network
-    environment_check: bool = EVAL_DEFAULTS.environment_check
-    max_infra_error_share: float = EVAL_DEFAULTS.max_infra_error_share
+DeepSWEEvalConfig = dagster_config(EvalSection, "DeepSWEEvalConfig", """How a checkpoint is evaluated: the run file's
+``[eval]`` table (``evals.settings.EvalSection``, which declares and documents each key). The
+checkpoint sensor, the demo and ``posttrain backfill`` fill it from the run's ``[eval]``
+(:func:`eval_run_config`); ``deepswe_eval`` reads it back into an ``EvalSection`` once.
+
+``dataset``: ``bundled`` (the suite under the datasets folder), a task source (a SWE-bench file,
+a built suite folder), or a Harbor dataset folder (DeepSWE v1.1's ``tasks/``, or ``posttrain
+tasks export-harbor`` output), whose images are built from the repository sources in
+``sources`` and whose attempts run DeepSWE v1.1's verifier flow (``assets.harbor_eval``).
+``task_ids``: the tasks to evaluate (empty: all of ``split``; ``all``: every split).""")
 
 
 def eval_config(section: EvalSection) -> dict[str, Any]:
-    """``deepswe_eval``'s config (:class:`DeepSWEEvalConfig`) from a validated ``[eval]`` table."""
-    return {key: list(value) if isinstance(value, tuple) else value
-            for key, value in vars(section).items() if value is not None}
+    """``deepswe_eval``'s config (:data:`DeepSWEEvalConfig`) from a validated ``[eval]`` table."""
+    return as_table(section)
 
 
 def eval_run_config(section: EvalSection) -> dict[str, Any]:
@@ -146,32 +147,36 @@ def deepswe_eval(
     launched on Kubernetes is evaluated in an eval pod of that run, on its own engines and sandbox
     pool (:mod:`training.fleet_eval`), its rows written on the run volume: where the run ran decides."""
     key = context.partition_key
+    try:  # the one [eval] of everything below; a config that does not validate fails at once, not retried
+        section = parse_eval_table(config.model_dump(), source=f"deepswe_eval config of {key}")
+    except SettingsError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
     pod_file = run_eval_pod_file(storage, key)
-    if pod_file is not None and not is_harbor_dataset(config.dataset):
-        tasks, rows, adapter_version = fleet_eval_rows(context, config, storage, pod_file, rows_path)
-    elif is_harbor_dataset(config.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
+    if pod_file is not None and not is_harbor_dataset(section.dataset):
+        tasks, rows, adapter_version = fleet_eval_rows(context, section, storage, pod_file, rows_path)
+    elif is_harbor_dataset(section.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
         policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
         adapter_version = policy.adapter_version
-        tasks, rows = harbor_eval_rows(context, config, storage, policy)
+        tasks, rows = harbor_eval_rows(context, section, storage, policy)
     else:
         policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
         adapter_version = policy.adapter_version
         engine_log = rows_path.with_suffix(".engine.log")
-        tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split),
+        tasks = select_tasks(load_eval_tasks(section.dataset, eval_split(section.split),
                                              bundled_dir=storage.datasets_dir() / "bundled"),
-                             config.task_ids, config.dataset)
+                             section.task_ids, section.dataset)
         rows = evaluate_checkpoint(
-            tasks, policy.base_model, platform_sandbox_factory(config.sandbox_runtime), checkpoint=key,
-            adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
-            max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-            seed=config.seed, workers=config.workers, log=context.log.info, engine_log=engine_log,
+            tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), checkpoint=key,
+            adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=section.attempts,
+            max_turns=section.max_turns, max_new_tokens=section.max_new_tokens, temperature=section.temperature,
+            seed=section.seed, workers=section.workers, log=context.log.info, engine_log=engine_log,
         )
     path = rows_path if pod_file is not None else write_rows(rows, rows_path)  # the eval pod wrote its own
 
     frame = pd.DataFrame(rows)
-    summary = run_summary(frame, config.attempts)
+    summary = run_summary(frame, section.attempts)
     metadata = {
         "path": dg.MetadataValue.path(str(path)),
         **({"engine_log": dg.MetadataValue.path(str(engine_log))} if engine_log else {}),
@@ -186,8 +191,8 @@ def deepswe_eval(
     tasks_table = checkpoint_tasks(storage.path, key, context.run_id)
     metadata["per_task"] = per_task_table(tasks_table["rows"], key)
     metadata["flips"] = dg.MetadataValue.json({"compared_with": tasks_table["base"], **flip_counts(tasks_table["rows"])})
-    checks = [check_attempts_recorded(frame, [t.id for t in tasks], config.attempts),
-              check_infra_share(frame, config.max_infra_error_share), check_no_duplicates(frame)]
+    checks = [check_attempts_recorded(frame, [t.id for t in tasks], section.attempts),
+              check_infra_share(frame, section.max_infra_error_share), check_no_duplicates(frame)]
     return dg.MaterializeResult(metadata={k: rounded(v) for k, v in metadata.items()}, check_results=checks)
 
 
@@ -200,7 +205,7 @@ def run_eval_pod_file(storage: PosttrainStorage, checkpoint: str) -> Path | None
     return path if path.is_file() else None
 
 
-def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig, storage: PosttrainStorage,
+def fleet_eval_rows(context: dg.AssetExecutionContext, section: EvalSection, storage: PosttrainStorage,
                     pod_file: Path, rows_path: Path) -> tuple[list[Any], list[dict[str, Any]], str | None]:
     """Evaluate the partition's checkpoint in the eval pod of its Kubernetes run (``pod_file``,
     :func:`training.planner.k8s.eval_pod`): ``python -m training.fleet_eval`` through Dagster Pipes,
@@ -221,14 +226,14 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, config: DeepSWEEvalConfig
     ckpt = storage.checkpoint_dir(key)
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     hand_to_workloads(rows_path.parent)
-    settings = {k: getattr(config, k) for k in EVAL_SETTINGS}
+    settings = {k: getattr(section, k) for k in EVAL_SETTINGS}
     launcher.run(context, EVAL_MODULE, ["--checkpoint", key, "--checkpoint-dir", in_pod(ckpt), "--rows", in_pod(rows_path),
                                         "--settings", json.dumps(settings)],
                  pod_spec=pod["spec"], pod_meta=pod["metadata"], namespace=pod["namespace"])
     if not rows_path.is_file():
         raise FileNotFoundError(f"checkpoint {key}: the eval pod ended without writing {rows_path}")
-    tasks = select_tasks(load_eval_tasks(config.dataset, eval_split(config.split), bundled_dir=storage.datasets_dir() / "bundled"),
-                         config.task_ids, config.dataset)
+    tasks = select_tasks(load_eval_tasks(section.dataset, eval_split(section.split), bundled_dir=storage.datasets_dir() / "bundled"),
+                         section.task_ids, section.dataset)
     return tasks, pd.read_parquet(rows_path).to_dict("records"), read_metadata(ckpt, name=key).get("adapter_version")
 
 

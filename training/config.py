@@ -1,16 +1,24 @@
 """The trainer's settings: one frozen dataclass, parsed once from a mapping (the resolved run plan's
-``trainer`` table, or JSON), with errors that name the key."""
+``trainer`` table, or JSON), with errors that name the key.
+
+Each key is declared once, here: :class:`TrainConfig` and the loss settings it holds whole
+(:class:`LossConfig`, handed to the loss as one object). A field declared with
+``sandboxes.settings.setting`` (its constraint, choices and meaning) is a key of the run file's
+``[trainer]`` table, which the run planner makes from these fields (``training.planner.schema``);
+the loss's keys sit in ``[trainer]`` and in the trainer's JSON flat, under their run-file names
+(``tis_cap``, ``kl_coef``, ``loss_weighting``, ``scale_advantages_by_std``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from evals.signals import ALL_SIGNALS
+from sandboxes.settings import NON_NEGATIVE, POSITIVE, key_name, setting
 
 
 # The choice lists of the trainer's keys, spelled here only: ``TrainConfig.validate`` checks them and
@@ -58,45 +66,84 @@ def groups_per_step(collection_size: int, group_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class LossConfig:
+    """Every setting of the GRPO objective (``training.grpo``), declared here only, as one object:
+    the trainer config holds it whole (``TrainConfig.loss``), the loop hands it to
+    ``training.grpo.batch_from_groups`` and to each backend's ``train_step``, which passes it to
+    ``training.grpo.grpo_loss``. A backend holds the model and optimizer only. It lives in this
+    module, not beside the loss, because the run planner reads these fields and must not import torch.
+
+    ``tis_cap``: the truncated importance weight's cap; ``kl_coef``: beta of the KL term to the
+    reference policy (0: none, and the reference is not computed); ``weighting`` (run-file key
+    ``loss_weighting``, one of :data:`LOSS_WEIGHTINGS`): how the loss weighs episodes, see
+    ``training.grpo.batch_from_groups``; ``scale_advantages_by_std``: divide each group's advantages
+    by its reward std."""
+
+    tis_cap: float = field(default=2.0, metadata=setting(POSITIVE, doc="truncated importance-sampling cap"))
+    kl_coef: float = field(default=0.0, metadata=setting(NON_NEGATIVE, doc=(
+        "beta of the k3 KL term to the base model (0: none, and the reference is not computed)")))
+    # how the policy-gradient loss weighs episodes (LOSS_WEIGHTINGS): "token", every
+    # generated token alike; "sequence", every episode alike, however many turns it took
+    weighting: str = field(default="token", metadata=setting(
+        choices=LOSS_WEIGHTINGS, key="loss_weighting", doc="token: every generated token alike; sequence: every episode"))
+    scale_advantages_by_std: bool = field(default=False, metadata=setting(
+        doc="divide each group's advantages by its reward std"))
+
+    def __post_init__(self) -> None:
+        if self.weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss weighting {self.weighting!r}: expected one of {', '.join(LOSS_WEIGHTINGS)}")
+
+    @classmethod
+    def from_config(cls, cfg: "TrainConfig") -> "LossConfig":
+        """The run's loss settings: the trainer config's, whole."""
+        return cfg.loss
+
+
+# The loss's keys in [trainer] and in the trainer's JSON -> the LossConfig field each sets.
+LOSS_KEYS = {key_name(f): f.name for f in dataclasses.fields(LossConfig)}
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """Every trainer key, with its default written here only: the loss settings
-    (training.grpo.LossConfig) and the trainer backends' keyword arguments named in
-    :data:`BACKEND_KEYS` (training.backends) default to these."""
+    """Every trainer key, with its default written here only: the trainer backends' keyword
+    arguments named in :data:`BACKEND_KEYS` (training.backends) default to these. A field with
+    ``setting`` metadata is a ``[trainer]`` key of the run file; ``loss`` is the loss's settings,
+    whose keys are read and written flat (:data:`LOSS_KEYS`; ``cfg.tis_cap`` reads ``cfg.loss.tis_cap``)."""
 
     run_name: str = "demo"
     base_model: str = ""  # a Hugging Face model folder
-    backend: str = "torch_peft"
+    backend: str = field(default="torch_peft", metadata=setting(choices=tuple(BACKENDS)))
     recompute: str = "none"  # what backward recomputes: none, full, attention_output (training.recompute)
     device: str = ""  # where the backend trains (cpu, cuda, cuda:N); empty: the backend's default
     dtype: str = ""  # the backend's weight dtype (float32, bfloat16, float16); empty: the backend's default
     # megatron only: trainer processes (GPUs) that split one model replica; the processes form
     # processes / tensor_parallel_size data-parallel replicas (training.backends.parallel). 0: all of
     # them, one replica. The torch/peft backend has one process per replica.
-    tensor_parallel_size: int = 0
-    steps: int = 44
+    tensor_parallel_size: int = field(default=0, metadata=setting(NON_NEGATIVE, doc=(
+        "megatron: GPUs that split one model replica; gpus / tensor_parallel_size replicas train data parallel")))
+    steps: int = field(default=44, metadata=setting(POSITIVE))
     groups_per_step: int = 6  # whole groups the trainer takes per step (from a run file: groups_per_step())
     # Dynamic sampling: a step goes on taking groups until groups_per_step of them have reward variance
     # (a group whose episodes all scored alike has no gradient), or it has taken this many; 0: off, a
     # step takes groups_per_step groups whatever their rewards (training.loop.RunState.take)
-    max_groups_per_step: int = 0
+    max_groups_per_step: int = field(default=0, metadata=setting(NON_NEGATIVE, doc=(
+        "dynamic sampling: groups a step may take to fill it with groups that have reward variance")))
     group_size: int = 8  # samples per task per group
     max_policy_lag: int = 1  # a group sampled by adapter version v is used at steps <= v + 1 + lag
-    producer_workers: int = 2  # threads running groups; 0 = synchronous (deterministic, for tests)
-    episode_workers: int = 4  # episodes in flight at once across the producers (each a model call or a sandbox)
-    checkpoint_every: int = 11
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    learning_rate: float = 2e-3
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    scale_advantages_by_std: bool = False
-    # how the policy-gradient loss weighs episodes (LOSS_WEIGHTINGS): "token", every
-    # generated token alike; "sequence", every episode alike, however many turns it took
-    loss_weighting: str = "token"
-    temperature: float = 1.0
-    reward: str = "reward"  # one of REWARDS: the grading score an episode is rewarded with
+    # threads running groups; 0 = synchronous (deterministic, for tests)
+    producer_workers: int = field(default=2, metadata=setting(NON_NEGATIVE))
+    # episodes in flight at once across the producers (each a model call or a sandbox)
+    episode_workers: int = field(default=4, metadata=setting(POSITIVE, doc="episodes in flight at once"))
+    checkpoint_every: int = field(default=11, metadata=setting(POSITIVE, doc="steps between checkpoints"))
+    lora_rank: int = field(default=16, metadata=setting(POSITIVE))
+    lora_alpha: int = field(default=32, metadata=setting(POSITIVE))
+    learning_rate: float = field(default=2e-3, metadata=setting(POSITIVE))
+    loss: LossConfig = field(default=LossConfig(), metadata=setting(doc="the loss's settings, flat in [trainer]"))
+    temperature: float = field(default=1.0, metadata=setting(POSITIVE))
+    reward: str = field(default="reward", metadata=setting(choices=REWARDS, doc="the grading score an episode is rewarded with"))
     # one of INTEGRITY_GATES: what happens to an attempt that a gating cheating signal flagged
-    integrity_gate: str = "zero"
+    integrity_gate: str = field(default="zero", metadata=setting(choices=INTEGRITY_GATES, doc=(
+        "an attempt a cheating signal flagged: zero (reward 0), drop (out of its group) or off (its score)")))
     # The signals (evals.signals.ALL_SIGNALS) that do not gate; every other one does, a signal added
     # to evals later included. Only spawns_processes by default: a genuine fix may well run a
     # subprocess or kill a child process (the rule matches `subprocess`, `system(`, `kill(`), while
@@ -104,17 +151,19 @@ class TrainConfig:
     # tests or their config, patch the test framework, sys.modules, builtins or interpreter frames,
     # end the process with os._exit, compare equal to anything, break the results stream's rules;
     # report_rewritten now means the report files disagree with what the tests reported).
-    integrity_exempt_signals: tuple[str, ...] = ("spawns_processes",)
+    integrity_exempt_signals: tuple[str, ...] = field(default=("spawns_processes",), metadata=setting(choices=ALL_SIGNALS, doc=(
+        "cheating signals that do not gate (evals.signals); [] gates on every signal")))
     reuse_grading: bool = True  # grade an identical patch of a task once (its tests must be deterministic)
-    max_new_tokens: int = 48
-    max_turns: int = 4
-    seed: int = 0
-    torch_threads: int = 1
-    publish_streams: int = 4
+    max_new_tokens: int = field(default=48, metadata=setting(POSITIVE, doc="per model turn"))
+    max_turns: int = field(default=4, metadata=setting(POSITIVE, doc="per episode"))
+    seed: int = field(default=0, metadata=setting())
+    torch_threads: int = field(default=1, metadata=setting(POSITIVE))
+    publish_streams: int = field(default=4, metadata=setting(POSITIVE, doc="parallel HTTP streams"))
     tasks: str = ""  # the bundled suite folder (or any task source evals can load)
     curriculum: str = ""  # curriculum.json from the difficulty_curriculum asset
     task_stream: bool = False  # RL draws tasks generated as the run goes (training.curriculum.TaskStream)
-    environment: str = "harness"  # the group runner: harness (evals agent harness) or a registered name
+    # the group runner: harness (evals agent harness) or a registered name
+    environment: str = field(default="harness", metadata=setting(doc="harness, or module:function"))
     replicas: int = 1  # local engine replicas; more than 1 run behind the router, and one that dies is replaced
     engine_max_total_tokens: int = 0  # each local replica's KV token budget (0: the engine's default)
     engine_max_running_requests: int = 0  # each local replica's admission (0: the engine's default)
@@ -129,13 +178,16 @@ class TrainConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "trainer config") -> "TrainConfig":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
+        """A config from flat trainer keys (the loss's among them, :data:`LOSS_KEYS`), each checked."""
+        fields = {f.name for f in dataclasses.fields(cls) if f.name != "loss"} | set(LOSS_KEYS)
+        unknown = sorted(set(data) - fields)
         if unknown:
             raise ValueError(f"{source}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(fields))}")
         values: dict[str, Any] = {}
+        loss: dict[str, Any] = {}
+        default, default_loss = cls(), LossConfig()
         for key, value in data.items():
-            want = type(getattr(cls(), key))
+            want = type(getattr(default_loss, LOSS_KEYS[key]) if key in LOSS_KEYS else getattr(default, key))
             if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if want is tuple:  # a list of names (JSON has lists)
@@ -144,8 +196,14 @@ class TrainConfig:
                 value = tuple(value)
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ValueError(f"{source}: key {key!r} must be {want.__name__}, got {value!r}")
-            values[key] = value
-        config = cls(**values)
+            if key in LOSS_KEYS:
+                if key == "loss_weighting" and value not in LOSS_WEIGHTINGS:
+                    raise ValueError(f"{source}: key 'loss_weighting' must be one of {', '.join(LOSS_WEIGHTINGS)}, "
+                                     f"got {value!r}")
+                loss[LOSS_KEYS[key]] = value
+            else:
+                values[key] = value
+        config = cls(**values, loss=LossConfig(**loss))
         config.validate(source)
         return config
 
@@ -182,9 +240,6 @@ class TrainConfig:
             raise ValueError(f"{source}: key 'backend' must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.reward not in REWARDS:
             raise ValueError(f"{source}: key 'reward' must be one of {', '.join(REWARDS)}, got {self.reward!r}")
-        if self.loss_weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"{source}: key 'loss_weighting' must be one of {', '.join(LOSS_WEIGHTINGS)}, "
-                             f"got {self.loss_weighting!r}")
         if self.integrity_gate not in INTEGRITY_GATES:
             raise ValueError(f"{source}: key 'integrity_gate' must be one of {', '.join(INTEGRITY_GATES)}, "
                              f"got {self.integrity_gate!r}")
@@ -236,7 +291,16 @@ class TrainConfig:
         return cls.from_mapping(data, str(path))
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as the flat JSON :meth:`load` reads (the loss's keys beside the others)."""
+        data = {key: value for key, value in dataclasses.asdict(self).items() if key != "loss"}
+        return {**data, **{key: getattr(self.loss, name) for key, name in LOSS_KEYS.items()}}
+
+
+# cfg.tis_cap, cfg.loss_weighting, ...: the loss's keys read flat, as the trainer's JSON writes them
+for _key, _name in LOSS_KEYS.items():
+    setattr(TrainConfig, _key, property(lambda self, _name=_name: getattr(self.loss, _name),
+                                        doc=f"``loss.{_name}`` (trainer key ``{_key}``)"))
+del _key, _name
 
 
 LOCAL_ENGINE_FLAGS = {"--max-total-tokens": "engine_max_total_tokens", "--max-running-requests": "engine_max_running_requests"}

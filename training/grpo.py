@@ -17,8 +17,9 @@ cap bounds the variance. The optional KL term is the k3 estimator against the re
 base model with the adapter disabled): ``exp(ref - logπ) - (ref - logπ) - 1``, also token-averaged.
 
 Every setting of the objective (``tis_cap``, ``kl_coef``, how episodes are weighed, whether advantages
-are scaled by the group std) travels as one :class:`LossConfig`, built once from the trainer config;
-the batch (:func:`batch_from_groups`) and each backend step (``training.backends``) are given it.
+are scaled by the group std) travels as one :class:`training.config.LossConfig`, declared once with the
+trainer's keys and held whole by the trainer config (``TrainConfig.loss``); the batch
+(:func:`batch_from_groups`) and each backend step (``training.backends``) are given it.
 
 **Integrity gate.** The policy optimizes the reward, so an attempt that scored by cheating (an
 ``__eq__`` that returns True, a patched test runner, edited tests) would be reinforced on every step.
@@ -38,7 +39,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from evals.signals import ALL_SIGNALS
-from training.config import INTEGRITY_GATES, LOSS_WEIGHTINGS, TrainConfig
+from training.config import INTEGRITY_GATES, LossConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -63,34 +64,6 @@ class TrainBatch:
     @property
     def generated_tokens(self) -> int:
         return sum(sum(m) for m in self.loss_mask)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Every setting of the GRPO objective, as one object: the loop builds it once from the trainer
-    config (:meth:`from_config`) and hands it to :func:`batch_from_groups` and to each backend's
-    ``train_step``, which passes it to :func:`grpo_loss`. A backend holds the model and optimizer only.
-
-    ``tis_cap``: the truncated importance weight's cap; ``kl_coef``: β of the KL term to the reference
-    policy (0: none, and the reference is not computed); ``weighting`` (one of :data:`LOSS_WEIGHTINGS`):
-    how the loss weighs episodes, see :func:`batch_from_groups`; ``scale_advantages_by_std``: divide
-    each group's advantages by its reward std. The defaults are the trainer config's
-    (:class:`training.config.TrainConfig`, keys ``tis_cap``, ``kl_coef``, ``loss_weighting``,
-    ``scale_advantages_by_std``)."""
-
-    tis_cap: float = TrainConfig.tis_cap
-    kl_coef: float = TrainConfig.kl_coef
-    weighting: str = TrainConfig.loss_weighting
-    scale_advantages_by_std: bool = TrainConfig.scale_advantages_by_std
-
-    def __post_init__(self) -> None:
-        if self.weighting not in LOSS_WEIGHTINGS:
-            raise ValueError(f"loss weighting {self.weighting!r}: expected one of {', '.join(LOSS_WEIGHTINGS)}")
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "LossConfig":
-        return cls(tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef, weighting=cfg.loss_weighting,
-                   scale_advantages_by_std=cfg.scale_advantages_by_std)
 
 
 DEFAULT_LOSS = LossConfig()
@@ -176,7 +149,7 @@ def has_reward_variance(rewards: Sequence[float]) -> bool:
     return bool(group_advantages(torch.tensor([list(rewards)])).kept[0])
 
 
-def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = TrainConfig.scale_advantages_by_std,
+def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = LossConfig.scale_advantages_by_std,
                      eps: float = 1e-6) -> GroupAdvantages:
     """Advantages of ``rewards`` shaped ``[groups, samples]``, relative to each group's mean."""
     if rewards.dim() != 2:

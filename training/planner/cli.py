@@ -18,7 +18,7 @@ from training.planner.resolve import Plan, resolve
 from training.planner.runner import (
     RunStartError, apply_k8s, default_run_dir, is_plan, kube_api_client, start_local, wait_fleet, write_resolved_plan,
 )
-from training.planner.schema import PlanError
+from training.planner.schema import PlanError, run_file_reference
 
 BOX_WIDTH = 96
 
@@ -176,8 +176,14 @@ def _print_server_side_dry_run(manifests: list[dict], kubeconfig: str | None) ->
         print(f"  {what}", file=sys.stderr)
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """Print the run file's key reference (``docs/run-file.md``), written from the sections' declarations."""
+    print(run_file_reference(), end="")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``plan``, ``validate`` and ``run`` to the ``posttrain`` parser."""
+    """Add ``plan``, ``validate``, ``run`` and ``keys`` to the ``posttrain`` parser."""
     plan = sub.add_parser(
         "plan",
         help="resolve a run file to a plan (JSON on stdout, tips on stderr)",
@@ -218,3 +224,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--fleet-timeout", type=float, default=3600.0, metavar="SECONDS",
                      help="with --target k8s, how long to wait for the engines, router and pool (default: 3600)")
     run.set_defaults(func=cmd_run)
+
+    keys = sub.add_parser(
+        "keys", help="print every run-file key: its type, default, allowed values and meaning (Markdown)",
+        description="Print the run file's key reference, every section, from the declarations the planner "
+        "validates with (what docs/run-file.md holds).")
+    keys.set_defaults(func=cmd_keys)

@@ -1,74 +1,75 @@
 """The run file: one TOML file per RL run, parsed once into frozen dataclasses.
 
-Every key of every section is declared here, with its type, its constraint and its default (the
-defaults of the ``generic`` profile live in ``presets.GENERIC_DEFAULTS`` for the inference knobs,
-which a preset may own). Parsing collects every problem in the file before raising, and each
-message names the file, the section and the key, and says what was expected.
+This module composes the run file from its sections; each section is declared once, in the package
+that uses it, and composed here: ``[eval]`` is ``evals.settings.EvalSection``, ``[trainer]`` is made
+from the trainer's config (``training.config.TrainConfig`` and its ``LossConfig``), and the sections
+the planner alone reads (``[run]``, ``[model]``, ``[inference]``'s sizing knobs, ``[async]``,
+``[sandbox]``, ``[curriculum]``, ``[kubernetes]``) are declared below, with their types,
+constraints and defaults (the defaults of the ``generic`` profile live in
+``presets.GENERIC_DEFAULTS`` for the inference knobs, which a preset may own). One vocabulary
+(``sandboxes.settings``) validates every section: parsing collects every problem in the file before
+raising, and each message names the file, the section and the key, and says what was expected.
+``docs/run-file.md`` is written from these declarations (:func:`run_file_reference`).
+
+The composition lives here, in ``training.planner``, rather than in a package above training: the
+planner is what reads the whole file (it resolves it into the plan, the trainer's table and the
+Kubernetes manifests, and ``training.fleet_eval`` and the trainer read the plan back), and training
+is the lowest package that may import every section's package (evals, serving, sandboxes). A
+package above training would have to take the planner with it, or the planner would import upward.
+The layers above (``assets``, ``dagster_project``) read the plan's tables with the sections' own
+parsers (``evals.settings.parse_eval_table``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import inspect
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from evals.signals import ALL_SIGNALS
+from evals.settings import EvalSection, parse_eval_table  # noqa: F401 (parse_eval_table: the CLI imports it from here)
 from sandboxes.files import read_regular_bytes
+from sandboxes.settings import (
+    FRACTION, NON_NEGATIVE, POSITIVE, SettingsError, key_name, markdown_table, parse_section, setting,
+)
 from serving.sglang import SGLANG_IMAGE
-from training.config import BACKENDS, INTEGRITY_GATES, LOSS_WEIGHTINGS, REWARDS, TrainConfig
+from training.config import TrainConfig
 
 # The engine servers a replica may run (python -m serving.replica --engine vllm on CPUs, SGLang on GPUs).
 ENGINES = ("sglang", "vllm")
 
-# Constraint tags carried in field metadata.
-POSITIVE = "positive"
-NON_NEGATIVE = "non-negative"
-FRACTION = "fraction"  # 0 < x <= 1
-
-
-def _key(check: str | None = None, *, choices: tuple[str, ...] | None = None, doc: str = "") -> dict[str, Any]:
-    return {"check": check, "choices": choices, "doc": doc}
-
-
-class PlanError(ValueError):
-    """A run file that cannot be planned. ``problems`` holds one message per offending key."""
-
-    def __init__(self, problems: list[str], detail: str = "") -> None:
-        self.problems = list(problems)
-        self.detail = detail
-        text = "\n".join(self.problems)
-        super().__init__(text + (f"\n{detail}" if detail else ""))
+# The run planner's name for settings that do not validate (and for a run file that cannot be
+# planned): one class, so that a caller catching PlanError also catches an [eval] table's errors.
+PlanError = SettingsError
 
 
 @dataclass(frozen=True)
 class RunSection:
     """``[run]``: the name of the run and where it writes."""
 
-    name: str | None = field(default=None, metadata=_key(doc="run name; default: the run file's stem"))
-    dir: str | None = field(default=None, metadata=_key(doc="run directory; default: $POSTTRAIN_HOME/runs/NAME"))
+    name: str | None = field(default=None, metadata=setting(doc="run name; default: the run file's stem"))
+    dir: str | None = field(default=None, metadata=setting(doc="run directory; default: $POSTTRAIN_HOME/runs/NAME"))
 
 
 @dataclass(frozen=True)
 class ModelSection:
     """``[model]``: what is served and trained, and its serving geometry (for memory sizing)."""
 
-    name: str | None = field(default=None, metadata=_key(doc="model id, e.g. a Hugging Face id"))
-    path: str | None = field(default=None, metadata=_key(doc="local checkpoint folder whose config.json gives the geometry"))
-    family: str | None = field(default=None, metadata=_key(doc="model family that presets are measured on, e.g. olmo35-hybrid"))
-    weights_gib: float | None = field(default=None, metadata=_key(POSITIVE))
-    full_attention_layers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
-    kv_heads: int | None = field(default=None, metadata=_key(POSITIVE))
-    head_dim: int | None = field(default=None, metadata=_key(POSITIVE))
-    kv_dtype_bytes: int | None = field(default=None, metadata=_key(POSITIVE))
-    recurrent_layers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
-    recurrent_heads: int | None = field(default=None, metadata=_key(POSITIVE))
-    recurrent_state_dims: tuple[int, ...] | None = field(default=None, metadata=_key(POSITIVE))
-    recurrent_state_dtype_bytes: int | None = field(default=None, metadata=_key(POSITIVE))
+    name: str | None = field(default=None, metadata=setting(doc="model id, e.g. a Hugging Face id"))
+    path: str | None = field(default=None, metadata=setting(doc="local checkpoint folder whose config.json gives the geometry"))
+    family: str | None = field(default=None, metadata=setting(doc="model family that presets are measured on, e.g. olmo35-hybrid"))
+    weights_gib: float | None = field(default=None, metadata=setting(POSITIVE))
+    full_attention_layers: int | None = field(default=None, metadata=setting(NON_NEGATIVE))
+    kv_heads: int | None = field(default=None, metadata=setting(POSITIVE))
+    head_dim: int | None = field(default=None, metadata=setting(POSITIVE))
+    kv_dtype_bytes: int | None = field(default=None, metadata=setting(POSITIVE))
+    recurrent_layers: int | None = field(default=None, metadata=setting(NON_NEGATIVE))
+    recurrent_heads: int | None = field(default=None, metadata=setting(POSITIVE))
+    recurrent_state_dims: tuple[int, ...] | None = field(default=None, metadata=setting(POSITIVE))
+    recurrent_state_dtype_bytes: int | None = field(default=None, metadata=setting(POSITIVE))
 
 
 @dataclass(frozen=True)
@@ -78,86 +79,74 @@ class InferenceSection:
     ``None`` means "not set in the file": the profile (a preset, or the generic defaults) fills it.
     """
 
-    profile: str = field(default="generic", metadata=_key(doc="generic, or a preset name"))
-    engine: str | None = field(default=None, metadata=_key(choices=ENGINES, doc=(
+    profile: str = field(default="generic", metadata=setting(doc="generic, or a preset name"))
+    engine: str | None = field(default=None, metadata=setting(choices=ENGINES, doc=(
         "the server of each replica: sglang (GPUs) or vllm (vLLM's CPU build behind the capture front, "
         "python -m serving.replica); default: vllm for gpu = \"cpu\", sglang otherwise")))
-    engines: int = field(default=1, metadata=_key(POSITIVE))
-    max_engines: int | None = field(default=None, metadata=_key(POSITIVE, doc=(
+    engines: int = field(default=1, metadata=setting(POSITIVE))
+    max_engines: int | None = field(default=None, metadata=setting(POSITIVE, doc=(
         "on Kubernetes, the most replicas the engines' StatefulSet may be scaled to while the run goes "
         "(kubectl scale): the router knows each one's name and a replica joins once it answers; default: engines")))
-    gpu: str = field(default="cpu", metadata=_key(doc="hardware name: cpu, h100, h200, b200, b300, ..."))
-    gpus_per_engine: int = field(default=1, metadata=_key(POSITIVE, doc="tensor-parallel size of one engine"))
-    gpu_memory_gib: float | None = field(default=None, metadata=_key(POSITIVE, doc="memory of one device"))
-    max_context_length: int | None = field(default=None, metadata=_key(POSITIVE))
-    sglang_max_running_requests: int | None = field(default=None, metadata=_key(POSITIVE))
-    sglang_server_concurrency: int | None = field(default=None, metadata=_key(POSITIVE))
-    sglang_cuda_graph_max_bs_decode: int | None = field(default=None, metadata=_key(POSITIVE))
-    sglang_max_total_tokens: int | None = field(default=None, metadata=_key(POSITIVE))
-    sglang_max_mamba_cache_size: int | None = field(default=None, metadata=_key(POSITIVE))
-    sglang_mem_fraction_static: float | None = field(default=None, metadata=_key(FRACTION))
+    gpu: str = field(default="cpu", metadata=setting(doc="hardware name: cpu, h100, h200, b200, b300, ..."))
+    gpus_per_engine: int = field(default=1, metadata=setting(POSITIVE, doc="tensor-parallel size of one engine"))
+    gpu_memory_gib: float | None = field(default=None, metadata=setting(POSITIVE, doc="memory of one device"))
+    max_context_length: int | None = field(default=None, metadata=setting(POSITIVE))
+    sglang_max_running_requests: int | None = field(default=None, metadata=setting(POSITIVE))
+    sglang_server_concurrency: int | None = field(default=None, metadata=setting(POSITIVE))
+    sglang_cuda_graph_max_bs_decode: int | None = field(default=None, metadata=setting(POSITIVE))
+    sglang_max_total_tokens: int | None = field(default=None, metadata=setting(POSITIVE))
+    sglang_max_mamba_cache_size: int | None = field(default=None, metadata=setting(POSITIVE))
+    sglang_mem_fraction_static: float | None = field(default=None, metadata=setting(FRACTION))
     sglang_disable_radix_cache: bool | None = None
-    sglang_chunked_prefill_size: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_chunked_prefill_size: int | None = field(default=None, metadata=setting(POSITIVE))
     sglang_mamba_scheduler_strategy: str | None = field(
-        default=None, metadata=_key(choices=("no_buffer", "extra_buffer"))
+        default=None, metadata=setting(choices=("no_buffer", "extra_buffer"))
     )
-    sglang_max_loras_per_batch: int | None = field(default=None, metadata=_key(POSITIVE))
+    sglang_max_loras_per_batch: int | None = field(default=None, metadata=setting(POSITIVE))
     sglang_image: str = SGLANG_IMAGE  # one release: the launch flags are checked against its parser
 
 
-@dataclass(frozen=True)
-class TrainerSection:
-    """``[trainer]``: the GRPO learner on a LoRA adapter.
-
-    The keys are those of the trainer's config (``training.config.TrainConfig``, which
-    ``python -m training --config`` reads), of the same types and with its choice lists; a key left
-    out takes the trainer's own default, which lives with the trainer. ``gpus`` sizes the trainer pod
-    and is the only key of this table that is not the trainer's (``_check_trainer_keys``).
-    """
-
-    backend: str | None = field(default=None, metadata=_key(choices=tuple(BACKENDS)))
-    steps: int | None = field(default=None, metadata=_key(POSITIVE))
-    learning_rate: float | None = field(default=None, metadata=_key(POSITIVE))
-    lora_rank: int | None = field(default=None, metadata=_key(POSITIVE))
-    lora_alpha: int | None = field(default=None, metadata=_key(POSITIVE))
-    kl_coef: float | None = field(default=None, metadata=_key(NON_NEGATIVE))
-    tis_cap: float | None = field(default=None, metadata=_key(POSITIVE, doc="truncated importance-sampling cap"))
-    scale_advantages_by_std: bool | None = None
-    temperature: float | None = field(default=None, metadata=_key(POSITIVE))
-    reward: str | None = field(default=None, metadata=_key(choices=REWARDS,
-                                                            doc="the grading score an episode is rewarded with"))
-    loss_weighting: str | None = field(default=None, metadata=_key(choices=LOSS_WEIGHTINGS,
-                                                                    doc="token: every generated token alike; sequence: every episode"))
-    max_groups_per_step: int | None = field(default=None, metadata=_key(
-        NON_NEGATIVE, doc="dynamic sampling: groups a step may take to fill it with groups that have reward variance"))
-    integrity_gate: str | None = field(default=None, metadata=_key(choices=INTEGRITY_GATES, doc=(
-        "an attempt a cheating signal flagged: zero (reward 0), drop (out of its group) or off (its score)")))
-    integrity_exempt_signals: tuple[str, ...] | None = field(default=None, metadata=_key(choices=ALL_SIGNALS, doc=(
-        "cheating signals that do not gate (evals.signals); [] gates on every signal")))
-    max_new_tokens: int | None = field(default=None, metadata=_key(POSITIVE, doc="per model turn"))
-    max_turns: int | None = field(default=None, metadata=_key(POSITIVE, doc="per episode"))
-    checkpoint_every: int | None = field(default=None, metadata=_key(POSITIVE, doc="steps between checkpoints"))
-    seed: int | None = None
-    torch_threads: int | None = field(default=None, metadata=_key(POSITIVE))
-    publish_streams: int | None = field(default=None, metadata=_key(POSITIVE, doc="parallel HTTP streams"))
-    producer_workers: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
-    episode_workers: int | None = field(default=None, metadata=_key(POSITIVE, doc="episodes in flight at once"))
-    environment: str | None = field(default=None, metadata=_key(doc="harness, or module:function"))
-    tensor_parallel_size: int | None = field(default=None, metadata=_key(NON_NEGATIVE, doc=(
-        "megatron: GPUs that split one model replica; gpus / tensor_parallel_size replicas train data parallel")))
-    gpus: int = field(default=0, metadata=_key(NON_NEGATIVE, doc=(
-        "GPUs of the trainer (its pod on Kubernetes): one trainer process per GPU, data parallel")))
+def trainer_keys(config: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    """The ``[trainer]`` keys of a trainer config class: run-file name -> (type, field) of each field
+    declared with ``setting`` metadata, the loss's (``TrainConfig.loss``) flat under their run-file names."""
+    keys: dict[str, tuple[Any, dataclasses.Field]] = {}
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if "check" not in f.metadata:
+            continue  # a key the planner derives (base_model, group_size, ...) or the trainer's own
+        if dataclasses.is_dataclass(hints[f.name]):
+            inner = typing.get_type_hints(hints[f.name])
+            keys.update({key_name(g): (inner[g.name], g) for g in dataclasses.fields(hints[f.name])})
+        else:
+            keys[f.name] = (hints[f.name], f)
+    return keys
 
 
 # The keys of [trainer] that size the trainer's pod rather than configure the trainer.
 TRAINER_POD_KEYS = ("gpus",)
 
+# ``[trainer]``: the GRPO learner on a LoRA adapter. Its keys are the trainer's config's
+# (``training.config.TrainConfig`` and its ``LossConfig``, where each is declared with its type, its
+# choices and its default), made optional here: a key left out takes the trainer's own default.
+# ``gpus`` sizes the trainer pod and is the only key of this table that is not the trainer's.
+TrainerSection = dataclasses.make_dataclass(
+    "TrainerSection",
+    [(key, hint | None, field(default=None, metadata={**f.metadata, "key": None}))
+     for key, (hint, f) in trainer_keys(TrainConfig).items()]
+    + [("gpus", int, field(default=0, metadata=setting(NON_NEGATIVE, doc=(
+        "GPUs of the trainer (its pod on Kubernetes): one trainer process per GPU, data parallel"))))],
+    frozen=True)
+TrainerSection.__module__ = __name__
+TrainerSection.__doc__ = ("``[trainer]``: the GRPO learner on a LoRA adapter. Its keys are declared with the trainer's "
+                          "config (``training.config.TrainConfig`` and its ``LossConfig``), each optional here: a key "
+                          "left out takes the trainer's own default. ``gpus`` sizes the trainer's pod.")
+
 
 def _check_trainer_keys() -> None:
-    """Every ``[trainer]`` key but the pod's is a ``TrainConfig`` field of the same type (optional
-    here), so that the plan's trainer table always loads; a key added to one and not the other, or
-    retyped, fails at import instead of in a run."""
-    config_types = typing.get_type_hints(TrainConfig)
+    """Every ``[trainer]`` key but the pod's is a key of ``TrainConfig`` of the same type (optional
+    here), so that the plan's trainer table always loads. ``TrainerSection`` is made from
+    ``TrainConfig``, so this holds by construction; the test of the schema checks it still does."""
+    config_types = {key: hint for key, (hint, _) in trainer_keys(TrainConfig).items()}
     for name, hint in typing.get_type_hints(TrainerSection).items():
         if name in TRAINER_POD_KEYS:
             continue
@@ -166,31 +155,28 @@ def _check_trainer_keys() -> None:
                             f"({config_types.get(name, 'absent')} in training.config.TrainConfig)")
 
 
-_check_trainer_keys()
-
-
 @dataclass(frozen=True)
 class AsyncSection:
     """``[async]``: how much work is in flight and how stale it may be when trained on."""
 
-    group_size: int = field(default=8, metadata=_key(POSITIVE, doc="samples per prompt (GRPO group)"))
+    group_size: int = field(default=8, metadata=setting(POSITIVE, doc="samples per prompt (GRPO group)"))
     # samples per trainer step; the trainer counts groups: groups_per_step = collection_size / group_size
     # (training.config.groups_per_step, the one place the two are related)
-    collection_size: int = field(default=48, metadata=_key(POSITIVE, doc="samples per trainer step (whole groups)"))
-    async_max_concurrent_samples: int | None = field(default=None, metadata=_key(POSITIVE))
-    max_policy_lag: int = field(default=1, metadata=_key(NON_NEGATIVE, doc="adapter versions a sample may lag"))
+    collection_size: int = field(default=48, metadata=setting(POSITIVE, doc="samples per trainer step (whole groups)"))
+    async_max_concurrent_samples: int | None = field(default=None, metadata=setting(POSITIVE))
+    max_policy_lag: int = field(default=1, metadata=setting(NON_NEGATIVE, doc="adapter versions a sample may lag"))
 
 
 @dataclass(frozen=True)
 class SandboxSection:
     """``[sandbox]``: one sandbox per episode."""
 
-    runtime: str = field(default="auto", metadata=_key(choices=("auto", "runsc", "bwrap", "k8s")))
-    cpus: float = field(default=1.0, metadata=_key(POSITIVE, doc="CPUs per sandbox"))
-    memory_gib: float = field(default=2.0, metadata=_key(POSITIVE, doc="memory per sandbox"))
-    max_sandboxes: int | None = field(default=None, metadata=_key(POSITIVE, doc="default: the producer budget"))
-    command_timeout_s: float = field(default=120.0, metadata=_key(POSITIVE))
-    image: str | None = field(default=None, metadata=_key(doc=(
+    runtime: str = field(default="auto", metadata=setting(choices=("auto", "runsc", "bwrap", "k8s")))
+    cpus: float = field(default=1.0, metadata=setting(POSITIVE, doc="CPUs per sandbox"))
+    memory_gib: float = field(default=2.0, metadata=setting(POSITIVE, doc="memory per sandbox"))
+    max_sandboxes: int | None = field(default=None, metadata=setting(POSITIVE, doc="default: the producer budget"))
+    command_timeout_s: float = field(default=120.0, metadata=setting(POSITIVE))
+    image: str | None = field(default=None, metadata=setting(doc=(
         "on Kubernetes, the sandbox pod image of a task that is a folder (the bundled suite, the task stream): "
         "python3, git, tar, pxd at /opt/pxd/pxd.py; its repository is copied in at start")))
 
@@ -199,12 +185,12 @@ class SandboxSection:
 class CurriculumSection:
     """``[curriculum]``: the tasks and their order from the base model's pass rates."""
 
-    tasks: str | None = field(default=None, metadata=_key(doc="task source folder or file (default: the bundled suite)"))
-    curriculum_file: str | None = field(default=None, metadata=_key(doc="curriculum.json of difficulty_curriculum"))
-    attempts_per_task: int | None = field(default=None, metadata=_key(POSITIVE, doc="k base-model attempts per task"))
-    retry_after_steps: int | None = field(default=None, metadata=_key(POSITIVE))
-    open_hard_after_steps: int | None = field(default=None, metadata=_key(NON_NEGATIVE))
-    task_stream: bool | None = field(default=None, metadata=_key(
+    tasks: str | None = field(default=None, metadata=setting(doc="task source folder or file (default: the bundled suite)"))
+    curriculum_file: str | None = field(default=None, metadata=setting(doc="curriculum.json of difficulty_curriculum"))
+    attempts_per_task: int | None = field(default=None, metadata=setting(POSITIVE, doc="k base-model attempts per task"))
+    retry_after_steps: int | None = field(default=None, metadata=setting(POSITIVE))
+    open_hard_after_steps: int | None = field(default=None, metadata=setting(NON_NEGATIVE))
+    task_stream: bool | None = field(default=None, metadata=setting(
         doc="RL draws tasks generated and validated as the run goes, each new to it (bundled suite only)"))
 
 
@@ -213,62 +199,21 @@ class KubernetesSection:
     """``[kubernetes]``: where ``posttrain run --target k8s`` puts the run."""
 
     namespace: str = "posttrain"
-    image: str = field(default="posttrain:latest", metadata=_key(doc="image with this package installed"))
-    volume_gib: int = field(default=200, metadata=_key(POSITIVE, doc="size of the shared run volume"))
+    image: str = field(default="posttrain:latest", metadata=setting(doc="image with this package installed"))
+    volume_gib: int = field(default=200, metadata=setting(POSITIVE, doc="size of the shared run volume"))
     storage_class: str | None = None
-    volume_claim: str | None = field(default=None, metadata=_key(doc=(
+    volume_claim: str | None = field(default=None, metadata=setting(doc=(
         "an existing ReadWriteMany claim the run's pods mount instead of a volume of the run's own: several "
         "runs, and the Dagster storage root (a mount of it), on one volume")))
     service_account: str | None = None
-    priority_class: str | None = field(default=None, metadata=_key(doc="priorityClassName of every pod of the run"))
-    keep_fleet: bool = field(default=False, metadata=_key(
+    priority_class: str | None = field(default=None, metadata=setting(doc="priorityClassName of every pod of the run"))
+    keep_fleet: bool = field(default=False, metadata=setting(
         doc="rl_run leaves the engines, router and sandbox pool running when the trainer ends (false: deleted with it)"))
-    node_cpus: float | None = field(default=None, metadata=_key(POSITIVE, doc=(
+    node_cpus: float | None = field(default=None, metadata=setting(POSITIVE, doc=(
         "allocatable CPUs of the node the run's pods share: the planner sizes every pod's requests to fit it "
         "(with node_memory_gib; unset: the fixed requests of a GPU cluster's pods)")))
-    node_memory_gib: float | None = field(default=None, metadata=_key(POSITIVE, doc=(
+    node_memory_gib: float | None = field(default=None, metadata=setting(POSITIVE, doc=(
         "allocatable memory of that node, GiB")))
-
-
-@dataclass(frozen=True)
-class EvalSection:
-    """``[eval]``: how each checkpoint of the run is evaluated. The checkpoint sensor's evaluations,
-    the demo's, ``posttrain backfill`` and ``posttrain eval`` read it; the ``deepswe_eval`` asset's
-    config has the same keys and these defaults (``assets.evals.DeepSWEEvalConfig``)."""
-
-    dataset: str = field(default="bundled", metadata=_key(doc=(
-        "bundled (the generated suite), a task source, or a Harbor dataset folder such as DeepSWE's tasks/")))
-    sources: str | None = field(default=None, metadata=_key(doc=(
-        "folder of repository sources a Harbor dataset's images are built from (git folders or bundles)")))
-    task_ids: tuple[str, ...] = field(default=(), metadata=_key(doc="task ids to evaluate; [] evaluates every one"))
-    split: str = field(default="eval", metadata=_key(doc=(
-        "the split evaluated: eval (held out), train, or all; a Harbor task without a split counts as held out")))
-    attempts: int = field(default=8, metadata=_key(POSITIVE, doc="attempts per task (the k of pass@k)"))
-    max_turns: int = field(default=4, metadata=_key(POSITIVE, doc="model turns per attempt"))
-    max_new_tokens: int = field(default=48, metadata=_key(POSITIVE, doc="tokens per model turn"))
-    temperature: float = field(default=1.0, metadata=_key(NON_NEGATIVE))
-    seed: int = field(default=0, metadata=_key(NON_NEGATIVE))
-    workers: int = field(default=2, metadata=_key(POSITIVE, doc="attempts run at once"))
-    sandbox_runtime: str = field(default="bwrap", metadata=_key(choices=("bwrap", "gvisor")))
-    network: bool = field(default=True, metadata=_key(doc=(
-        "a Harbor image built for the eval may reach the package registries (with the benchmark's date cutoff)")))
-    environment_check: bool = field(default=True, metadata=_key(doc=(
-        "run each Harbor task's reference solution once per image, so that strict credit spares the "
-        "existing tests it fails here")))
-    max_infra_error_share: float = field(default=0.1, metadata=_key(FRACTION, doc=(
-        "share of attempts lost to the infrastructure above which the eval's check fails")))
-
-
-def parse_eval_table(table: Any, source: str) -> EvalSection:
-    """An ``[eval]`` table (from a run file, a plan, or command-line options) validated into an
-    :class:`EvalSection`; ``PlanError`` naming ``source`` and each offending key."""
-    problems: list[str] = []
-    if isinstance(table, Mapping):  # a plan writes the keys left unset as null
-        table = {key: value for key, value in table.items() if value is not None}
-    section, _ = _parse_section(EvalSection, table, "eval", source, problems)
-    if problems:
-        raise PlanError(problems)
-    return section
 
 
 @dataclass(frozen=True)
@@ -304,77 +249,6 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
-    """Convert a TOML value to ``hint``; return (value, None) or (None, what was expected)."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0])
-    if hint is bool:
-        return (value, None) if isinstance(value, bool) else (None, "true or false")
-    if hint is int:
-        return (value, None) if isinstance(value, int) and not isinstance(value, bool) else (None, "an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value), None
-        return None, "a number"
-    if hint is str:
-        return (value, None) if isinstance(value, str) and value else (None, "a non-empty string")
-    if typing.get_origin(hint) is tuple and args[0] is str:
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            return None, "a list of names"
-        return tuple(value), None
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(value, list) or not value:
-            return None, "a non-empty list of integers"
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return None, "a non-empty list of integers"
-        return tuple(value), None
-    raise TypeError(f"unsupported field type {hint!r}")  # a bug in this module, not in the file
-
-
-def _check(value: Any, meta: Mapping[str, Any]) -> str | None:
-    check, choices = meta.get("check"), meta.get("choices")
-    values = value if isinstance(value, tuple) else (value,)
-    if check == POSITIVE and any(v <= 0 for v in values):
-        return "a positive value" if len(values) == 1 else "positive values"
-    if check == NON_NEGATIVE and any(v < 0 for v in values):
-        return "a value of 0 or more"
-    if check == FRACTION and not 0 < value <= 1:
-        return "a fraction in (0, 1]"
-    if choices and any(v not in choices for v in values):
-        return ("names among " if isinstance(value, tuple) else "one of ") + ", ".join(repr(c) for c in choices)
-    return None
-
-
-def _parse_section(cls: type, table: Any, section: str, source: str, problems: list[str]) -> tuple[Any, set[str]]:
-    explicit: set[str] = set()
-    if not isinstance(table, dict):
-        problems.append(f"{source}: [{section}] must be a table, got {_describe(table)}")
-        return cls(), explicit
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    for key, raw in table.items():
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            problems.append(f"{source}: [{section}] {key}: unknown key; [{section}] takes: {known}")
-            continue
-        value, expected = _convert(raw, hints[key])
-        if expected is None:
-            expected = _check(value, fields[key].metadata)
-        if expected is not None:
-            problems.append(f"{source}: [{section}] {key}: expected {expected}, got {_describe(raw)}")
-            continue
-        values[key] = value
-        explicit.add(f"{section}.{key}")
-    return cls(**values), explicit
-
-
 def parse_run_dict(data: Mapping[str, Any], source: str = "<dict>") -> RunFile:
     """Validate a run file already read into a mapping (the shape ``tomllib`` returns)."""
     problems: list[str] = []
@@ -386,7 +260,7 @@ def parse_run_dict(data: Mapping[str, Any], source: str = "<dict>") -> RunFile:
                 f"{source}: [{key}]: unknown section; a run file has " + ", ".join(f"[{s}]" for s in SECTIONS)
             )
     for section, cls in SECTIONS.items():
-        value, keys = _parse_section(cls, data.get(section, {}), section, source, problems)
+        value, keys = parse_section(cls, data.get(section, {}), section, source, problems)
         parsed[section] = value
         explicit |= keys
     if problems:
@@ -429,3 +303,24 @@ def read_run_toml(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise PlanError([f"{path}: not valid TOML: {exc}"]) from exc
     return data
+
+
+RUN_FILE_REFERENCE = "docs/run-file.md"  # from the repository root
+
+
+def run_file_reference() -> str:
+    """The key reference of the run file, every section, as the Markdown of ``docs/run-file.md``,
+    written from the sections' declarations (defaults shown for ``[trainer]`` are the trainer's own).
+    Rewrite the file after changing a section: ``posttrain keys > docs/run-file.md``."""
+    trainer = TrainerSection(**{key: getattr(TrainConfig(), key) for key in trainer_keys(TrainConfig)})
+    parts = [("# Run file keys\n\n"
+             "<!-- Written by `posttrain keys > docs/run-file.md` from the sections' declarations "
+             "(tests/test_run_config.py checks it is current); edit the declarations, not this file. -->\n\n"
+             "Every key of every section of the run file, with its type, default and allowed values, as declared "
+             "in the package that uses it; an empty default is unset (the planner, a profile or the trainer "
+             "decides it: docs/planner.md). See docs/planner.md for how the planner reads them.\n")]
+    for name, cls in SECTIONS.items():
+        defaults = trainer if cls is TrainerSection else None
+        where = "" if cls is TrainerSection else f" Declared in `{cls.__module__}.{cls.__name__}`."
+        parts.append(f"## `[{name}]`\n\n{inspect.cleandoc(cls.__doc__ or '')}{where}\n\n{markdown_table(cls, defaults)}")
+    return "\n".join(parts)

@@ -1,0 +1,53 @@
+"""``[eval]``: how each checkpoint of a run is evaluated, declared once, here, where it is used.
+
+The run file's ``[eval]`` table is this dataclass: the planner validates it with the rest of the
+run file (``training.planner.schema`` composes the sections) and keeps it whole in the plan; the
+checkpoint sensor, ``posttrain backfill``, ``posttrain eval`` and the demo read it back from there
+(:func:`parse_eval_table`), and the ``deepswe_eval`` asset's Dagster config is generated from these
+fields (``assets.evals.DeepSWEEvalConfig``), so the keys, their types and their defaults are
+written in this file only. The vocabulary (constraints, choices, the validation) is
+``sandboxes.settings``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, parse_table, setting
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """``[eval]``: how each checkpoint of the run is evaluated. The checkpoint sensor's evaluations,
+    the demo's, ``posttrain backfill`` and ``posttrain eval`` read it; ``deepswe_eval``'s config is
+    made from it."""
+
+    dataset: str = field(default="bundled", metadata=setting(doc=(
+        "bundled (the generated suite), a task source, or a Harbor dataset folder such as DeepSWE's tasks/")))
+    sources: str | None = field(default=None, metadata=setting(doc=(
+        "folder of repository sources a Harbor dataset's images are built from (git folders or bundles)")))
+    task_ids: tuple[str, ...] = field(default=(), metadata=setting(doc="task ids to evaluate; [] evaluates every one"))
+    split: str = field(default="eval", metadata=setting(doc=(
+        "the split evaluated: eval (held out), train, or all; a Harbor task without a split counts as held out")))
+    attempts: int = field(default=8, metadata=setting(POSITIVE, doc="attempts per task (the k of pass@k)"))
+    max_turns: int = field(default=4, metadata=setting(POSITIVE, doc="model turns per attempt"))
+    max_new_tokens: int = field(default=48, metadata=setting(POSITIVE, doc="tokens per model turn"))
+    temperature: float = field(default=1.0, metadata=setting(NON_NEGATIVE))
+    seed: int = field(default=0, metadata=setting(NON_NEGATIVE))
+    workers: int = field(default=2, metadata=setting(POSITIVE, doc="attempts run at once"))
+    sandbox_runtime: str = field(default="bwrap", metadata=setting(choices=("bwrap", "gvisor")))
+    network: bool = field(default=True, metadata=setting(doc=(
+        "a Harbor image built for the eval may reach the package registries (with the benchmark's date cutoff)")))
+    environment_check: bool = field(default=True, metadata=setting(doc=(
+        "run each Harbor task's reference solution once per image, so that strict credit spares the "
+        "existing tests it fails here")))
+    max_infra_error_share: float = field(default=0.1, metadata=setting(FRACTION, doc=(
+        "share of attempts lost to the infrastructure above which the eval's check fails")))
+
+
+def parse_eval_table(table: Any, source: str) -> EvalSection:
+    """An ``[eval]`` table (from a run file, a plan, a Dagster config or command-line options)
+    validated into an :class:`EvalSection`; ``sandboxes.settings.SettingsError`` (the planner's
+    ``PlanError``) naming ``source`` and each offending key. A key set to ``None`` is unset."""
+    return parse_table(EvalSection, table, "eval", source)
