@@ -64,7 +64,7 @@ from typing import Any, Callable, Container, Sequence
 from sandboxes.home import default_suite_dir
 from evals import safe_ast
 from evals.actions import apply_edits, content_edits, failing_summary
-from evals.call_checks import call_checks
+from evals.call_checks import answer_hidden_in, call_checks
 from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
 from evals.quicktest import RUNNER_FILE
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
@@ -482,6 +482,9 @@ def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
         if broken:
             raise SuiteBuildError(f"task {task.id}: existing tests fail at the base commit: {broken}")
         module = task.metadata["module_file"]
+        # the grading below needs the hidden inputs answered: here, where only the task's own tests
+        # ran, instead of in a sandbox of their own
+        answer_hidden_in(sandbox, task, sandbox_factory)
         edits = [(line, text) for _, line, text in task.metadata["reference_edits"]]
         sandbox.write_file(module, apply_edits(sandbox.read_file(module).decode(), edits).encode())
         commit = sandbox.exec(f"git add {module} && git commit -q -m 'reference solution'", timeout_s=30)

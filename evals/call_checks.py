@@ -235,34 +235,85 @@ def _hidden_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int,
             if key in _answers and _answers[key][0] is sandbox_factory:
                 return _answers[key][1]
         encoded = _compute_answers(task, sandbox_factory, line_edits, calls)
-        answers = tuple({i: decode(v) for i, v in side.items()} for side in encoded)
-        with _answers_guard:
-            # the factory is kept with its answers: a factory's id is reused only once it is gone
-            _answers[key] = (sandbox_factory, answers)
-            while len(_answers) > _ANSWERS_KEPT:
-                _answers.popitem(last=False)
-            _answers_locks.pop(key, None)
+        return _keep_answers(key, sandbox_factory, encoded)
+
+
+def _keep_answers(key, sandbox_factory, encoded) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Decode the probe's answers and keep them under ``key`` with their factory (held by the
+    caller's per-key lock)."""
+    answers = tuple({i: decode(v) for i, v in side.items()} for side in encoded)
+    with _answers_guard:
+        # the factory is kept with its answers: a factory's id is reused only once it is gone
+        _answers[key] = (sandbox_factory, answers)
+        while len(_answers) > _ANSWERS_KEPT:
+            _answers.popitem(last=False)
+        _answers_locks.pop(key, None)
     return answers
 
 
 def _compute_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int, Any], dict[int, Any]]:
     """The answers, as the probe encoded them, of the reference solution and of the base module, in
     a fresh sandbox of the task."""
-    module_file = f"{module_name(task)}.py"
-    probe_calls = [CallCheck(test_id, function, args, None) for test_id, function, args in calls]
     try:
         with sandbox_factory(task) as sandbox:
-            base_source = sandbox.read_file(module_file).decode()
-            try:
-                fixed = apply_edits(base_source, list(line_edits))
-            except ValueError as exc:
-                raise ValueError(f"task {task.id}: metadata.reference_edits do not fit {module_file}: {exc}") from exc
-            unfixed = _answers_of(sandbox, task, probe_calls)
-            sandbox.write_file(module_file, fixed.encode())
-            reference = _answers_of(sandbox, task, probe_calls)
+            return _answers_in(sandbox, task, line_edits, calls)
     except (InfraError, OSError) as exc:
         raise InfraError(f"task {task.id}: answering the hidden inputs in a fresh sandbox failed: {exc}") from exc
+
+
+def _answers_in(sandbox, task, line_edits, calls, restore: bool = False) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The reference solution's and the base module's answers in ``sandbox``, whose work tree holds
+    the base module; its module file is left with the reference edits applied, or as it was with
+    ``restore``."""
+    module_file = f"{module_name(task)}.py"
+    probe_calls = [CallCheck(test_id, function, args, None) for test_id, function, args in calls]
+    base_source = sandbox.read_file(module_file).decode()
+    try:
+        fixed = apply_edits(base_source, list(line_edits))
+    except ValueError as exc:
+        raise ValueError(f"task {task.id}: metadata.reference_edits do not fit {module_file}: {exc}") from exc
+    unfixed = _answers_of(sandbox, task, probe_calls)
+    sandbox.write_file(module_file, fixed.encode())
+    reference = _answers_of(sandbox, task, probe_calls)
+    if restore:
+        sandbox.write_file(module_file, base_source.encode())
     return reference, unfixed
+
+
+def answer_hidden_in(sandbox, task, sandbox_factory, seed: int = 0) -> None:
+    """Answer ``task``'s hidden inputs of ``seed`` in ``sandbox`` and keep them as the answers of
+    ``sandbox_factory`` (:func:`hidden_checks` then starts no sandbox for them), unless that factory
+    has them already. For a caller that holds a fresh sandbox of the task in which only the host's
+    own code ran, its work tree at the base commit (:func:`evals.bundled.validate_task`, after the
+    base run of the task's own tests): one sandbox instead of two. The answers must never come from
+    a sandbox an agent's command reached. The module file is left as it was; the task's metadata is
+    checked as :func:`hidden_checks` checks it."""
+    visible = call_checks(task)
+    edits = (task.metadata or {}).get("reference_edits")
+    if visible is None or not isinstance(edits, list) or not edits:
+        return
+    try:
+        line_edits = tuple((int(line), str(text)) for _, line, text in edits)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"task {task.id}: metadata.reference_edits must be [file, line, text] lists: {exc}") from exc
+    calls = tuple(hidden_inputs(task, visible, seed))
+    if not calls:
+        return
+    key = (_answers_key(task, line_edits, calls), id(sandbox_factory))
+    with _answers_guard:
+        if key in _answers and _answers[key][0] is sandbox_factory:
+            return
+        lock = _answers_locks.setdefault(key, threading.Lock())
+    with lock:
+        with _answers_guard:
+            if key in _answers and _answers[key][0] is sandbox_factory:
+                return
+        try:
+            encoded = _answers_in(sandbox, task, line_edits, calls, restore=True)
+        except (InfraError, OSError) as exc:
+            raise InfraError(f"task {task.id}: answering the hidden inputs in its validation sandbox failed: "
+                             f"{exc}") from exc
+        _keep_answers(key, sandbox_factory, encoded)
 
 
 def _choose(calls: Sequence[tuple[str, str, str]], reference: Mapping[int, Any],

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Protocol
@@ -235,7 +236,27 @@ def platform_sandbox_factory(runtime: str = "bwrap", **start_kwargs) -> SandboxF
     (:func:`copy_workspace`), so a folder made while the run goes needs no image build. The
     task's resource limits become the sandbox's (CPU, memory, wall time from the agent timeout plus
     the test timeout).
+
+    Called with a local runtime and no other argument, it returns that runtime's one factory of the
+    process: what is computed once per factory (the hidden inputs' answers,
+    :func:`evals.call_checks.hidden_checks`) is then computed once for the trainer's episodes and
+    the task stream that validates their tasks (:class:`training.curriculum.TaskStream`), which
+    otherwise answered every new task twice, in a sandbox each.
     """
+    shared = runtime in ("bwrap", "gvisor") and not start_kwargs
+    if shared:
+        with _shared_lock:
+            if runtime not in _shared_factories:
+                _shared_factories[runtime] = _make_factory(runtime)
+            return _shared_factories[runtime]
+    return _make_factory(runtime, **start_kwargs)
+
+
+_shared_factories: dict[str, SandboxFactory] = {}
+_shared_lock = threading.Lock()
+
+
+def _make_factory(runtime: str, **start_kwargs) -> SandboxFactory:
     pool = None
     base_image = ""
     if runtime == "k8s":

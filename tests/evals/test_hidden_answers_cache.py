@@ -43,10 +43,10 @@ def _bwrap():
 def test_a_validated_task_is_not_answered_again_in_its_final_folder(tmp_path):
     factory = CountingFactory()
     task = build_task(stream_task(7, 1, 0), tmp_path / "tasks", factory)  # validated aside, then renamed
-    assert factory.starts == 3  # the base run, the hidden answers, the reference solution's grading
+    assert factory.starts == 2  # the base run with the hidden answers, the reference solution's grading
     result = grade_patch(task, "", factory)
     assert result.scores is not None and result.scores.reward == 0.0
-    assert factory.starts == 4  # the grading's own sandbox only
+    assert factory.starts == 3  # the grading's own sandbox only
 
     other = CountingFactory()  # another factory answers them in a sandbox of its own
     again = grade_patch(task, "", other)
