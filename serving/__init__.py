@@ -1,8 +1,11 @@
 """posttrain serving: engines, capture in the replica, adapter versions, the router, the fleet.
 
-Everything speaks SGLang's native HTTP API, so in production the replica *is* SGLang and locally it
-is ``serving.local_engine.LocalEngine`` (transformers + peft on CPU). Nothing here imports Dagster or
-another posttrain package.
+Everything speaks SGLang's native HTTP API (``/generate``, the adapter routes, ``/sessions``). A replica
+(``python -m serving.replica``) is an engine process behind the capture front (:mod:`serving.capture`,
+which records every call): vLLM by default (its CPU build here and on a Kubernetes CPU fleet), SGLang
+on GPUs, or the project's ``serving.local_engine.LocalEngine`` (transformers + peft on CPU), each
+reached through one client protocol (:mod:`serving.engines`). Nothing here imports Dagster; of
+posttrain's packages only ``sandboxes``, below it.
 
 A tiny model for tests and CPU runs (no downloads)::
 
@@ -65,9 +68,12 @@ for the session's life)::
     fleet = LocalFleet(model_dir, router, mode="thread"); fleet.scale_up(2)
     router_server = serve_router(router, port=0)   # POST /generate, /end_session, /workers, /publish_adapter
 
-SGLang on Kubernetes: ``serving.sglang.sglang_server_args(plan)`` and ``sglang_launch_spec(plan, ...)``
-(a Deployment with the SGLang container and the capture sidecar ``python -m serving.capture``).
+On Kubernetes (``training.planner.k8s``): GPU engines are SGLang, one pod as
+``serving.sglang.sglang_launch_spec(knobs, ...)`` describes it (the SGLang container, with
+``sglang_server_args``, and the capture sidecar ``python -m serving.capture``), which the planner makes
+the run's engine StatefulSet; CPU engines are replicas of vLLM's CPU build (``python -m serving.replica
+--engine vllm``), a StatefulSet as well.
 
 Benchmarks: ``bench/router.py`` (simulated fleet, ``serving.sim``) and ``bench/serving_engine.py``.
-CLI: ``posttrain serving engine|router|sidecar|tiny-model|sglang-args``.
+CLI: ``posttrain serving replica|engine|router|sidecar|tiny-model|sglang-args``.
 """
