@@ -7,8 +7,8 @@ fills: an image it built is found, a missing one is built here with the same pro
 :func:`sandboxes.harbor.build_harbor_images`); with ``environment_check`` the reference solution runs
 once per image (:func:`evals.harbor.check_environments`, recorded under the datasets folder), so
 that strict credit spares the existing tests it fails here; every attempt runs DeepSWE v1.1's
-verifier flow (:func:`evals.harbor.evaluate_harbor_checkpoint`, the checkpoint's model served by a
-replica process). The rows are :class:`evals.attempts.AttemptRow` rows, as the bundled path's, so
+verifier flow (:func:`evals.harbor.evaluate_harbor`, the checkpoint's model served by a replica
+process: :func:`evals.evaluate.evaluate_checkpoint`). The rows are :class:`evals.attempts.AttemptRow` rows, as the bundled path's, so
 ``eval_report``, the flawed views and the asset's checks read them unchanged.
 
 A task the eval names (``task_ids``) that cannot be built, or whose image fails to build, has one
@@ -18,15 +18,16 @@ eval``'s exit status, never scored. The dataset's other unbuildable tasks are su
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import dagster as dg
 
 from assets.resources import PosttrainStorage
-from evals.attempts import INFRA_ERROR
+from evals.attempts import INFRA_ERROR, attempt_row
+from evals.evaluate import evaluate_checkpoint
 from evals.harbor import (
-    Verification, attempt_row, check_environments, eval_split, evaluate_harbor_checkpoint, harbor_sandbox_factory,
-    with_environment_records,
+    check_environments, eval_split, evaluate_harbor, harbor_sandbox_factory, with_environment_records,
 )
 from evals.tasks import load_harbor
 from sandboxes.cache import node_cache
@@ -99,10 +100,11 @@ def harbor_eval_rows(context: dg.AssetExecutionContext, config: Any, storage: Po
     rows: list[dict[str, Any]] = []
     if ready:
         record_dir = storage.evals_dir() / "harbor" / key / context.run_id
-        rows = evaluate_harbor_checkpoint(
+        rows = evaluate_checkpoint(
             ready, policy.base_model, factory,
             checkpoint=key, adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
-            workers=config.workers, record_dir=record_dir, engine_log=record_dir / "engine.log",
+            evaluate_served=functools.partial(evaluate_harbor, record_dir=record_dir, log=context.log.info),
+            workers=config.workers, engine_log=record_dir / "engine.log",
             log=context.log.info, max_turns=config.max_turns, max_new_tokens=config.max_new_tokens,
             # JSON tool calls: the compact format's prompt is made from a bundled task's own metadata
             temperature=config.temperature, seed=config.seed, action_format="json",
@@ -110,8 +112,8 @@ def harbor_eval_rows(context: dg.AssetExecutionContext, config: Any, storage: Po
     lost = {**{t.id: (t, f"the task's image was not built: {failures[t.id][-400:]}") for t in tasks if t.id in failures},
             **{t.id: (t, f"cannot be built: {t.reason}") for t in unbuildable}}
     for task, why in lost.values():
-        result = Verification(INFRA_ERROR, None, notes=[why])
-        rows += [attempt_row(task, a, None, result, key, policy.adapter_version) for a in range(config.attempts)]
+        rows += [attempt_row(task, a, None, checkpoint=key, adapter_version=policy.adapter_version, status=INFRA_ERROR,
+                             scores=None, detail=why).to_row() for a in range(config.attempts)]
     evaluated = [*tasks, *unbuildable]
     order = {t.id: i for i, t in enumerate(evaluated)}
     rows.sort(key=lambda r: (order[r["task_id"]], r["attempt"]))

@@ -12,11 +12,14 @@ Modules, in the order data flows through them:
 - :mod:`evals.harness`: :func:`~evals.harness.run_episode`, one episode -> a graded trajectory.
 - :mod:`evals.grading`: reports (JUnit XML, CTRF JSON) to DeepSWE-compatible scores; grading of
   committed work only (``posttrain grade``).
-- :mod:`evals.attempts`: one attempt's row (:class:`~evals.attempts.AttemptRow`), its statuses and
-  scores, and :func:`~evals.attempts.evaluate`: every attempt of every task through a
+- :mod:`evals.attempts`: one attempt's row (:class:`~evals.attempts.AttemptRow`, every one made by
+  :func:`~evals.attempts.attempt_row`), its statuses and scores, and
+  :func:`~evals.attempts.run_attempts`: every attempt of every task through a
   :class:`~evals.attempts.Verifier`, one per task format:
 - :mod:`evals.evaluate`: the bundled, SWE-bench and suite tasks' verifier (an episode of the harness,
-  graded by :mod:`evals.grading`), and a checkpoint served for the length of an eval;
+  graded by :mod:`evals.grading`), :func:`~evals.evaluate.evaluate` with it, and
+  :func:`~evals.evaluate.evaluate_checkpoint`: a checkpoint served for the length of an eval, for
+  either format;
 - :mod:`evals.harbor`: Harbor tasks' verifier (DeepSWE v1.1's verifier flow), their images, the
   environment check and the export of the bundled suite as Harbor tasks.
 - :mod:`evals.metrics`, :mod:`evals.flawed`, :mod:`evals.report`: pass@k, bootstrap intervals,

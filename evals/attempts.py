@@ -20,7 +20,9 @@ one of :data:`STATUSES`:
 - ``infra_error``: the sandboxes or the engine failed after every retry; no scores, and no aggregate
   counts it (never scored as 0).
 
-:func:`evaluate` runs every attempt of every task through one verifier, on a pool of workers.
+:func:`attempt_row` makes every row, whatever the format: the task, what the agent did
+(:class:`AgentRun`) and how its work was graded. :func:`run_attempts` runs every attempt of every
+task through one verifier, on a pool of workers.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from evals.tasks import Task
+from evals.signals import join_signals
+from evals.tasks import IncompleteTask, Task
 
 GRADED, APPLY_FAILED, INFRA_ERROR, AGENT_FAULT = "graded", "apply_failed", "infra_error", "agent_fault"
 STATUSES = (GRADED, APPLY_FAILED, AGENT_FAULT, INFRA_ERROR)
@@ -155,7 +158,48 @@ def attempt_seed(seed: int, task_index: int, attempt: int, retry: int = 0) -> in
     return seed * 1_000_003 + task_index * 1009 + attempt * 17 + retry
 
 
-def evaluate(tasks: Sequence[Task], verifier: Verifier, *, attempts: int = 8, workers: int = 2) -> list[AttemptRow]:
+@dataclass
+class AgentRun:
+    """What an agent did in one attempt: its committed patch, and how it went."""
+
+    patch: str
+    stop_reason: str = ""
+    committed: bool = False
+    turns: int = 0
+    output_tokens: int = 0
+    agent_s: float = 0.0
+    error: str = ""
+    session_id: str = ""
+
+    @classmethod
+    def of_episode(cls, traj: Any, patch: str | None = None, error: str = "") -> "AgentRun":
+        """The run of an episode (an :class:`evals.harness.Trajectory`); ``patch`` when its committed
+        work was read elsewhere (else the episode's own), ``error`` when the episode has none."""
+        return cls(traj.patch if patch is None else patch, traj.stop_reason, traj.committed, len(traj.calls),
+                   sum(len(c.output_ids) for c in traj.calls), traj.agent_s, traj.error or error, traj.session_id)
+
+
+def attempt_row(task: Task | IncompleteTask, attempt: int, run: AgentRun | None, *, checkpoint: str,
+                adapter_version: str | None, status: str, scores: Scores | None, detail: str = "",
+                grade_s: float = 0.0, signals: Iterable[str] = (), infra_retries: int = 0,
+                **viewer: str | None) -> AttemptRow:
+    """The :class:`AttemptRow` of attempt ``attempt`` of ``task``, whatever its format: what the agent
+    did (``run``; None when it never ran, as for a task that could not be built or an agent lost to
+    the infrastructure: stop reason ``infra_error``) and how its work was graded (``status``,
+    ``scores``, ``detail``, ``grade_s``, the cheating ``signals``). ``viewer``: what the trajectory
+    viewer shows (:data:`VIEWER_FIELDS`), where the verifier records it."""
+    return AttemptRow(
+        checkpoint=checkpoint, adapter_version=adapter_version, task_id=task.id, source=task.source,
+        difficulty=getattr(task, "difficulty", 0), split=getattr(task, "split", ""), attempt=attempt,
+        status=status, scores=scores, committed=bool(run and run.committed),
+        stop_reason=run.stop_reason if run else INFRA_ERROR, turns=run.turns if run else 0,
+        output_tokens=run.output_tokens if run else 0, agent_s=run.agent_s if run else 0.0, grade_s=grade_s,
+        infra_retries=infra_retries, detail=detail, session_id=run.session_id if run else "",
+        signals=join_signals(signals), **viewer,
+    )
+
+
+def run_attempts(tasks: Sequence[Task], verifier: Verifier, *, attempts: int = 8, workers: int = 2) -> list[AttemptRow]:
     """``attempts`` attempts of every task through ``verifier``, ``workers`` at a time; one row per
     attempt, in task order, then attempt order."""
     if attempts < 1:

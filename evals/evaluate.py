@@ -1,8 +1,8 @@
 """Evaluate one checkpoint: several attempts per task, one row per attempt.
 
 :func:`evaluate` is the ``deepswe_eval`` asset's evaluation of bundled, SWE-bench and suite tasks, usable
-without Dagster: :func:`evals.attempts.evaluate` with a :class:`BundledVerifier`, which runs an episode
-of the built-in harness and grades its committed work (:func:`evals.grading.grade_patch`)::
+without Dagster: :func:`evals.attempts.run_attempts` with a :class:`BundledVerifier`, which runs an
+episode of the built-in harness and grades its committed work (:func:`evals.grading.grade_patch`)::
 
     rows = evaluate(tasks, model, tokenizer, sandbox_factory, checkpoint="demo-step_000004",
                     adapter_version="step_000004", attempts=8)
@@ -17,8 +17,9 @@ with ``status="infra_error"`` and empty scores, and metrics leave it out (never 
 :func:`write_rows` stores rows as Parquet (temporary name, then rename).
 
 :func:`evaluate_checkpoint` serves a base model (and an adapter, merged into its weights) with an
-engine replica process (vLLM by default) and evaluates it; :func:`load_eval_tasks` picks the tasks of a source and split,
-:func:`select_tasks` the ones an eval names.
+engine replica process (vLLM by default) and evaluates it, with :func:`evaluate` or, on Harbor tasks,
+:func:`evals.harbor.evaluate_harbor`: the one path from a checkpoint to its rows.
+:func:`load_eval_tasks` picks the tasks of a source and split, :func:`select_tasks` the ones an eval names.
 """
 
 from __future__ import annotations
@@ -31,52 +32,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from evals import attempts as attempts_
-from evals.attempts import INFRA_ERROR, ROW_COLUMNS, SCORE_FIELDS, AttemptRow, attempt_seed, write_rows
+from evals.attempts import (
+    INFRA_ERROR, ROW_COLUMNS, SCORE_FIELDS, AgentRun, AttemptRow, attempt_row, attempt_seed, run_attempts, write_rows,
+)
 from evals.bundled import read_suite
 from evals.harness import HttpClient, ModelClient, Tokenizer, Trajectory, episode_context, run_episode
 from evals.sandbox import SandboxFactory
-from evals.signals import join_signals
 from evals.tasks import Task, load_tasks
 from serving.adapters import merge_adapter
 from serving.client import EngineClient
 from serving.engines.vllm import lora_rank_slot
 from serving.fleet import start_engine, stop_replica
 
-__all__ = ["ROW_COLUMNS", "SCORE_FIELDS", "BundledVerifier", "attempt_row", "evaluate", "evaluate_checkpoint",
+__all__ = ["ROW_COLUMNS", "SCORE_FIELDS", "BundledVerifier", "episode_attempt", "evaluate", "evaluate_checkpoint",
            "eval_split", "load_eval_tasks", "select_tasks", "served_checkpoint", "served_model", "write_rows"]
 
 # What an attempt did, for the trajectory viewer (``viewer``): bounded so a runaway attempt cannot
-# swell the Parquet file. ``test_outcomes`` and ``transcript`` are JSON text (see :func:`attempt_row`).
+# swell the Parquet file. ``test_outcomes`` and ``transcript`` are JSON text (see :func:`episode_attempt`).
 MAX_DIFF_CHARS = 200_000
 MAX_TEST_OUTPUT_CHARS = 20_000
 MAX_TURN_CHARS = 20_000
 
 
-def attempt_of(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> AttemptRow:
-    """The :class:`~evals.attempts.AttemptRow` of one graded (or infra-failed) episode of the harness."""
+def episode_attempt(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> AttemptRow:
+    """The :class:`~evals.attempts.AttemptRow` of one graded (or infra-failed) episode of the harness
+    (:func:`evals.attempts.attempt_row`), with what the viewer shows: the committed work, every test's
+    outcome, the test output and the transcript."""
     grade = traj.grade
     if traj.stop_reason == INFRA_ERROR or grade is None:
         status, scores, detail = INFRA_ERROR, None, traj.error or "not graded"
     else:
         status, scores, detail = grade.status, grade.scores, grade.detail
-    return AttemptRow(
-        checkpoint=checkpoint, adapter_version=traj.adapter_version, task_id=task.id, source=task.source,
-        difficulty=task.difficulty, split=task.split, attempt=attempt, status=status, scores=scores,
-        committed=traj.committed, stop_reason=traj.stop_reason, turns=len(traj.calls),
-        output_tokens=sum(len(c.output_ids) for c in traj.calls), agent_s=traj.agent_s, grade_s=traj.grade_s,
-        infra_retries=infra_retries, detail=detail, session_id=traj.session_id,
-        signals=join_signals(grade.signals) if grade is not None else "",
-        diff=traj.patch[:MAX_DIFF_CHARS],
+    return attempt_row(
+        task, attempt, AgentRun.of_episode(traj), checkpoint=checkpoint, adapter_version=traj.adapter_version,
+        status=status, scores=scores, detail=detail, grade_s=traj.grade_s, infra_retries=infra_retries,
+        signals=grade.signals if grade is not None else (), diff=traj.patch[:MAX_DIFF_CHARS],
         test_outcomes=json.dumps(outcome_of_tests(task, grade.statuses if grade is not None else None)),
         test_output=(grade.test_output if grade is not None else "")[-MAX_TEST_OUTPUT_CHARS:],
         transcript=json.dumps(attempt_transcript(task, traj)),
     )
-
-
-def attempt_row(task: Task, attempt: int, traj: Trajectory, checkpoint: str, infra_retries: int) -> dict[str, Any]:
-    """The Parquet row of one graded (or infra-failed) attempt (:func:`attempt_of`, as a row)."""
-    return attempt_of(task, attempt, traj, checkpoint, infra_retries).to_row()
 
 
 def outcome_of_tests(task: Task, statuses: Mapping[str, str] | None) -> list[dict[str, str]]:
@@ -147,7 +141,7 @@ class BundledVerifier:
             )
             if not traj.infra_error:
                 break
-        return attempt_of(task, attempt, traj, self.checkpoint, retry)
+        return episode_attempt(task, attempt, traj, self.checkpoint, retry)
 
 
 def evaluate(
@@ -170,13 +164,13 @@ def evaluate(
     **episode_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Run ``attempts`` episodes of every task and return one row per attempt, in task order:
-    :func:`evals.attempts.evaluate` with a :class:`BundledVerifier`, its rows as dicts."""
+    :func:`evals.attempts.run_attempts` with a :class:`BundledVerifier`, its rows as dicts."""
     verifier = BundledVerifier(
         model, tokenizer, sandbox_factory, checkpoint, adapter_version, seed=seed, infra_retries=infra_retries,
         reuse_grading=reuse_grading,
         episode=dict(action_format=action_format, max_turns=max_turns, max_new_tokens=max_new_tokens,
                      temperature=temperature, **episode_kwargs))
-    return [row.to_row() for row in attempts_.evaluate(tasks, verifier, attempts=attempts, workers=workers)]
+    return [row.to_row() for row in run_attempts(tasks, verifier, attempts=attempts, workers=workers)]
 
 
 def eval_split(split: str) -> str:
@@ -219,22 +213,31 @@ def evaluate_checkpoint(
     log: Callable[[str], None] | None = None,
     engine_log: str | Path | None = None,
     merge: bool = True,
+    evaluate_served: Callable[..., list[dict[str, Any]]] | None = None,
     **settings: Any,
 ) -> list[dict[str, Any]]:
-    """:func:`evaluate` a checkpoint: ``base_model`` (a Hugging Face folder) with the peft folder
-    ``adapter`` served as ``adapter_version`` (none: the base model alone), by an engine
-    replica process (:func:`serving.fleet.start_engine`: vLLM unless ``POSTTRAIN_ENGINE`` says
-    otherwise; its output in ``engine_log``, else a temporary file) for the length of the call.
-    ``settings`` are :func:`evaluate`'s other keywords (``max_turns``, ``seed``, ...); the model's
-    end-of-sequence tokens stop each turn, and its context bounds each episode's. ``merge``: see
-    :func:`served_checkpoint` (the adapter merged into the weights, the default, or LoRA at run time)."""
+    """Evaluate a checkpoint: ``base_model`` (a Hugging Face folder) with the peft folder ``adapter``
+    served as ``adapter_version`` (none: the base model alone), by an engine replica process
+    (:func:`serving.fleet.start_engine`: vLLM unless ``POSTTRAIN_ENGINE`` says otherwise; its output
+    in ``engine_log``, else a temporary file) for the length of the call.
+
+    ``evaluate_served`` runs the attempts on the served model: :func:`evaluate` (the default: bundled,
+    SWE-bench and suite tasks, graded by posttrain's grader) or :func:`evals.harbor.evaluate_harbor`
+    (Harbor tasks, DeepSWE v1.1's verifier flow, with the built-in agent loop). It is called with the
+    tasks, ``model`` (a client of the replica), ``tokenizer``, ``sandbox_factory``, ``checkpoint``,
+    ``adapter_version`` (None without an adapter), ``attempts`` and ``settings`` (``max_turns``,
+    ``seed``, ``workers``, ...); the model's end-of-sequence tokens stop each turn, and its context
+    bounds each episode's. ``merge``: see :func:`served_checkpoint` (the adapter merged into the
+    weights, the default, or LoRA at run time)."""
+    evaluate_served = evaluate_served or evaluate
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
                            adapter_version=adapter_version, merge=merge) as (url, tokenizer, eos_ids):
         if log is not None:
-            log(f"evaluating {checkpoint} (adapter {adapter_version}) on {len(tasks)} tasks x {attempts} attempts")
-        return evaluate(tasks, HttpClient(url), tokenizer, sandbox_factory, checkpoint=checkpoint,
-                        adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
-                        stop_token_ids=eos_ids, **{**episode_context(base_model), **settings})
+            log(f"evaluating {checkpoint} (adapter {adapter_version or 'none'}) on {len(tasks)} tasks x "
+                f"{attempts} attempts, served on {url}")
+        return evaluate_served(tasks, model=HttpClient(url), tokenizer=tokenizer, sandbox_factory=sandbox_factory,
+                               checkpoint=checkpoint, adapter_version=adapter_version if adapter is not None else None,
+                               attempts=attempts, stop_token_ids=eos_ids, **{**episode_context(base_model), **settings})
 
 
 @contextlib.contextmanager

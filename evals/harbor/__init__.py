@@ -15,8 +15,9 @@ One module per concern:
 - :mod:`evals.harbor.build`: which datasets are Harbor's, each task's image, the sandboxes of an attempt;
 - :mod:`evals.harbor.verify`: the agents (``oracle``, ``nop``, ``model``), the verifier run and its
   grade (:class:`Verification`), and :class:`HarborVerifier`, the :class:`~evals.attempts.Verifier`
-  that :func:`evaluate_harbor` (and :func:`evaluate_harbor_checkpoint`, the ``deepswe_eval`` asset on a
-  Harbor dataset) runs every attempt through; its rows are :class:`~evals.attempts.AttemptRow`;
+  that :func:`evaluate_harbor` runs every attempt through (a checkpoint served for it by
+  :func:`evals.evaluate.evaluate_checkpoint`, as the ``deepswe_eval`` asset does on a Harbor dataset);
+  its rows are :class:`~evals.attempts.AttemptRow`, made by :func:`evals.attempts.attempt_row`;
 - :mod:`evals.harbor.envcheck`: what the reference solution does in each image (strict credit spares
   the existing tests it fails there), and the environment-flawed list;
 - :mod:`evals.harbor.export`: the bundled suite written as Harbor tasks.
@@ -32,7 +33,7 @@ running inside the pytest process can still rewrite a report before it exits, as
 verifier.
 """
 
-from evals.attempts import AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR
+from evals.attempts import AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR, AgentRun
 from evals.evaluate import eval_split, select_tasks
 from evals.harbor.build import build_task_image, harbor_image_name, harbor_sandbox_factory, is_harbor_dataset
 from evals.harbor.envcheck import (
@@ -42,16 +43,15 @@ from evals.harbor.envcheck import (
 )
 from evals.harbor.export import EXPORT_URL, REPORTS, export_harbor, export_task, verifier_script
 from evals.harbor.verify import (
-    AGENTS, ENVIRONMENT_BROKEN, AgentRun, HarborVerifier, Verification, attempt_of, attempt_row, compare_reward,
-    evaluate_harbor, evaluate_harbor_checkpoint, grade_harbor_reports, oracle_patch, record_verification,
-    run_agent, run_attempt, verify,
+    AGENTS, ENVIRONMENT_BROKEN, HarborVerifier, Verification, compare_reward, evaluate_harbor, grade_harbor_reports,
+    oracle_patch, record_verification, run_agent, run_attempt, verify,
 )
 
 __all__ = [
     "AGENTS", "AGENT_FAULT", "APPLY_FAILED", "ENVIRONMENT_BROKEN", "ENVIRONMENT_RECORDS", "EXPORT_URL", "GRADED",
     "INFRA_ERROR", "REPORTS", "AgentRun", "EnvironmentFlaw", "EnvironmentRecord", "HarborVerifier", "Verification",
-    "attempt_of", "attempt_row", "build_task_image", "check_environments", "compare_reward", "environment_check",
-    "environment_record", "environment_record_path", "eval_split", "evaluate_harbor", "evaluate_harbor_checkpoint",
+    "build_task_image", "check_environments", "compare_reward", "environment_check",
+    "environment_record", "environment_record_path", "eval_split", "evaluate_harbor",
     "export_harbor", "export_task", "flaws_of", "grade_harbor_reports", "harbor_image_name",
     "harbor_sandbox_factory", "is_harbor_dataset", "oracle_patch", "read_environment_record",
     "record_verification", "run_agent", "run_attempt", "select_tasks", "verifier_script", "verify",

@@ -5,7 +5,9 @@ commits nothing; ``model`` is the built-in harness (:func:`evals.harness.run_epi
 scaffold with a served model (:func:`run_agent`). :func:`verify` runs the task's ``tests/test.sh``
 on the committed work in a fresh sandbox and grades the reports it wrote
 (:func:`grade_harbor_reports`, through :func:`evals.grading.score`); :class:`HarborVerifier` is the
-:class:`~evals.attempts.Verifier` that :func:`evaluate_harbor` runs every attempt through.
+:class:`~evals.attempts.Verifier` that :func:`evaluate_harbor` runs every attempt through, each row made
+by :func:`evals.attempts.attempt_row`. A checkpoint is served for it by
+:func:`evals.evaluate.evaluate_checkpoint` (``evaluate_served=evaluate_harbor``).
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from evals.attempts import AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR, AttemptRow, Scores, attempt_seed, evaluate
-from evals.evaluate import served_checkpoint
+from evals.attempts import (
+    AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR, AgentRun, AttemptRow, Scores, attempt_row, attempt_seed,
+    run_attempts,
+)
 from evals.grading import (
     ReportError, clean_test_ids, committed_patch, load_harbor_config, merge_statuses, parse_ctrf_bytes,
     parse_junit_bytes, score, zero_scores,
 )
-from evals.harness import HttpClient, episode_context, run_episode
+from evals.harness import run_episode
 from evals.sandbox import AgentFault, InfraError, SandboxFactory
 from evals.scaffolds import run_scaffold_episode
-from evals.signals import join_signals, parse_patch, patch_signals
-from evals.tasks import IncompleteTask, Task
+from evals.signals import parse_patch, patch_signals
+from evals.tasks import Task
 
 
 AGENTS = ("oracle", "nop", "model")
@@ -85,20 +89,6 @@ def oracle_patch(task: Task, sandbox) -> str:
     return committed_patch(sandbox, task.base_commit or "HEAD")
 
 
-@dataclass
-class AgentRun:
-    """What an agent left: its committed patch, and how it went."""
-
-    patch: str
-    stop_reason: str = ""
-    committed: bool = False
-    turns: int = 0
-    output_tokens: int = 0
-    agent_s: float = 0.0
-    error: str = ""
-    session_id: str = ""
-
-
 def run_agent(task: Task, agent: str, factory: SandboxFactory, *, model=None, tokenizer=None,
               scaffold: str = "builtin", model_url: str | None = None, session_id: str = "",
               **episode_kwargs: Any) -> AgentRun:
@@ -142,9 +132,7 @@ def run_agent(task: Task, agent: str, factory: SandboxFactory, *, model=None, to
                                     session_id=session_id or None, grade=False, **episode_kwargs)
     if traj.infra_error:
         raise InfraError(traj.error or "the agent's sandbox failed")
-    return AgentRun(patches[0] if patches else "", traj.stop_reason, traj.committed, len(traj.calls),
-                    sum(len(c.output_ids) for c in traj.calls), traj.agent_s, traj.error or "; ".join(errors),
-                    traj.session_id)
+    return AgentRun.of_episode(traj, patches[0] if patches else "", "; ".join(errors))
 
 
 # ---------------------------------------------------------------- the verifier
@@ -290,28 +278,6 @@ def verify(task: Task, patch: str, factory: SandboxFactory, *, infra_retries: in
 # ---------------------------------------------------------------- attempts and rows
 
 
-def attempt_of(task: Task | IncompleteTask, attempt: int, run: AgentRun | None, result: Verification,
-               checkpoint: str, adapter_version: str | None, infra_retries: int = 0) -> AttemptRow:
-    """The :class:`~evals.attempts.AttemptRow` of one agent run and its verification; of a task that
-    could not be loaded or built (an :class:`~evals.tasks.IncompleteTask`), an ``infra_error`` row
-    saying why. A Harbor attempt records no transcript: the viewer's columns stay empty."""
-    return AttemptRow(
-        checkpoint=checkpoint, adapter_version=adapter_version, task_id=task.id, source=task.source,
-        difficulty=getattr(task, "difficulty", 0), split=getattr(task, "split", ""), attempt=attempt,
-        status=result.status, scores=result.scores, committed=bool(run and run.committed),
-        stop_reason=run.stop_reason if run else INFRA_ERROR, turns=run.turns if run else 0,
-        output_tokens=run.output_tokens if run else 0, agent_s=run.agent_s if run else 0.0,
-        grade_s=result.verifier_s, infra_retries=infra_retries, detail=result.detail,
-        session_id=run.session_id if run else "", signals=join_signals(result.signals),
-    )
-
-
-def attempt_row(task: Task | IncompleteTask, attempt: int, run: AgentRun | None, result: Verification,
-                checkpoint: str, adapter_version: str | None, infra_retries: int = 0) -> dict[str, Any]:
-    """:func:`attempt_of` as a Parquet row (:data:`evals.attempts.ROW_COLUMNS`)."""
-    return attempt_of(task, attempt, run, result, checkpoint, adapter_version, infra_retries).to_row()
-
-
 def run_attempt(task: Task, agent: str, factory: SandboxFactory, *, infra_retries: int = 1,
                 **agent_kwargs: Any) -> tuple[AgentRun | None, Verification]:
     """One attempt: the agent, then the verifier on its committed work. An agent that broke its
@@ -363,54 +329,34 @@ class HarborVerifier:
         if self.log is not None:
             reward = result.scores.reward if result.scores is not None else None
             self.log(f"{task.id} attempt {attempt}: {result.status} reward {reward} (verifier {result.verifier_s:.1f} s)")
-        return attempt_of(task, attempt, run, result, self.checkpoint or self.agent, self.adapter_version,
-                          len([n for n in result.notes if n.startswith("try ")]))
+        # A Harbor attempt records no transcript: the viewer's columns stay empty.
+        return attempt_row(task, attempt, run, checkpoint=self.checkpoint or self.agent,
+                           adapter_version=self.adapter_version, status=result.status, scores=result.scores,
+                           detail=result.detail, grade_s=result.verifier_s, signals=result.signals,
+                           infra_retries=len([n for n in result.notes if n.startswith("try ")]))
 
 
-def evaluate_harbor(tasks: Sequence[Task], factory: SandboxFactory, *, agent: str = "model", model=None,
+def evaluate_harbor(tasks: Sequence[Task], sandbox_factory: SandboxFactory, *, agent: str = "model", model=None,
                     tokenizer=None, checkpoint: str = "", adapter_version: str | None = None, attempts: int = 1,
                     workers: int = 1, scaffold: str = "builtin", model_url: str | None = None,
                     record_dir: str | Path | None = None,
                     log: Callable[[str], None] | None = None, **episode_kwargs: Any) -> list[dict[str, Any]]:
     """``attempts`` attempts of ``agent`` on every task, each through DeepSWE's verifier flow; one row
-    per attempt (:data:`evals.attempts.ROW_COLUMNS`), in task order: :func:`evals.attempts.evaluate`
+    per attempt (:data:`evals.attempts.ROW_COLUMNS`), in task order: :func:`evals.attempts.run_attempts`
     with a :class:`HarborVerifier`. With ``record_dir`` each attempt's verification is written to
     ``record_dir/<task>/<attempt>/``: ``posttrain-grade.json`` (posttrain's scores, statuses, notes)
-    beside the task's own ``reward.json`` when it wrote one."""
+    beside the task's own ``reward.json`` when it wrote one. A checkpoint's model is served for it by
+    :func:`evals.evaluate.evaluate_checkpoint` (the ``deepswe_eval`` asset on a Harbor dataset); the
+    ``model`` agent's ``episode_kwargs`` go to its episodes (``max_turns``, ``max_new_tokens``,
+    ``temperature``, ``seed``, ``action_format``, ...)."""
     infra_retries = int(episode_kwargs.pop("infra_retries", 1))
     episode_kwargs.pop("reuse_grading", None)  # every attempt runs its verifier: real tests may be nondeterministic
     seed = episode_kwargs.pop("seed", None)
     verifier = HarborVerifier(
-        factory, agent, checkpoint, adapter_version, infra_retries=infra_retries, seed=seed, record_dir=record_dir,
-        log=log, agent_kwargs=dict(model=model, tokenizer=tokenizer, scaffold=scaffold, model_url=model_url,
-                                   **episode_kwargs))
-    return [row.to_row() for row in evaluate(tasks, verifier, attempts=attempts, workers=workers)]
-
-
-def evaluate_harbor_checkpoint(tasks: Sequence[Task], base_model: str | Path, factory: SandboxFactory, *,
-                               checkpoint: str, adapter: str | Path | None = None,
-                               adapter_version: str | None = None, attempts: int = 8, workers: int = 1,
-                               record_dir: str | Path | None = None, engine_log: str | Path | None = None,
-                               log: Callable[[str], None] | None = None, **episode_kwargs: Any) -> list[dict[str, Any]]:
-    """:func:`evaluate_harbor` of a checkpoint with the built-in agent loop: ``base_model`` (a Hugging
-    Face folder) with the peft folder ``adapter`` served as ``adapter_version`` (none: the base model
-    alone), by an engine replica process for the length of the call
-    (:func:`evals.evaluate.served_checkpoint`: the adapter merged into the weights; vLLM unless
-    ``POSTTRAIN_ENGINE`` says otherwise). The
-    model's end-of-sequence tokens stop each turn, and its context (:func:`evals.harness.episode_context`)
-    bounds each episode's; ``episode_kwargs`` go to the episodes (``max_turns``, ``max_new_tokens``,
-    ``temperature``, ``seed``, ``action_format``, ...). The ``deepswe_eval`` asset calls this on a
-    Harbor dataset."""
-    episode_kwargs = {**episode_context(base_model), **episode_kwargs}
-    with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
-                           adapter_version=adapter_version) as (url, tokenizer, eos):
-        if log is not None:
-            log(f"evaluating {checkpoint} (adapter {adapter_version or 'none'}) on {len(tasks)} Harbor tasks x "
-                f"{attempts} attempts, served on {url}")
-        return evaluate_harbor(tasks, factory, agent="model", model=HttpClient(url), tokenizer=tokenizer,
-                               model_url=url, checkpoint=checkpoint,
-                               adapter_version=adapter_version if adapter is not None else None, attempts=attempts,
-                               workers=workers, record_dir=record_dir, log=log, stop_token_ids=eos, **episode_kwargs)
+        sandbox_factory, agent, checkpoint, adapter_version, infra_retries=infra_retries, seed=seed,
+        record_dir=record_dir, log=log, agent_kwargs=dict(model=model, tokenizer=tokenizer, scaffold=scaffold,
+                                                          model_url=model_url, **episode_kwargs))
+    return [row.to_row() for row in run_attempts(tasks, verifier, attempts=attempts, workers=workers)]
 
 
 def record_verification(folder: Path, result: Verification) -> None:

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from evals.attempts import (
-    GRADED, INFRA_ERROR, ROW_COLUMNS, SCORE_FIELDS, STATUSES, AttemptRow, Scores, evaluate, write_rows,
+    GRADED, INFRA_ERROR, ROW_COLUMNS, SCORE_FIELDS, STATUSES, AttemptRow, Scores, run_attempts, write_rows,
 )
 from evals.tasks import Task
 
@@ -35,13 +35,13 @@ def test_a_status_outside_the_four_is_refused():
         _row("passed")
 
 
-def test_evaluate_runs_every_attempt_of_every_task_through_the_verifier_in_order():
+def test_run_attempts_runs_every_attempt_of_every_task_through_the_verifier_in_order():
     class Count:
         def attempt(self, task, task_index, attempt):
             return AttemptRow("c", None, task.id, task.source, 0, "", attempt, GRADED, SCORES, turns=task_index)
 
     tasks = [Task(f"t{i}", "bundled", "python", "", (), (), "", "junit", (), image="i") for i in range(3)]
-    rows = evaluate(tasks, Count(), attempts=2, workers=3)
+    rows = run_attempts(tasks, Count(), attempts=2, workers=3)
     assert [(r.task_id, r.attempt, r.turns) for r in rows] == [(f"t{i}", a, i) for i in range(3) for a in range(2)]
     with pytest.raises(ValueError, match="attempts must be >= 1"):
-        evaluate(tasks, Count(), attempts=0)
+        run_attempts(tasks, Count(), attempts=0)

@@ -722,7 +722,7 @@ def test_eval_report_counts_flagged_attempts_and_can_exclude_them(posttrain_home
 def test_attempt_rows_carry_the_signals_through_parquet(task, tmp_path):
     import pandas as pd
 
-    from evals.evaluate import attempt_row, write_rows
+    from evals.evaluate import episode_attempt, write_rows
     from evals.grading import GradeResult, zero_scores
     from evals.harness import Trajectory
     from evals.signals import split_signals
@@ -732,7 +732,7 @@ def test_attempt_rows_carry_the_signals_through_parquet(task, tmp_path):
                                 signals=("always_equal", "touches_tests"))
     honest = Trajectory(task.id, "s/2", None, "compact", stop_reason="commit")
     honest.grade = GradeResult(GRADED, zero_scores(task.target_tests, task.existing_tests))
-    rows = [attempt_row(task, i, t, "r-step_000001", 0) for i, t in enumerate((flagged, honest))]
+    rows = [episode_attempt(task, i, t, "r-step_000001", 0).to_row() for i, t in enumerate((flagged, honest))]
     assert [r["signals"] for r in rows] == ["always_equal,touches_tests", ""]
     back = pd.read_parquet(write_rows(rows, tmp_path / "rows.parquet"))
     assert [split_signals(v) for v in back["signals"]] == [["always_equal", "touches_tests"], []]
