@@ -41,7 +41,6 @@ from sandboxes.k8s import LABEL_PREFIX, label_value
 from sandboxes.settings import SettingsError, as_table, key_name
 from training.checkpoint import checkpoint_policy, metrics_dir
 from training.planner.runner import PLAN_FILENAME
-from training.planner.schema import PlanError
 from training.progress import plot_curves, rows_from_steps_parquet
 from viewer import links
 from viewer.data import checkpoint_tasks
@@ -98,17 +97,26 @@ EVAL_SETTINGS_FILE = "eval.json"  # a model registered by `posttrain eval --mode
 def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
     """The ``[eval]`` of run ``run_name``: its ``resolved-plan.json``'s (the run file's, as planned),
     else the ``eval.json`` that ``posttrain eval --model`` wrote for a model it registered, else the
-    defaults. A table that does not validate raises ``PlanError`` naming the file and the key."""
+    defaults. A table that does not validate raises ``SettingsError`` (the planner's ``PlanError``) naming the
+    file and the key."""
     run_dir = storage.run_dir(run_name)
     for path in (run_dir / PLAN_FILENAME, run_dir / EVAL_SETTINGS_FILE):
         if path.is_file():
             try:
                 table = json.loads(path.read_text()).get("eval")
             except (OSError, ValueError, AttributeError) as exc:
-                raise PlanError([f"{path}: not a JSON object ({exc})"]) from None
+                raise SettingsError([f"{path}: not a JSON object ({exc})"]) from None
             if table is not None:
                 return parse_eval_table(table, source=str(path))
     return EVAL_DEFAULTS
+
+
+def run_eval_config(storage: PosttrainStorage, run_name: str) -> dict[str, Any]:
+    """The run config that evaluates a checkpoint of run ``run_name`` as its ``[eval]`` says
+    (:func:`run_eval_section`, then :func:`eval_run_config`): what the checkpoint sensor requests.
+    ``SettingsError`` (the planner's ``PlanError``) naming the file and the key when the run's table
+    does not validate."""
+    return eval_run_config(run_eval_section(storage, run_name))
 
 
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:

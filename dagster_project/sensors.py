@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.evals import eval_run_config, run_eval_section
+from assets.evals import run_eval_config
 from assets.partitions import checkpoint_partition_key, checkpoints_partitions, parse_checkpoint_partition_key
 from assets.resources import PosttrainStorage
 from dagster_project.automation import automation_sensors
 from dagster_project.jobs import EVAL_TAGS, checkpoint_eval_job
 from training.checkpoint import list_checkpoints
-from training.planner.schema import PlanError
+from sandboxes.settings import SettingsError
 
 MAX_EVAL_RUNS = 4  # eval runs per checkpoint, the first one included, that the sensor requests (run retries aside)
 PARTITION_TAG = "dagster/partition"
@@ -71,15 +71,16 @@ def failed_eval_requests(instance: dg.DagsterInstance, storage: PosttrainStorage
 
 def eval_request(storage: PosttrainStorage, key: str, run_key: str, log=None) -> dg.RunRequest | None:
     """The ``checkpoint_eval`` request of checkpoint ``key``, run as its run's ``[eval]`` says (the run
-    file's, kept in the run's plan: :func:`assets.evals.run_eval_section`). An ``[eval]`` that does
+    file's, kept in the run's plan, read back as one ``evals.settings.EvalSection`` and handed to
+    ``deepswe_eval`` as its config: :func:`assets.evals.run_eval_config`). An ``[eval]`` that does
     not validate requests nothing and is logged with the file and the key."""
     try:
-        section = run_eval_section(storage, parse_checkpoint_partition_key(key)[0])
-    except PlanError as exc:
+        run_config = run_eval_config(storage, parse_checkpoint_partition_key(key)[0])
+    except SettingsError as exc:  # the run's [eval] does not validate (the planner calls it PlanError)
         if log is not None:
             log(f"{key}: not evaluated: {exc}")
         return None
-    return dg.RunRequest(run_key=run_key, partition_key=key, tags=EVAL_TAGS, run_config=eval_run_config(section))
+    return dg.RunRequest(run_key=run_key, partition_key=key, tags=EVAL_TAGS, run_config=run_config)
 
 
 @dg.sensor(job=checkpoint_eval_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
