@@ -44,12 +44,15 @@ are applied server-side (``training.planner.runner.apply_k8s``), so a second run
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import re
 from typing import Any
 
 from sandboxes.k8s import LABEL_PREFIX, RUNTIME_CLASSES, SANDBOX_POD_SECURITY_POLICY, label_value, sandbox_selector
 from serving import sglang
+from serving.capture_store import CREDENTIAL_ENV
+from serving.engines.vllm import lora_rank_slot
 from training.config import TrainConfig
 from training.planner.resolve import Plan
 from training.planner.runner import CREDENTIAL_COMPONENT, CREDENTIAL_KEY, TRAINER_MODULE, trainer_args, trainer_launcher
@@ -195,8 +198,6 @@ def _fleet_client_env(plan: Plan) -> list[dict[str, Any]]:
 
 def _credential_env(plan: Plan) -> dict[str, Any]:
     """``$POSTTRAIN_TRAINER_CREDENTIAL`` from the run's Secret (never a value in the manifest)."""
-    from serving.capture_store import CREDENTIAL_ENV
-
     return {"name": CREDENTIAL_ENV,
             "valueFrom": {"secretKeyRef": {"name": credential_secret_name(plan), "key": CREDENTIAL_KEY}}}
 
@@ -326,8 +327,6 @@ def _vllm_engines(plan: Plan, engine_service_name: str, plan_hash: dict[str, str
     --engine vllm``: vLLM's CPU build on the pod's loopback, the capture front on the pod IP), from the
     run's image, loading the newest adapter of the run volume before it serves. A StatefulSet, as the
     SGLang fleet is, so that each replica has a name the router is given."""
-    from serving.engines.vllm import lora_rank_slot
-
     rf, kube = plan.run_file, plan.run_file.kubernetes
     if rf.inference.gpu != "cpu":
         raise ValueError(f"[inference] engine = \"vllm\" on Kubernetes serves with vLLM's CPU build (the project's image); "
@@ -491,6 +490,26 @@ def _engine_fleet(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]
     return [engine_service, engines, engine_pdb]
 
 
+def _one_pod_deployment(plan: Plan, component: str, plan_hash: dict[str, str], pod_spec: dict[str, Any],
+                        **spec: Any) -> dict[str, Any]:
+    """A Deployment of one pod of ``component`` (``spec``: more of the Deployment's spec, such as its
+    strategy), rolled when the plan changes (``plan_hash`` on its template)."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(plan, component, component),
+        "spec": {
+            "replicas": 1,
+            **spec,
+            "selector": {"matchLabels": _selector(plan, component)},
+            "template": {
+                "metadata": {"labels": _labels(plan, component), "annotations": dict(plan_hash)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
 def _router(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]:
     """The router's Service, its Deployment (every engine replica the fleet may be scaled to as a
     worker) and its PodDisruptionBudget."""
@@ -502,31 +521,19 @@ def _router(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]:
         # every replica the StatefulSet may be scaled to: one not there yet joins when it answers
         for i in range(max(rf.inference.engines, rf.inference.max_engines or 0))
     ]
-    router = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(plan, "router", "router"),
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": _selector(plan, "router")},
-            "template": {
-                "metadata": {"labels": _labels(plan, "router"), "annotations": dict(plan_hash)},
-                "spec": _pod_spec(plan, [{
-                    "name": "router",
-                    "image": rf.kubernetes.image,
-                    "command": ["python", "-m", WORKLOAD_MODULES["router"], "--host", "0.0.0.0",
-                                "--port", str(ROUTER_PORT), "--policy", "kv_headroom",
-                                *[arg for w in workers for arg in ("--worker", w)],
-                                "--adapters-volume", f"{run_dir_in_pod(plan)}/adapters"],
-                    "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
-                    "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
-                    "env": [*_env(plan), _credential_env(plan)],
-                    "volumeMounts": _MOUNTS,
-                    "resources": _resources(plan.pods["router"]["cpu"], plan.pods["router"]["memory"]),
-                }]),
-            },
-        },
-    }  # fmt: skip
+    router = _one_pod_deployment(plan, "router", plan_hash, _pod_spec(plan, [{
+            "name": "router",
+            "image": rf.kubernetes.image,
+            "command": ["python", "-m", WORKLOAD_MODULES["router"], "--host", "0.0.0.0",
+                        "--port", str(ROUTER_PORT), "--policy", "kv_headroom",
+                        *[arg for w in workers for arg in ("--worker", w)],
+                        "--adapters-volume", f"{run_dir_in_pod(plan)}/adapters"],
+            "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": ROUTER_PORT}},
+            "env": [*_env(plan), _credential_env(plan)],
+            "volumeMounts": _MOUNTS,
+            "resources": _resources(plan.pods["router"]["cpu"], plan.pods["router"]["memory"]),
+        }]))  # fmt: skip
     # the run's only router carries every session: a drain waits for the run (or the operator)
     return [_http_service(plan, "router", ROUTER_PORT), router, _pdb(plan, "router", "router", maxUnavailable=0)]
 
@@ -578,39 +585,26 @@ def _sandbox_pool(plan: Plan, plan_hash: dict[str, str]) -> list[dict[str, Any]]
     base, ns = k8s_name(plan.run_name), rf.kubernetes.namespace
     sbx = rf.sandbox
     max_sandboxes = sbx.max_sandboxes or plan.producer_budget_samples
-    pool = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(plan, "sandbox-pool", "sandbox-pool"),
-        "spec": {
-            "replicas": 1,
-            # a new pool starts only after the old one is gone (it reaps the old one's pods)
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": _selector(plan, "sandbox-pool")},
-            "template": {
-                "metadata": {"labels": _labels(plan, "sandbox-pool"), "annotations": dict(plan_hash)},
-                "spec": _pod_spec(plan, [{
-                    "name": "sandbox-pool",
-                    "image": rf.kubernetes.image,
-                    "command": ["python", "-m", WORKLOAD_MODULES["sandbox_pool"],
-                                "--namespace", ns, "--run", base, "--host", "0.0.0.0", "--port", str(POOL_PORT),
-                                "--max-sandboxes", str(max_sandboxes),
-                                "--cpus", f"{sbx.cpus:g}", "--memory-gib", f"{sbx.memory_gib:g}",
-                                "--command-timeout-s", f"{sbx.command_timeout_s:g}"],
-                    "ports": [{"name": "http", "containerPort": POOL_PORT}],
-                    "readinessProbe": {"httpGet": {"path": "/health", "port": POOL_PORT}},
-                    "env": [*_env(plan),
-                            # the owner reference of every sandbox pod: deleting the pool deletes them
-                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                            {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-                            _credential_env(plan)],  # its API answers only to the run's credential
-                    "volumeMounts": _MOUNTS,
-                    # two stream threads and their buffers per connected sandbox: about 2 MiB each
-                    "resources": _resources(plan.pods["sandbox_pool"]["cpu"], plan.pods["sandbox_pool"]["memory"]),
-                }], service_account=f"{base}{POOL_ACCOUNT_SUFFIX}", token=True),
-            },
-        },
-    }  # fmt: skip
+    # a new pool starts only after the old one is gone (it reaps the old one's pods)
+    pool = _one_pod_deployment(plan, "sandbox-pool", plan_hash, _pod_spec(plan, [{
+            "name": "sandbox-pool",
+            "image": rf.kubernetes.image,
+            "command": ["python", "-m", WORKLOAD_MODULES["sandbox_pool"],
+                        "--namespace", ns, "--run", base, "--host", "0.0.0.0", "--port", str(POOL_PORT),
+                        "--max-sandboxes", str(max_sandboxes),
+                        "--cpus", f"{sbx.cpus:g}", "--memory-gib", f"{sbx.memory_gib:g}",
+                        "--command-timeout-s", f"{sbx.command_timeout_s:g}"],
+            "ports": [{"name": "http", "containerPort": POOL_PORT}],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": POOL_PORT}},
+            "env": [*_env(plan),
+                    # the owner reference of every sandbox pod: deleting the pool deletes them
+                    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+                    _credential_env(plan)],  # its API answers only to the run's credential
+            "volumeMounts": _MOUNTS,
+            # two stream threads and their buffers per connected sandbox: about 2 MiB each
+            "resources": _resources(plan.pods["sandbox_pool"]["cpu"], plan.pods["sandbox_pool"]["memory"]),
+        }], service_account=f"{base}{POOL_ACCOUNT_SUFFIX}", token=True), strategy={"type": "Recreate"})  # fmt: skip
     return [_http_service(plan, "sandbox-pool", POOL_PORT), pool]
 
 
@@ -785,8 +779,6 @@ def as_served(manifest: Any) -> Any:
 
 def missing_entry_points() -> list[str]:
     """Workload modules the manifests run that this checkout does not have (yet)."""
-    import importlib.util
-
     missing = []
     for module in WORKLOAD_MODULES.values():
         name = module if module.count(".") else f"{module}.__main__"
@@ -801,6 +793,7 @@ def missing_entry_points() -> list[str]:
 
 def validate_manifests(manifests: list[dict[str, Any]], kubernetes_version: str | None = None) -> list[str]:
     """Validate against the Kubernetes JSON schemas (strict: unknown fields fail); return problems."""
+    # optional: kubernetes-validate (and its schemas) loads only when manifests are validated
     import kubernetes_validate
 
     version = kubernetes_version or kubernetes_validate.latest_version()
@@ -819,6 +812,7 @@ def validate_manifests(manifests: list[dict[str, Any]], kubernetes_version: str 
 
 
 def kubernetes_schema_version(kubernetes_version: str | None = None) -> str:
+    # optional: kubernetes-validate (and its schemas) loads only when manifests are validated
     import kubernetes_validate
 
     return kubernetes_version or kubernetes_validate.latest_version()
