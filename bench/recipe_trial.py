@@ -17,7 +17,6 @@ Run nothing else meanwhile: episodes share 2 cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -82,7 +81,7 @@ def main() -> int:
     if not demo_cfg.is_file():
         raise SystemExit(f"{demo_cfg}: not found; --home must be a finished demo's home")
     cfg = json.loads(demo_cfg.read_text())
-    keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    keys = TrainConfig.keys()  # the trainer JSON's keys, the loss's (loss_weighting, ...) among them
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or key not in keys:

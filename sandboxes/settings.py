@@ -77,11 +77,11 @@ def convert(value: Any, hint: Any) -> tuple[Any, str | None]:
     if hint is str:
         return (value, None) if isinstance(value, str) and value else (None, "a non-empty string")
     if typing.get_origin(hint) is tuple and args[0] is str:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             return None, "a list of names"
         return tuple(value), None
     if typing.get_origin(hint) is tuple:
-        if not isinstance(value, (list, tuple)) or not value:
+        if not isinstance(value, list) or not value:
             return None, "a non-empty list of integers"
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             return None, "a non-empty list of integers"

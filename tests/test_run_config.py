@@ -115,6 +115,7 @@ def test_the_loss_settings_are_declared_once_and_the_trainer_config_holds_them_w
     assert LossConfig.from_config(cfg) is cfg.loss and cfg.tis_cap == 3.0 and cfg.loss_weighting == "sequence"
     data = cfg.to_json()
     assert "loss" not in data and (data["tis_cap"], data["loss_weighting"]) == (3.0, "sequence")
+    assert set(data) == TrainConfig.keys()  # what bench/recipe_trial.py --set may change
     assert TrainConfig.from_mapping(data) == cfg
     with pytest.raises(ValueError, match="trainer config: key 'loss_weighting' must be one of token, sequence"):
         TrainConfig.from_mapping({"base_model": "m", "loss_weighting": "episode"})

@@ -177,9 +177,14 @@ class TrainConfig:
     scaffold: str = "builtin"  # one of SCAFFOLDS: the agent loop of each episode
 
     @classmethod
+    def keys(cls) -> set[str]:
+        """Every key of the trainer's JSON (what :meth:`from_mapping` takes): the fields, the loss's flat."""
+        return {f.name for f in dataclasses.fields(cls) if f.name != "loss"} | set(LOSS_KEYS)
+
+    @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "trainer config") -> "TrainConfig":
         """A config from flat trainer keys (the loss's among them, :data:`LOSS_KEYS`), each checked."""
-        fields = {f.name for f in dataclasses.fields(cls) if f.name != "loss"} | set(LOSS_KEYS)
+        fields = cls.keys()
         unknown = sorted(set(data) - fields)
         if unknown:
             raise ValueError(f"{source}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(fields))}")
