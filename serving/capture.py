@@ -46,9 +46,9 @@ from serving.client import HttpPool
 from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
 from serving.http import (Endpoint, EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, generate_access,
-                          session_routes, trainer_only)
+                          parsed_generate, session_routes, trainer_only)
 from serving.protocol import (BASE_WEIGHT_VERSION, GenerateRequest, engine_adapter, parse_adapter_load,
-                              parse_adapter_name, parse_generate, render_metrics)
+                              parse_adapter_name, render_metrics)
 
 
 def sglang_metrics(m: EngineMetrics) -> dict[str, float]:
@@ -91,7 +91,9 @@ class CaptureFront(JsonServer):
             **session_routes(self.capture),
         }
         if importlib.util.find_spec("serving.chat") is not None:  # the OpenAI chat route, where installed
-            routes[("POST", "/v1/chat/completions")] = lambda r: importlib.import_module("serving.chat").chat_completions(self, r)
+            chat = importlib.import_module("serving.chat")
+            routes[("POST", "/v1/chat/completions")] = Endpoint(lambda r: chat.chat_completions(self, r),
+                                                                chat.front_chat_access(self.capture))
         super().__init__(routes, host, port, limits=limits)
 
     # --- generation and capture -------------------------------------------------------------
@@ -132,7 +134,7 @@ class CaptureFront(JsonServer):
 
     def _generate(self, req: Request) -> Any:
         body = req.json()
-        requests = parse_generate(body)
+        requests = parsed_generate(req)
         if not isinstance(body["input_ids"][0], list):
             return self.generate_one(requests[0])
         with ThreadPoolExecutor(max_workers=min(len(requests), 32)) as ex:

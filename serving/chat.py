@@ -5,7 +5,8 @@ through the OpenAI chat API. The replica's capture front serves it by forwarding
 engine's own chat endpoint, which parses tool calls with its own parser (vLLM:
 ``--enable-auto-tool-choice --tool-call-parser hermes``), and records the exact tokens of the call::
 
-    routes[("POST", "/v1/chat/completions")] = ChatCompletions(engine_url, self.capture, self.url)
+    routes[("POST", "/v1/chat/completions")] = Endpoint(ChatCompletions(engine_url, self.capture, self.url),
+                                                        front_chat_access(self.capture))
 
 or, in a replica's capture front (:class:`serving.capture.CaptureFront`), :func:`chat_completions`.
 
@@ -26,8 +27,8 @@ the prompt as the model reads it (``prompt_text``), the answer's message, the fi
 episode's rollout from them (:mod:`training.capture_rollouts`).
 
 The session is the ``X-Session-Id`` header (or a ``session_id`` field in the body); a call into it
-carries its key in ``X-Session-Key`` (or the trainer credential), else it is refused (403) and the
-engine never sees it (:mod:`serving.capture_store`: a session belongs to whoever started it). A
+carries its key in ``X-Session-Key`` (or the trainer credential), else the route's access
+(:func:`chat_access`, checked by the HTTP layer) refuses it (403) and the engine never sees it (:mod:`serving.capture_store`: a session belongs to whoever started it). A
 request without a session gets a new one, made by the server; every answer carries its session in
 the ``X-Session-Id`` header, and a new session's key in ``X-Session-Key``, so a client can keep using
 it. ``model`` is the adapter version to sample from (``step_000012``), or
@@ -52,6 +53,7 @@ import threading
 import time
 import uuid
 import weakref
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator
 from urllib.parse import urlsplit
@@ -62,7 +64,7 @@ from serving.capture_store import (SESSION_HEADER, SESSION_KEY_HEADER, CaptureSt
                                    session_key)
 from serving.chat_template import render_chat
 from serving.client import HttpPool
-from serving.http import HttpError, Reply, Request, Stream, check_session_access
+from serving.http import HttpError, Reply, Request, SessionAccess, Stream, check_session_access
 from serving.protocol import BadRequest, engine_adapter
 
 BASE_MODEL = "base"
@@ -491,12 +493,11 @@ class ChatCompletions:
         return Reply(self._for_client(answer, chat), headers)
 
     def open_session(self, session_id: str | None, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
-        """The call's session and the answer's headers: a named session needs its key or the trainer
-        credential (403); a call that names none gets a new anonymous session and its key."""
+        """The call's session and the answer's headers: a call that names none gets a new anonymous
+        session and its key (a named session's key was checked by the route's access, :func:`chat_access`)."""
         if session_id is None:
             session_id = new_session_id()
             return session_id, {SESSION_HEADER: session_id, SESSION_KEY_HEADER: session_key(self.capture.credential, session_id)}
-        check_session_access(self.capture, session_id, headers, "a call into it", appending=True)
         return session_id, {SESSION_HEADER: session_id}
 
     @staticmethod
@@ -619,6 +620,24 @@ class ChatCompletions:
 
 _HANDLERS: "weakref.WeakKeyDictionary[Any, ChatCompletions]" = weakref.WeakKeyDictionary()
 _HANDLERS_LOCK = threading.Lock()
+
+
+def chat_access(verify) -> SessionAccess:
+    """The access of a ``/v1/chat/completions`` route: a call that names its session (``X-Session-Id``
+    or ``session_id``) needs the session's key or the trainer credential, checked by ``verify``
+    (the capture store's check, or the router's) before the handler runs; one that names none is
+    given a new session by the handler."""
+
+    def named(req: Request) -> list[str]:
+        session_id = parse_chat_request(req.json(), req.headers).session_id
+        return [] if session_id is None else [session_id]
+
+    return SessionAccess(verify, "a call into it", named)
+
+
+def front_chat_access(capture: CaptureStore) -> SessionAccess:
+    """:func:`chat_access` for a capture front's store (a full session takes no more calls: 429)."""
+    return chat_access(functools.partial(check_session_access, capture, appending=True))
 
 
 def chat_completions(front: Any, req: Request) -> Reply | Stream:

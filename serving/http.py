@@ -101,7 +101,18 @@ def trainer_only(capture: CaptureStore, doing: str) -> Bearer:
 
 def generate_access(capture: CaptureStore) -> SessionAccess:
     """``POST /generate`` writes into each session its calls name: each needs its key (or the credential)."""
-    return capture_access(capture, "a call into it", lambda req: sessions_of(parse_generate(req.json())), appending=True)
+    return capture_access(capture, "a call into it", _generate_sessions, appending=True)
+
+
+def _generate_sessions(req: Request) -> list[str]:
+    req.state["generate"] = requests = parse_generate(req.json())  # parsed once, for the handler too
+    return sessions_of(requests)
+
+
+def parsed_generate(req: Request) -> list:
+    """A ``/generate`` call's requests, as its access check parsed them."""
+    requests = req.state.get("generate")
+    return requests if requests is not None else parse_generate(req.json())
 
 
 def _session_in_path(req: Request) -> list[str]:
@@ -154,7 +165,7 @@ class EngineServer(JsonServer):
 
     def _generate(self, req: Request) -> Any:
         body = req.json()
-        requests = parse_generate(body)
+        requests = parsed_generate(req)
         if not isinstance(body["input_ids"][0], list):
             return capture_generate(self.engine.generate, requests[0], self.capture, self.url)
         return list(self._batch_pool.map(

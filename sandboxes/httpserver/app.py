@@ -56,14 +56,16 @@ class HttpError(Exception):
 
 
 class Request:
-    """One request as a handler sees it; ``headers`` has lower-case names (repeated ones joined by ", ")."""
+    """One request as a handler sees it; ``headers`` has lower-case names (repeated ones joined by ", ").
+    ``state`` holds what an access check parsed for the handler (a ``/generate`` call's requests)."""
 
-    __slots__ = ("method", "path", "query", "body", "params", "headers", "_json")
+    __slots__ = ("method", "path", "query", "body", "params", "headers", "state", "_json")
 
     def __init__(self, method: str, path: str, query: dict[str, list[str]], body: bytes, params: list[str],
                  headers: dict[str, str] | None = None):
         self.method, self.path, self.query, self.body, self.params = method, path, query, body, params
         self.headers = headers or {}
+        self.state: dict[str, Any] = {}
         self._json: Any = _UNPARSED
 
     def json(self) -> Any:
@@ -190,7 +192,9 @@ class _Workers(Executor):
             if job is None:
                 return
             future, fn, args, kwargs = job
-            if future.set_running_or_notify_cancel():
+            if future is None:  # a call of :meth:`call` (it answers its loop itself)
+                fn(*args)
+            elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args, **kwargs))
                 except BaseException as exc:
@@ -202,6 +206,35 @@ class _Workers(Executor):
                 else:
                     self._idle += 1
 
+    def call(self, fn: Callable, *args: Any) -> asyncio.Future:
+        """``fn(*args)`` on a worker, awaited on the running loop: what ``run_in_executor`` does with
+        one future less (the worker hands the result straight to the loop)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def job(*args: Any) -> None:
+            try:
+                result, exc = fn(*args), None
+            except BaseException as error:
+                result, exc = None, error
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, exc)
+            except RuntimeError:  # the server has stopped (its loop closed): no one waits for the answer
+                pass
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot run a call after shutdown")
+            self._jobs.put((None, job, args, None))
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
+            else:
+                self._backlog += 1
+        return future
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Refuse new calls, cancel the ones not started, and let each worker end after its call."""
         with self._lock:
@@ -212,10 +245,18 @@ class _Workers(Executor):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if job is not None and job[0] is not None:
                 job[0].cancel()
         for _ in range(threads):
             self._jobs.put(None)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if not future.done():  # cancelled meanwhile (the connection was cut)
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc)
 
 
 class Cut(Exception):
@@ -278,6 +319,9 @@ class App:
 
     def find(self, method: str, path: str) -> tuple[Endpoint | None, list[str]]:
         """The endpoint of ``method path`` and the path's segments after a prefix route's."""
+        endpoint = self._exact.get((method, path))  # the common case: a plain path, as declared
+        if endpoint is not None:
+            return endpoint, []
         segments = [unquote(s) for s in path.strip("/").split("/") if s]
         endpoint = self._exact.get((method, "/" + "/".join(segments)))
         if endpoint is not None:
@@ -338,20 +382,22 @@ class App:
             return 414, f"request line longer than {limits.max_request_line_bytes} bytes"
         if len(headers) > limits.max_headers:
             return 431, f"more than {limits.max_headers} header lines"
-        if target + sum(len(n) + len(v) + 4 for n, v in headers) > limits.max_header_bytes:
-            return 431, f"request line and headers longer than {limits.max_header_bytes} bytes"
-        lengths = [v for n, v in headers if n == b"content-length"]
-        codings = [v for n, v in headers if n == b"transfer-encoding"]
-        if codings:
-            if lengths:
+        length, chunked = None, False
+        for name, value in headers:  # one of each at most: the transport refused the rest
+            if name == b"content-length":
+                if length is not None or not value.isdigit() or len(value) > 19:
+                    return 400, "one Content-Length of decimal digits: a body has one length"
+                length = int(value)
+            elif name == b"transfer-encoding":
+                if chunked or value.lower() != b"chunked" or scope["http_version"] != "1.1":
+                    return 400, "the only transfer coding taken is Transfer-Encoding: chunked, over HTTP/1.1"
+                chunked = True
+        if chunked:
+            if length is not None:
                 return 400, "both Content-Length and Transfer-Encoding given: a body has one framing"
-            if scope["http_version"] != "1.1" or codings != [b"chunked"]:
-                return 400, "the only transfer coding taken is Transfer-Encoding: chunked, over HTTP/1.1"
             return None, -1
-        if lengths:
-            if len(lengths) > 1 or not lengths[0].isdigit() or len(lengths[0]) > 19:
-                return 400, "one Content-Length of decimal digits: a body has one length"
-            return None, int(lengths[0])
+        if length is not None:
+            return None, length
         if method in ("POST", "PUT"):
             return 411, f"{method} needs a Content-Length header (or Transfer-Encoding: chunked)"
         return None, 0
@@ -408,8 +454,7 @@ class App:
             if body is None:  # the client went away
                 return
             request.body = body
-        status, payload, ctype, extra = await asyncio.get_running_loop().run_in_executor(
-            self.pool, self.handle, endpoint, request)
+        status, payload, ctype, extra = await self.pool.call(self.handle, endpoint, request)
         if isinstance(payload, Stream):
             await self._stream(scope, receive, send, payload)
             return
@@ -451,7 +496,7 @@ class App:
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             while not gone.done():
                 try:
-                    piece = await loop.run_in_executor(self.pool, next, pieces, done)
+                    piece = await self.pool.call(next, pieces, done)
                 except Exception as exc:
                     self.connections.abort(scope)
                     raise Cut(f"the stream's source failed: {type(exc).__name__}: {exc}") from exc

@@ -67,8 +67,6 @@ class HttpLimits:
 
 
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
-_CONTENT_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*([^\r\n]*?)[ \t]*\r?$")
-_TRANSFER_ENCODING = re.compile(rb"(?im)^transfer-encoding:[ \t]*([^\r\n]*?)[ \t]*\r?$")
 _DIGITS = re.compile(rb"[0-9]{1,19}")
 
 
@@ -95,15 +93,24 @@ def _answer(status: int, message: str) -> bytes:
 
 def _framing_fault(head: bytes) -> str | None:
     """Why a request head's framing is refused (see the module docstring), or None."""
-    lengths = _CONTENT_LENGTH.findall(head)
-    codings = _TRANSFER_ENCODING.findall(head)
-    if len(lengths) > 1 or (lengths and not _DIGITS.fullmatch(lengths[0])):
+    low = head.lower()
+    lengths = low.count(b"\ncontent-length:")
+    codings = low.count(b"\ntransfer-encoding:")
+    if not lengths and not codings:
+        return None
+    if lengths > 1 or (lengths and not _DIGITS.fullmatch(_value(head, low, b"\ncontent-length:"))):
         return "one Content-Length of decimal digits: a body has one length"
     if lengths and codings:
         return "both Content-Length and Transfer-Encoding given: a body has one framing"
-    if len(codings) > 1 or (codings and codings[0].lower() != b"chunked"):
+    if codings > 1 or (codings and _value(low, low, b"\ntransfer-encoding:") != b"chunked"):
         return "the only transfer coding taken is Transfer-Encoding: chunked"
     return None
+
+
+def _value(head: bytes, low: bytes, name: bytes) -> bytes:
+    """The value of the header line ``name`` (lower-case, with its line's newline) in ``head``."""
+    start = low.find(name) + len(name)
+    return head[start:low.find(b"\n", start)].strip(b" \t\r")
 
 
 class Connections:
@@ -131,6 +138,46 @@ class Connections:
         gate = self.by_peer.get(scope.get("client"))
         if gate is not None and gate.transport is not None:
             gate.transport.abort()
+
+
+class _Coalesced:
+    """The transport as uvicorn's protocol sees it: an answer's head waits for the write that follows
+    it in the same turn of the event loop (its body, or a streamed answer's first piece), and the two
+    leave in one send; a head with nothing after it leaves at the end of the turn."""
+
+    __slots__ = ("_transport", "_loop", "_pending")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop, self._pending = transport, loop, []
+
+    def write(self, data: bytes) -> None:
+        if self._pending:
+            self._pending.append(data)
+            self._flush()
+        else:
+            self._pending.append(data)
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the transport's interface, as it is
+        return getattr(self._transport, name)
 
 
 class _Gate(asyncio.Protocol):
@@ -169,14 +216,14 @@ class _Gate(asyncio.Protocol):
         head = (self.head + data) if self.head else data
         if head[:1] in (b"\r", b"\n"):  # blank lines before a request line: allowed, and no request
             head = head.lstrip(b"\r\n")
-        if self.timer is None and head:
-            self.timer = asyncio.get_running_loop().call_later(self.limits.header_timeout_s, self._head_timed_out)
         end = _HEAD_END.search(head, 0, self.limits.max_header_bytes + 4)
         if end is None:
             if len(head) > self.limits.max_header_bytes:
                 self._refuse(431, f"request line and headers longer than {self.limits.max_header_bytes} bytes")
-            else:
-                self.head = head
+                return
+            self.head = head
+            if self.timer is None and head:  # the head has begun: it has header_timeout_s to finish
+                self.timer = asyncio.get_running_loop().call_later(self.limits.header_timeout_s, self._head_timed_out)
             return
         fault = _framing_fault(head[:end.end()])
         if fault is not None:
@@ -187,7 +234,7 @@ class _Gate(asyncio.Protocol):
         if self.inner is None:
             line = head[:head.find(b"\n")].rstrip()
             self.inner = self.inner_factory(line.endswith(b"HTTP/1.0"))
-            self.inner.connection_made(self.transport)
+            self.inner.connection_made(_Coalesced(self.transport, asyncio.get_running_loop()))
         self.inner.data_received(head)
 
     def head_complete(self) -> None:

@@ -1,10 +1,10 @@
 """The router's ``POST /v1/chat/completions``: OpenAI chat calls, sticky per session.
 
-    routes[("POST", "/v1/chat/completions")] = RouterChat(router)
+    routes[("POST", "/v1/chat/completions")] = Endpoint(RouterChat(router), chat_access(router.check_session))
 
 A chat session is its ``X-Session-Id`` header (or the body's ``session_id``), and a call into it
-carries the session's key (``X-Session-Key``) or the trainer credential, else it is refused (403)
-before it is placed; a call without a session gets a new one, returned with its key in the answer's
+carries the session's key (``X-Session-Key``) or the trainer credential, else the route's access
+(:func:`serving.chat.chat_access`) refuses it (403) before it is placed; a call without a session gets a new one, returned with its key in the answer's
 ``X-Session-Id`` and ``X-Session-Key``. The router passes the key on to the replica. The session's
 first call picks a replica with the router's policy and an adapter version (``model``: a version
 name, ``latest``, or ``base``); every later call of the session goes to the same replica with the
@@ -96,9 +96,8 @@ class RouterChat:
         if chat.session_id is None:
             session_id = new_session_id()
             reply_headers = {SESSION_HEADER: session_id, SESSION_KEY_HEADER: session_key(router.credential, session_id)}
-        else:
+        else:  # its key was checked by the route's access (serving.chat.chat_access)
             session_id = chat.session_id
-            router.check_session(session_id, req.headers, "a call into it")
             reply_headers = {SESSION_HEADER: session_id}
         session = self.session(session_id, chat)
         payload = {k: v for k, v in body.items() if k != "session_id"}

@@ -322,20 +322,17 @@ class Router:
 
     # --- the call path -------------------------------------------------------------------
 
-    def generate(self, body: dict[str, Any], raw: bytes | None = None, *,
-                 headers: dict[str, str] | None = None) -> dict[str, Any]:
+    def generate(self, body: dict[str, Any], raw: bytes | None = None) -> dict[str, Any]:
         """Route one call. ``raw`` is the body as received: forwarded as is when the router has
-        nothing to change in it (saves re-encoding a long ``input_ids``). ``headers`` are the HTTP
-        caller's: a call into a session needs its key or the trainer credential (None: a call made
-        in this process, which holds the credential)."""
+        nothing to change in it (saves re-encoding a long ``input_ids``). An HTTP caller's call into a
+        session needs its key or the trainer credential, checked by the route's access
+        (:func:`serving.router.server.generate_access`) before this runs."""
         t_start = time.perf_counter()
         requests = parse_generate(body)
         if len(requests) != 1:
             raise BadRequest("input_ids must be one list: the router routes one call (one session) at a time")
         request = requests[0]
         rid = request.rid
-        if rid is not None and headers is not None:
-            self.check_session(rid, headers, "a call into it")
         upstream_s = 0.0
         with self.lock:
             session = self.sessions.get(rid) if rid is not None else None

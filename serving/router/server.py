@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from serving.http import Endpoint, HttpError, HttpLimits, JsonServer, Request, SessionAccess, Text, needs_bearer
-from serving.protocol import BadRequest, parse_adapter_name
+from serving.chat import chat_access
+from serving.protocol import BadRequest, parse_adapter_name, parse_generate
 from serving.router.chat import RouterChat
 from serving.router.core import Router
 
@@ -36,12 +37,22 @@ def _rid_in_path(req: Request) -> list[str]:
     return ["/".join(req.params)]
 
 
+def _rid_of_call(req: Request) -> list[str]:
+    requests = parse_generate(req.json())
+    return [requests[0].rid] if len(requests) == 1 and requests[0].rid is not None else []
+
+
+def generate_access(router: Router) -> SessionAccess:
+    """``POST /generate``: a call into a session needs its key or the trainer credential."""
+    return SessionAccess(router.check_session, "a call into it", _rid_of_call)
+
+
 class RouterServer(JsonServer):
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0, limits: HttpLimits | None = None):
         self.router = router
         routes = {
-            ("POST", "/generate"): lambda r: router.generate(r.json(), r.body, headers=r.headers),
-            ("POST", "/v1/chat/completions"): RouterChat(router),
+            ("POST", "/generate"): Endpoint(lambda r: router.generate(r.json(), r.body), generate_access(router)),
+            ("POST", "/v1/chat/completions"): Endpoint(RouterChat(router), chat_access(router.check_session)),
             ("POST", "/end_session"): Endpoint(self._end_session, SessionAccess(router.check_session, "ending it", _rid_in_body)),
             ("GET", "/sessions/"): Endpoint(self._session, SessionAccess(router.check_session, "reading it", _rid_in_path)),
             ("POST", "/workers"): Endpoint(self._add_worker, needs_bearer(router.credential, "adding a worker")),
