@@ -128,7 +128,7 @@ def process_credential() -> Credential:
     global _made
     given = Credential.from_environment()
     if given is not None:
-        return given
+        return _made if _made is not None and given == _made else given  # the one made here says so
     with _made_lock:
         if _made is None:
             _made = Credential.generate()
