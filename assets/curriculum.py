@@ -6,6 +6,9 @@ import dagster as dg
 from assets.images import image_cache
 from assets.resources import PosttrainStorage
 from assets.run_files import ensure_embedded_base, run_file_dict
+from evals.bundled import read_suite
+from evals.tasks import rl_tasks
+from training.curriculum import TIERS, level_rates, measure_base_model, stream_summaries, tier_of
 
 
 class RunFileConfig(dg.Config):
@@ -38,10 +41,6 @@ def difficulty_curriculum(
     and validated as the run goes, each new to it: :class:`training.curriculum.TaskStream`): the
     base model is measured on a sample of each level, where the stream's level weights start, and
     the metadata shows each run's stream (tasks drawn, solved, retried, rejected by validation)."""
-    from evals.bundled import read_suite
-    from evals.tasks import rl_tasks
-    from training.curriculum import TIERS, level_rates, measure_base_model, stream_summaries, tier_of
-
     data, source = run_file_dict(storage, config.run_file)
     if config.stream_tasks_per_level < 1:
         raise ValueError("difficulty_curriculum: config key 'stream_tasks_per_level' must be >= 1, "

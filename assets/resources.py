@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -19,6 +20,7 @@ import dagster as dg
 from assets.partitions import parse_checkpoint_partition_key
 from sandboxes.home import default_home
 from training.checkpoint import checkpoint_path, run_path, runs_root
+from training.planner import TRAINER_MODULE, k8s, runner, trainer_args
 
 
 class PosttrainStorage(dg.ConfigurableResource):
@@ -106,8 +108,6 @@ class WorkloadLauncher(dg.ConfigurableResource):
                     on_message: Callable[[Any], None] | None = None) -> dg.PipesClientCompletedInvocation:
         """The trainer of ``plan`` to its end: ``python -m training`` here (its engines, router and
         sandboxes as local processes), or on ``k8s`` the plan's workloads and the trainer Job."""
-        from training.planner import TRAINER_MODULE, trainer_args
-
         if self.target == "local":
             return self.run(context, TRAINER_MODULE, trainer_args(plan_path, run_dir), extras={"run_dir": str(run_dir)},
                             on_message=on_message)
@@ -115,12 +115,10 @@ class WorkloadLauncher(dg.ConfigurableResource):
 
     def _run_plan_on_k8s(self, context: dg.AssetExecutionContext, plan: Any,
                          on_message: Callable[[Any], None] | None) -> dg.PipesClientCompletedInvocation:
-        import time
-
+        # heavy: dagster_k8s and kubernetes (over 1,000 modules); only a run on Kubernetes needs them
         from dagster_k8s import PipesK8sPodLogsMessageReader
         from kubernetes import client as k8s_client
 
-        from training.planner import k8s, runner
 
         api = self._api_client()
         manifests = k8s.build_manifests(plan)
@@ -169,12 +167,11 @@ class WorkloadLauncher(dg.ConfigurableResource):
                              + ("; the fleet stays ([kubernetes] keep_fleet)" if keep_fleet else ""))
 
     def _wait_fleet(self, context: dg.AssetExecutionContext, fleet: list[dict[str, Any]], api: Any) -> None:
-        from training.planner import runner
-
         runner.wait_fleet(fleet, api, timeout_s=self.fleet_ready_timeout_s, poll_s=self.poll_interval_s,
                           log=lambda line: context.log.info(f"k8s: {line}"), setting="launcher fleet_ready_timeout_s")
 
     def _api_client(self) -> Any:
+        # heavy: kubernetes (over 1,000 modules); only a run on Kubernetes needs it
         from kubernetes import client, config
 
         configuration = client.Configuration()
@@ -213,6 +210,7 @@ class WorkloadLauncher(dg.ConfigurableResource):
             return dg.PipesSubprocessClient(env=dict(os.environ), message_reader=tap_custom_messages(reader, on_message)).run(
                 context=context, command=command, env=dict(env or {}), extras=dict(extras or {})
             )
+        # heavy: dagster_k8s and kubernetes (over 1,000 modules); only a run on Kubernetes needs them
         from dagster_k8s import PipesK8sClient, PipesK8sPodLogsMessageReader
 
         client = PipesK8sClient(

@@ -7,6 +7,7 @@ from the bundled suite's demonstrations the first time it is needed.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import dagster as dg
 from assets.resources import PosttrainStorage
 from evals.bundled import read_suite
 from evals.tasks import demonstration_tasks
+from training.planner.k8s import RUN_AS
 from training.planner.schema import read_run_toml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -92,9 +94,6 @@ def hand_to_workloads(*paths: Path) -> None:
     :data:`training.planner.k8s.RUN_AS`) when this process is root: the pods of a run write their run
     folder and eval rows on the volume as that user, and what Dagster made there as root they could
     not. Not root: nothing to do (the files are already the user's who made them)."""
-    import os
-
-    from training.planner.k8s import RUN_AS
 
     if os.geteuid() != 0:
         return

@@ -8,6 +8,9 @@ from pathlib import Path
 import dagster as dg
 
 from assets.resources import PosttrainStorage
+from evals.flawed import install_published_lists
+from evals.tasks import TaskSet, load_bundled, load_tasks, rl_tasks, summarize
+from training.curriculum import stream_summaries
 
 
 class TaskDatasetConfig(dg.Config):
@@ -46,11 +49,9 @@ def task_dataset(
     dataset's published flawed-task lists (``flawed/lists.json``) are installed under
     ``datasets/flawed/``. RL runs that draw from the task stream (tasks generated and validated as
     they train, apart from this suite) are listed with how many tasks each drew, solved and retried."""
+    # heavy: pandas and evals.bundled (numpy); the code location loads every asset module, this asset's body only when it runs
     import pandas as pd
-
     from evals.bundled import ensure_suite
-    from evals.tasks import TaskSet, load_bundled, load_tasks, rl_tasks, summarize
-    from training.curriculum import stream_summaries
 
     out_dir = storage.datasets_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,6 @@ def task_dataset(
             loaded = load_tasks(source, sources=config.harbor_sources or None)
             published = Path(source) / "flawed" / "lists.json"
             if published.is_file():  # a dataset's published flawed lists, where the report reads lists
-                from evals.flawed import install_published_lists
 
                 for path in install_published_lists(published, storage.path):
                     context.log.info(f"{source}: flawed list {path.name}")

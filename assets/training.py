@@ -27,6 +27,7 @@ from training.curriculum import CURRICULUM_FILE
 from training.planner import resolve, write_resolved_plan
 from training.progress import plot_curves, rows_from_steps_parquet, tensorboard_dir
 from viewer import links
+from training.planner.k8s import EVAL_POD_FILE, eval_pod
 
 TRAIN_POOL = "train"  # the instance limits this pool to one op at a time (dagster_project/instance.py)
 CURVES_PNG = "curves.png"  # under the run's metrics folder
@@ -144,7 +145,6 @@ def rl_run(
     run_dir = storage.run_dir(plan.run_name)
     plan_path = write_resolved_plan(plan, run_dir)
     if launcher.target == "k8s":  # the pod its checkpoints' evaluations run in (deepswe_eval)
-        from training.planner.k8s import EVAL_POD_FILE, eval_pod
 
         (run_dir / EVAL_POD_FILE).write_text(json.dumps(eval_pod(plan), indent=2) + "\n")
         # what was made here (as root, atomic writes private) the pods read and write as their own user:

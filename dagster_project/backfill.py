@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 import dagster as dg
+from dagster._core.storage.tags import BACKFILL_ID_TAG
 
 LAUNCH_BACKFILL = """
 mutation($params: LaunchBackfillParams!) {
@@ -53,6 +54,7 @@ def launch_backfill(workspace_file: Path, asset: str, partition_keys: Sequence[s
                     run_config: dict | None = None) -> str:
     """Create a backfill of ``asset`` over ``partition_keys`` in the current instance, each run with
     ``run_config`` (none: the assets' defaults); return its id."""
+    # heavy: Dagster's workspace loading and its GraphQL client (dagster_graphql, starlette); only a backfill needs them
     from dagster._core.workspace.context import WorkspaceProcessContext
     from dagster._core.workspace.load_target import WorkspaceFileTarget
     from dagster_graphql.cli import execute_query
@@ -77,8 +79,6 @@ def launch_backfill(workspace_file: Path, asset: str, partition_keys: Sequence[s
 
 def wait_for_backfill(backfill_id: str, timeout_s: float, poll_s: float = 2.0) -> dict[str, int]:
     """Poll until every run of the backfill has finished; return run counts by status."""
-    from dagster._core.storage.tags import BACKFILL_ID_TAG
-
     deadline = time.monotonic() + timeout_s
     last = None
     with dg.DagsterInstance.get() as instance:

@@ -86,6 +86,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     ensure_dagster_home(args.home)
     import dagster as dg  # Dagster and every asset module: see the module docstring
 
+    # start light: `posttrain` loads Dagster and the code location only for the commands that use them
     from dagster_project.backfill import launch_backfill, select_partitions, wait_for_backfill
     from dagster_project.definitions import defs
 
@@ -164,6 +165,7 @@ def _eval_model(args: argparse.Namespace, section) -> int:
     then registered and evaluated in the instance (:mod:`dagster_project.model_eval`)."""
     # Dagster and the eval's own modules, loaded for this command only: see the module docstring
     from assets.resources import PosttrainStorage
+    # start light: `posttrain eval` loads Dagster, the evals and serving (uvicorn) only when it runs
     from dagster_project.model_eval import DatasetError, RegistrationError, check_harbor_dataset, evaluate_model
     from evals.evaluate import eval_split, load_eval_tasks, select_tasks, write_rows
     from evals.harbor import is_harbor_dataset
@@ -244,6 +246,7 @@ def backfill_run_config(args: argparse.Namespace, partitions: list[str]) -> dict
     plans, or a registered model's ``eval.json``; they must agree unless ``--run-file`` gives one),
     with the eval options given over it. Other assets take no eval options."""
     from assets.evals import eval_config, eval_run_config, run_eval_section  # see the module docstring
+    # start light: Dagster and the asset modules load only for `posttrain backfill` (see the module docstring)
     from assets.partitions import parse_checkpoint_partition_key
     from assets.resources import PosttrainStorage
 
@@ -268,6 +271,7 @@ def backfill_run_config(args: argparse.Namespace, partitions: list[str]) -> dict
 def cmd_score(args: argparse.Namespace) -> int:
     import pandas as pd  # pandas and the report: see the module docstring
 
+    # start light: pandas loads only for `posttrain score`
     from evals.report import checkpoint_summary, flagged_mask
 
     if args.k < 1:

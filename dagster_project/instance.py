@@ -83,6 +83,7 @@ def ensure_dagster_home(home: str | None = None) -> Path:
 
 def set_pool_limits(dagster_home: Path) -> dict[str, int]:
     """The limit of each posttrain pool in the instance; one nobody set yet gets :data:`POOL_LIMITS`'s."""
+    # heavy: dagster (about 750 modules); the other helpers here need only the folder
     import dagster as dg
 
     with dg.DagsterInstance.from_config(str(dagster_home)) as instance:

@@ -34,13 +34,17 @@ import json
 import sys
 from pathlib import Path
 
+from evals.flawed import FlawedListError, flawed_views, install_published_lists, load_flawed_lists, views_markdown
+from evals.tasks import TaskLoadError, harbor_build_problem, load_bundled, load_harbor, load_tasks, summarize
+from sandboxes.harbor import RecipeError, needed_sources, parse_dockerfile
+from sandboxes.home import default_home
+from sandboxes.runtimes import default_store
+
 
 def cmd_tasks_inspect(args: argparse.Namespace) -> int:
-    from evals.tasks import TaskLoadError, load_bundled, load_tasks, summarize
-
     try:
         if args.path == "bundled":  # the generated suite, built on first use
-            from evals.bundled import ensure_suite
+            from evals.bundled import ensure_suite  # heavy: numpy; only the generated suite needs it
 
             task_set = load_bundled(ensure_suite())
         else:
@@ -62,7 +66,7 @@ def cmd_tasks_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks_build(args: argparse.Namespace) -> int:
-    from evals.bundled import SuiteBuildError, build_suite
+    from evals.bundled import SuiteBuildError, build_suite  # heavy: numpy; only this command needs it
 
     try:
         summary = build_suite(args.out, workers=args.workers)
@@ -74,7 +78,7 @@ def cmd_tasks_build(args: argparse.Namespace) -> int:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from evals.grading import ReportError, grade_reports
+    from evals.grading import ReportError, grade_reports  # heavy: numpy; only this command needs it
 
     notes: list[str] = []
     try:
@@ -104,12 +108,11 @@ def _selected(tasks, wanted: str | None):
 
 
 def cmd_tasks_export_harbor(args: argparse.Namespace) -> int:
-    from evals.harbor import export_harbor
-    from evals.tasks import TaskLoadError, load_bundled
+    from evals.harbor import export_harbor  # heavy: numpy and the HTTP layer (uvicorn); only this command needs them
 
     try:
         if args.source == "bundled":
-            from evals.bundled import ensure_suite
+            from evals.bundled import ensure_suite  # heavy: numpy; only the generated suite needs it
 
             task_set = load_bundled(ensure_suite())
         else:
@@ -128,9 +131,7 @@ def _harbor_tasks(command: str, dataset: str, sources: str, wanted: list[str], *
     ``(tasks, store, builds, problems)`` with ``problems`` a ``{task id: why}`` of the tasks asked
     for (``wanted``) that cannot be loaded or built. Without ``wanted`` the dataset's tasks that
     cannot be built from the sources are summed up in one line (``verbose``: one line each)."""
-    from evals.harbor import build_task_image
-    from evals.tasks import load_harbor
-    from sandboxes.runtimes import default_store
+    from evals.harbor import build_task_image  # heavy: numpy and the HTTP layer (uvicorn); only the Harbor commands need them
 
     task_set = load_harbor(dataset, sources=sources)
     incomplete = {item.id: item.reason for item in task_set.incomplete}
@@ -200,9 +201,8 @@ def print_closing_problems(command: str, problems: dict[str, str], tasks: int) -
 
 
 def cmd_tasks_envcheck(args: argparse.Namespace) -> int:
+    # heavy: numpy and the HTTP layer (uvicorn); only the Harbor commands need them
     from evals.harbor import environment_check, harbor_sandbox_factory, write_environment_flawed
-    from evals.tasks import TaskLoadError
-    from sandboxes.home import default_home
 
     try:
         wanted = [w.strip() for w in (args.tasks or "").split(",") if w.strip()]
@@ -232,9 +232,6 @@ def cmd_tasks_sources(args: argparse.Namespace) -> int:
     sources are all there but whose build is refused anyway (no verifier files, a recipe the builder
     does not take, a task folder that does not load) is listed with why, never as ready. The closing
     line counts repositories (a repository several tasks share once) and tasks."""
-    from evals.tasks import TaskLoadError, harbor_build_problem, load_harbor
-    from sandboxes.harbor import RecipeError, needed_sources, parse_dockerfile
-
     try:
         task_set = load_harbor(args.dataset)
         wanted = [w.strip() for w in (args.tasks or "").split(",") if w.strip()]
@@ -285,9 +282,6 @@ def cmd_tasks_sources(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks_flawed_lists(args: argparse.Namespace) -> int:
-    from evals.flawed import FlawedListError, install_published_lists
-    from sandboxes.home import default_home
-
     try:
         written = install_published_lists(args.lists, default_home())
     except FlawedListError as exc:
@@ -300,14 +294,13 @@ def cmd_tasks_flawed_lists(args: argparse.Namespace) -> int:
 def run_agents(args: argparse.Namespace, settings) -> int:
     """``posttrain eval`` without registering a model: ``--agent oracle`` or ``nop``, or a model
     under another ``--scaffold``, on a Harbor dataset, each attempt through the task's verifier.
-    ``settings`` is the validated ``[eval]`` table (``training.planner.schema.EvalSection``); the
+    ``settings`` is the validated ``[eval]`` table (``evals.settings.EvalSection``); the
     oracle and nop agents make 1 attempt unless ``--attempts`` says otherwise. Returns the exit
     status: 1 when a task asked for could not be built, run or graded (listed with why), 2 on bad input."""
-    from evals.evaluate import write_rows
-    from evals.flawed import FlawedListError, flawed_views, load_flawed_lists, views_markdown
+    # heavy: numpy and the HTTP layer (uvicorn); only this command needs them
+    from evals.evaluate import served_model, write_rows
     from evals.harbor import check_environments, evaluate_harbor, harbor_sandbox_factory, with_environment_records
-    from evals.tasks import TaskLoadError
-    from sandboxes.home import default_home
+    from evals.harness import HttpClient, episode_context
 
     if args.agent == "model" and not args.model:
         print("posttrain eval: --agent model needs --model (a Hugging Face model folder)", file=sys.stderr)
@@ -336,8 +329,6 @@ def run_agents(args: argparse.Namespace, settings) -> int:
     log = (lambda m: print(m, file=sys.stderr))
     served = contextlib.nullcontext(None)
     if args.agent == "model":
-        from evals.evaluate import served_model
-
         # A replica process (vLLM unless POSTTRAIN_ENGINE says otherwise); a chat scaffold's tool
         # calls are parsed by the engine.
         parser_settings = {"tool_call_parser": "hermes"} if args.scaffold != "builtin" else {}
@@ -345,8 +336,6 @@ def run_agents(args: argparse.Namespace, settings) -> int:
     with served as model:
         kwargs = {}
         if model is not None:
-            from evals.harness import HttpClient, episode_context
-
             url, tokenizer, eos_ids = model
             log(f"posttrain eval: {args.model} served on {url}")
             kwargs = dict(model=HttpClient(url), tokenizer=tokenizer, model_url=url, max_turns=settings.max_turns,
@@ -367,7 +356,7 @@ def run_agents(args: argparse.Namespace, settings) -> int:
     return print_closing_problems("eval", closing_problems(rows, problems), len(tasks) + len(problems))
 
 
-# command-line option -> the [eval] key it sets (training.planner.schema.EvalSection); every default
+# command-line option -> the [eval] key it sets (evals.settings.EvalSection); every default
 # is the [eval] table's (a run file's with --run-file, else the schema's)
 EVAL_OPTIONS = {"sources": "sources", "tasks": "task_ids", "split": "split", "attempts": "attempts",
                 "max_turns": "max_turns", "max_new_tokens": "max_new_tokens", "temperature": "temperature",

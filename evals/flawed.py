@@ -208,6 +208,7 @@ def flawed_views(rows: Sequence[Mapping[str, Any]] | Any, lists: Sequence[Flawed
     ``infra_errors``, ``pass@1``, ``pass@k`` (when ``k > 1``), ``target_score``,
     ``strict_target_score`` and ``partial`` (means over tasks of the per-task means). Attempts with
     ``status == "infra_error"`` are never scored."""
+    # heavy: numpy (evals.metrics); only the flawed views need pass@k
     from evals.metrics import pass_at_k
 
     records = rows.to_dict("records") if hasattr(rows, "to_dict") else [dict(r) for r in rows]

@@ -172,6 +172,7 @@ def _take_key() -> bytes | None:
 def _non_dumpable() -> None:
     """prctl(PR_SET_DUMPABLE, 0): no process the tests start can read this one's memory or /proc files."""
     try:
+        # inside the try: a Python without a usable ctypes only skips this
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
@@ -240,6 +241,7 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
     Runs once, when the plugin loads, before any code under test. The functions defined in here run
     later (inside the generator) and look up no global or builtin name: each name they use is bound
     here, from objects taken now. ``tests/evals/test_pytest_tamper.py`` checks that with ``dis``."""
+    # bound here as locals, not module globals that the code under test could rebind
     import _json
     import _signal
 
@@ -277,6 +279,7 @@ def _make_guardian(fd: int, key: bytes | None, session: str, guarded: bool, root
 
     import unittest  # snapshotted with the framework: TestCase's asserts decide unittest-style tests
 
+    # bound here as locals, not module globals that the code under test could rebind
     from _pytest.main import wrap_session
     from _pytest.outcomes import Skipped, XFailed
     from _pytest.reports import CollectReport, TestReport
@@ -955,6 +958,7 @@ def _start() -> bool:
     key = _take_key()
     _non_dumpable()
     root = os.path.realpath(os.getcwd()) + "/"
+    # locals, not module globals that the code under test could rebind
     import _pytest
     import pluggy
 
@@ -970,6 +974,7 @@ def _start() -> bool:
                            ("collected", recorder["pytest_collection_finish"]), ("finish", recorder["pytest_unconfigure"])):
         callers[kind] = frozenset((id(function.__code__),))
     if auditing:
+        # locals, not module globals that the code under test could rebind
         import _signal
         import _thread
         import gc
@@ -989,6 +994,7 @@ def _start() -> bool:
 
 
 def _hook_caller_type():
+    # a local, not a module global that the code under test could rebind
     import pluggy
 
     for holder, name in ((pluggy, "HookCaller"), (getattr(pluggy, "_hooks", None), "_HookCaller"),

@@ -409,10 +409,10 @@ def plot_target_scores(report: Sequence[CheckpointScores], path: str | Path) -> 
 def _pyplot():
     """matplotlib's pyplot on the file backend. Imported here, not with the module: it takes about a
     second, and only the plots need it (the viewer and the CLI import this module for its numbers)."""
-    import matplotlib
+    import matplotlib  # heavy: about a second (see above)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend is looked for
 
     return plt
 

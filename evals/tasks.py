@@ -45,6 +45,7 @@ from typing import Any, Iterable, Mapping
 
 from evals.signals import parse_patch
 from sandboxes.files import NotARegularFile, check_regular_file, open_regular_file, read_regular_bytes
+from sandboxes.harbor import RecipeError, find_source, parse_dockerfile, source_has_commit
 
 REPORT_FORMATS = ("junit", "ctrf")
 
@@ -437,8 +438,6 @@ def _harbor_identity(task_dir: Path) -> tuple[str, str]:
 
 def harbor_build_problem(task: Task, sources: str | Path) -> str:
     """Why ``task`` (a Harbor task) cannot be built from the repository sources in ``sources``, or ''."""
-    from sandboxes.harbor import RecipeError, find_source, parse_dockerfile, source_has_commit
-
     meta = task.metadata
     if not meta.get("environment"):
         return f"{meta.get('task_dir')}: no environment/Dockerfile to build the task's image from"
@@ -516,6 +515,7 @@ def swebench_image(instance_id: str) -> str:
 
 def _swebench_rows(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
     if path.suffix == ".parquet":
+        # heavy: pyarrow; only SWE-bench Parquet files need it
         import pyarrow.parquet as pq
 
         try:

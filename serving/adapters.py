@@ -89,6 +89,7 @@ def merge_adapter(base_model: str | Path, adapter_dir: str | Path, out: str | Pa
     the merged weights are rounded once more than the unmerged path's products). Written in a
     temporary sibling and renamed: a crash never leaves a half-written ``out``, and an existing
     ``out`` is refused."""
+    # heavy: torch, peft and transformers; only merging an adapter needs them
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -123,6 +124,7 @@ def merge_adapter(base_model: str | Path, adapter_dir: str | Path, out: str | Pa
 
 def shard_adapter(adapter_dir: str | Path, num_shards: int) -> tuple[dict[str, Any], list[bytes]]:
     """The adapter config and ``num_shards`` safetensors blobs holding its tensors, balanced by size."""
+    # heavy: torch (safetensors.torch); only sharding an adapter needs it
     from safetensors.torch import load_file, save
 
     if num_shards < 1:
@@ -143,6 +145,7 @@ def push_adapter(url: str, lora_name: str, adapter_dir: str | Path, *, num_shard
                  credential: str | None = None) -> dict[str, Any]:
     """Send an adapter to one replica (or the capture sidecar) in parallel shards, then commit, with
     the trainer ``credential`` (this process's unless given), which the replica's adapter routes need."""
+    # heavy: the HTTP layer (uvicorn, through serving.capture_store); only pushing an adapter needs it, and evals.evaluate imports this module for merge_adapter
     from serving.capture_store import trainer_headers
     from serving.client import HttpPool
 
@@ -198,6 +201,7 @@ class ShardAssembler:
             self._parts.setdefault(lora_name, {})[index] = body
 
     def commit(self, lora_name: str, num_shards: Any, adapter_config: Any) -> Path:
+        # heavy: torch (safetensors.torch); only committing an uploaded adapter needs it
         from safetensors.torch import load, save_file
 
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:

@@ -111,6 +111,7 @@ def install_chat_template(model_dir: str | Path) -> Path:
         raise ChatTemplateError(f"{config_path}: not found (is {model_dir} a saved model folder?)") from None
     except ValueError as exc:
         raise ChatTemplateError(f"{config_path}: not valid JSON: {exc}") from None
+    # heavy: transformers (and torch through it)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -314,6 +315,7 @@ def fit_chat_turns(model_dir: str | Path, chats: list[dict], *, steps: int = 300
     engine, template and tool-call parser to run through, with answers known in advance. Returns the
     loss per step.
     """
+    # heavy: torch and transformers; only fitting chat turns needs them
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -15,10 +15,15 @@ import json
 import shlex
 import sys
 
+from sandboxes.files import read_regular_bytes
+from serving import capture, replica
+from serving.local_engine import __main__ as local_engine_main
+from serving.router import __main__ as router_main
+from serving.sglang import sglang_server_args
+from serving.tiny import build_tiny_lora_adapter, build_tiny_model
+
 
 def _tiny(args: argparse.Namespace) -> int:
-    from serving.tiny import build_tiny_lora_adapter, build_tiny_model
-
     path = build_tiny_model(args.out, hidden_size=args.hidden_size, num_layers=args.layers, vocab_size=args.vocab_size,
                             num_heads=args.heads, num_kv_heads=1)
     print(f"tiny model: {path}")
@@ -28,9 +33,6 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def _sglang_args(args: argparse.Namespace) -> int:
-    from sandboxes.files import read_regular_bytes
-    from serving.sglang import sglang_server_args
-
     try:
         knobs = json.loads(read_regular_bytes(args.knobs))  # a FIFO is refused, never waited on
         print(shlex.join(["python3", "-m", "sglang.launch_server", *sglang_server_args(knobs, host=args.host, port=args.port)]))
@@ -44,16 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's commands to the ``posttrain`` parser."""
     serving = sub.add_parser("serving", help="inference engines, the router, capture, tiny models")
     cmds = serving.add_subparsers(dest="serving_command", required=True)
-    import serving.capture
-    import serving.replica
-    from serving.local_engine import __main__ as local_engine_main
-    from serving.router import __main__ as router_main
 
-    for name, module, text in (("replica", serving.replica, "run a replica: vLLM (or the local engine) behind the capture front "
+    for name, module, text in (("replica", replica, "run a replica: vLLM (or the local engine) behind the capture front "
                                                             "(as python -m serving.replica)"),
                                ("engine", local_engine_main, "run the local CPU engine (as python -m serving.local_engine)"),
                                ("router", router_main, "run the router (as python -m serving.router)"),
-                               ("sidecar", serving.capture, "run the capture front of an engine server (as python -m serving.capture)")):
+                               ("sidecar", capture, "run the capture front of an engine server (as python -m serving.capture)")):
         p = cmds.add_parser(name, help=text)
         module.add_arguments(p)
         p.set_defaults(func=module.run)

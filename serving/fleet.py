@@ -38,6 +38,12 @@ from typing import Any
 
 from serving.replica import free_port  # noqa: F401 (callers take it from here)
 from serving.router.core import Router
+from serving.capture_store import environment_with
+from serving.client import EngineClient
+from serving.http import serve
+from serving.local_engine import LocalEngine
+from serving.replica import ENGINE_KINDS
+from serving.replica import replica_command
 
 
 
@@ -47,8 +53,6 @@ DEFAULT_ENGINE = "vllm"
 
 def default_engine() -> str:
     """The engine local replicas run: ``$POSTTRAIN_ENGINE`` (``vllm`` or ``local``), else vLLM."""
-    from serving.replica import ENGINE_KINDS
-
     engine = os.environ.get("POSTTRAIN_ENGINE", DEFAULT_ENGINE)
     if engine not in ENGINE_KINDS:
         raise ValueError(f"POSTTRAIN_ENGINE must be one of {', '.join(ENGINE_KINDS)}, got {engine!r}")
@@ -64,9 +68,6 @@ def start_engine(model: str, log_path: Path, timeout_s: float = 600.0, *, engine
 
     It starts on the base model (and the newest version of ``adapters_dir``, if given): a trainer
     pushes the adapter version it resumes from."""
-    from serving.client import EngineClient
-    from serving.replica import replica_command
-
     port = free_port()
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,16 +127,10 @@ class LocalFleet:
         self._unreplaced: list[tuple[str, int | None, tuple[str, int]]] = []  # (url, exit status, (pool, size))
 
     def _start_thread(self):
-        from serving.local_engine import LocalEngine
-        from serving.http import serve
-
         server = serve(LocalEngine(self.model_path, **self.engine_kwargs), host=self.host, port=0)
         return server.url, server
 
     def _spawn_process(self) -> subprocess.Popen:
-        from serving.capture_store import environment_with
-        from serving.replica import replica_command
-
         seq = next(self._seq)
         settings = dict(self.engine_kwargs)
         if self.engine == "vllm" and "cpu_cores" not in settings:

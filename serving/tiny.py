@@ -47,6 +47,7 @@ I will read the file first.<|im_end|>
 
 def build_tiny_tokenizer(vocab_size: int = 512, corpus: Sequence[str] | None = None):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with ``vocab_size`` entries (any text encodes)."""
+    # heavy: tokenizers and transformers; only building a tiny model needs them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -85,6 +86,7 @@ def build_tiny_model(
     seed: int = 0,
 ) -> Path:
     """Save a random Qwen2/Qwen3 causal LM and its tokenizer under ``path``; return ``path``."""
+    # heavy: torch and transformers; only building a tiny model needs them
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
@@ -131,6 +133,7 @@ def build_tiny_lora_adapter(
 ) -> Path:
     """Save a peft LoRA adapter for the model at ``model_path`` whose weights are random (so it
     changes the model's outputs, unlike peft's zero-initialised B); return ``out_path``."""
+    # heavy: torch, peft and transformers; only building an adapter needs them
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -113,6 +113,7 @@ def _flash_attn_kernels() -> AttentionKernels | None:
     flash-attn is not installed (the device machines of docs/benchmarks.md have none).
     """
     try:
+        # optional: flash-attn is a GPU library, absent on CPU machines (ImportError: no kernels)
         import flash_attn
         from flash_attn import flash_attn_interface as fa
     except ImportError:

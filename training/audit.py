@@ -71,6 +71,7 @@ class StepAudit:
 
 def run_tasks(run_dir: Path, cfg: TrainConfig) -> dict[str, Any]:
     """Every task the run could have served: its training tasks and the tasks its stream wrote."""
+    # heavy: training.episodes loads torch and pandas; only auditing rollouts needs it
     from training.episodes import training_tasks
 
     tasks: dict[str, Any] = {}

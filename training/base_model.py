@@ -37,6 +37,10 @@ import torch
 
 from training.backends.batch import micro_batches, pad_rows
 from training.demonstrations import ANSWER, OBSERVATION, augment, demonstrations, segments, styled
+from evals.bundled import read_suite
+from evals.tasks import demonstration_tasks
+from serving.chat_template import encode_text
+from serving.chat_template import install_chat_template
 
 # End of text, and ChatML's turn markers: the model folder carries a chat template
 # (serving.chat_template) so chat scaffolds reach it through the engine's chat API.
@@ -93,6 +97,7 @@ class BaseModelSpec:
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
+    # heavy: tokenizers and transformers load only when a tokenizer is trained
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -120,8 +125,6 @@ def sft_examples(tokenizer, demos: Sequence[tuple[str, Any]]) -> list[tuple[list
     the prompt, then each model turn (ending with the end-of-text token) and each observation, each
     piece on its own, as text (:func:`serving.chat_template.encode_text`: a special token's string is
     never its id). The loss is on the ``ANSWER`` turns only."""
-    from serving.chat_template import encode_text
-
     out = []
     for prompt, actions in demos:
         ids = encode_text(tokenizer, prompt)
@@ -211,6 +214,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], spec: BaseModelSpec,
 @torch.no_grad()
 def demonstration_loss(model_dir: Path, demos: list[tuple[str, str]]) -> float:
     """Mean per-token loss on the action tokens of ``demos`` of the model saved at ``model_dir``."""
+    # heavy: transformers (and torch through it)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -229,6 +233,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
                      device: str = "cpu") -> Path:
     """Build (or reuse) the base model at ``out`` from the demonstrations of ``tasks``; the SFT steps
     run on ``device`` (the model is saved from the CPU either way)."""
+    # heavy: transformers (and torch through it)
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     out = Path(out)
@@ -248,6 +253,7 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     info = out / "build.json"
     if info.is_file() and json.loads(info.read_text()).get("fingerprint") == fingerprint:
         return out
+    # heavy: serving.replica loads the HTTP layer (uvicorn); only checking vLLM's CPU head sizes needs it
     from serving.replica import CPU_HEAD_DIMS as VLLM_CPU_HEAD_DIMS
 
     head_dim, rest = divmod(spec.hidden_size, spec.num_heads)
@@ -278,7 +284,6 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
     curve = sft(model, examples, spec)
     model = model.cpu()
     model.save_pretrained(tmp, safe_serialization=True)
-    from serving.chat_template import install_chat_template
 
     install_chat_template(tmp)
     reload_loss = demonstration_loss(tmp, demos)  # what was saved, reloaded, on the original demonstrations
@@ -297,9 +302,6 @@ def build_base_model(out: str | Path, tasks: Sequence[Any], spec: BaseModelSpec 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from evals.bundled import read_suite
-    from evals.tasks import demonstration_tasks
-
     parser = argparse.ArgumentParser(prog="python -m training.base_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default=None, help="bundled suite folder (built at the default sizes if missing)")
     parser.add_argument("--out", required=True)

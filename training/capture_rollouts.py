@@ -56,6 +56,7 @@ def fetch_session(url: str, session_id: str, *, timeout_s: float = 60.0,
                   credential: str | None = None) -> list[dict[str, Any]]:
     """A session's captured calls, in order, from a router or a replica (``GET /sessions/{id}``),
     read with the trainer ``credential`` (this process's unless given: the one its replicas got)."""
+    # heavy: the HTTP layer (uvicorn, through serving.capture_store); only fetching a session needs it
     from serving.capture_store import trainer_headers
     from serving.client import HttpPool
 

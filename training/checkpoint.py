@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from training.curriculum import Curriculum
+
 # torch is imported where tensors are read or written: the layout functions below are also used by
 # the Dagster code location, which should load without it.
 
@@ -247,6 +249,7 @@ def write_checkpoint(
 
 def rng_state() -> dict[str, Any]:
     """Every RNG state as plain lists and a tensor (what ``torch.load(weights_only=True)`` reads)."""
+    # heavy: torch (see the note at the top)
     import torch
 
     version, internal, gauss = random.getstate()
@@ -254,6 +257,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # heavy: torch (see the note at the top)
     import torch
 
     version, internal, gauss = state["python"]
@@ -263,6 +267,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def load_rng_state(path: Path) -> dict[str, Any]:
     """The RNG states saved at ``path``, checked for the shape :func:`set_rng_state` needs."""
+    # heavy: torch (see the note at the top)
     import torch
 
     state = torch.load(path, weights_only=True, map_location="cpu")
@@ -286,10 +291,10 @@ def check_checkpoint(ckpt: Path) -> LoadedCheckpoint:
     """Read every file of checkpoint ``ckpt`` (metadata, adapter safetensors, optimizer, RNG,
     curriculum, store snapshot); the first that does not load raises :class:`CheckpointLoadError`
     naming it. The adapter and optimizer are only read here (the backend loads them)."""
+    # heavy: torch and safetensors (see the note at the top)
     import torch
     from safetensors.torch import load_file
 
-    from training.curriculum import Curriculum
 
     ckpt = Path(ckpt)
     metadata = read_metadata(ckpt)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import random
 import re
 from typing import Any, Sequence
+from evals.actions import compact_observation, parse_compact
+from evals.actions import demonstration
 
 def demonstrations(tasks: Sequence[Any], by_line: bool = False) -> list[tuple[str, str]]:
     """(prompt, actions) of every training task, in ``edit`` actions (with ``by_line``, ``replace``
     ones); a task without a reference solution, or one kept for RL (``metadata.demonstration =
     false``; :func:`evals.tasks.demonstration_tasks` leaves those out), is an error."""
-    from evals.actions import demonstration
-
     demos = []
     for task in tasks:
         if getattr(task, "split", "train") != "train":
@@ -165,7 +165,7 @@ def transcript(prompt: str, actions: str, style: str, rng: random.Random, max_fa
     A transcript is a tuple of ``(text, role)`` segments: ``ANSWER`` and ``TRIED`` are model turns
     (each ends with the end-of-text token), ``OBSERVATION`` is what the harness appends.
     """
-    from evals.actions import compact_observation, parse_compact
+    # heavy: evals.bundled and evals.harness load numpy; only a transcript with failures needs them
     from evals.bundled import MODULES
     from evals.harness import replace_once
 

@@ -45,6 +45,16 @@ from training.curriculum import Curriculum, TaskStream, open_task_stream
 from training.grpo import IntegrityGate
 from training.loop import AdapterRef, EpisodeInfraError, GroupRunner
 from training.rollout import Rollout
+import os
+from evals.harness import HttpClient, episode_context
+from evals.harness import run_episode
+from evals.sandbox import platform_sandbox_factory
+from evals.scaffolds import run_scaffold_episode
+from evals.tasks import load_bundled, load_tasks, rl_tasks
+from sandboxes.home import default_suite_dir
+from serving.engines.vllm import lora_rank_slot
+from training.capture_rollouts import CaptureMissing, fetch_session, rollout_from_capture
+from training.remote_fleet import ROUTER_URL_VARIABLE, RemoteFleet
 
 INFRA_RETRIES = 2
 INFRA_RETRY_WAIT_S = 2.0
@@ -165,8 +175,6 @@ class HarnessRunner(PooledGroupRunner):
 
     def __init__(self, tasks: dict[str, Any], engine_url: str, tokenizer: Any, sandbox_factory: Any,
                  cfg: TrainConfig, episode_workers: int = 4) -> None:
-        from evals.harness import HttpClient, episode_context
-
         self.tasks = tasks
         self.engine_url = engine_url
         self.client = HttpClient(engine_url)
@@ -180,8 +188,6 @@ class HarnessRunner(PooledGroupRunner):
         self.gate = IntegrityGate.from_config(cfg)  # a flagged attempt's reward (training.grpo)
 
     def episode(self, task_id: str, adapter: AdapterRef, group_id: str, index: int, seed: int) -> Rollout:
-        from evals.harness import run_episode
-
         task = self.tasks[task_id]
         if self.cfg.scaffold != "builtin":
             return self._scaffold_episode(task, adapter, group_id, index)
@@ -204,9 +210,6 @@ class HarnessRunner(PooledGroupRunner):
         """An episode of a third-party scaffold (``cfg.scaffold``, :mod:`evals.scaffolds`) over the chat
         API: its rollout is what the replicas captured for the session, never the scaffold's own
         copy (:func:`training.capture_rollouts.rollout_from_capture`; a drifted turn is context only)."""
-        from evals.scaffolds import run_scaffold_episode
-        from training.capture_rollouts import CaptureMissing, fetch_session, rollout_from_capture
-
         for retry in range(INFRA_RETRIES + 1):
             if retry:
                 time.sleep(INFRA_RETRY_WAIT_S * retry)
@@ -235,8 +238,6 @@ def engine_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     """The settings of each local replica that the config (or the run plan's local engine args) sets
     (:func:`serving.fleet.start_engine` and :class:`serving.fleet.LocalFleet` take them;
     ``max_total_tokens`` and ``torch_threads`` concern the local engine, ``max_running_requests`` both)."""
-    from serving.engines.vllm import lora_rank_slot
-
     kwargs: dict[str, Any] = {"torch_threads": 1, "max_lora_rank": lora_rank_slot(cfg.lora_rank)}
     if cfg.scaffold != "builtin":  # a chat scaffold's tool calls are parsed by the engine
         kwargs["tool_call_parser"] = "hermes"
@@ -252,8 +253,6 @@ def load_curriculum(cfg: TrainConfig, task_ids: list[str], run_dir: Path | None 
     training task at an unknown pass rate (0.5). With ``cfg.task_stream``, or a file with
     ``task_stream`` settings, it is the run's task stream instead (:class:`training.curriculum.TaskStream`,
     under ``run_dir``; the file's settings, else its ``settings``, else the stream's defaults)."""
-    from sandboxes.home import default_suite_dir
-
     def stream(settings: Any, source: str) -> TaskStream:
         if run_dir is None:
             raise ValueError(f"{source}: key 'task_stream' needs the run directory")
@@ -283,9 +282,6 @@ def training_tasks(source: str) -> dict[str, Any]:
     """The RL tasks of ``source`` (:func:`evals.tasks.rl_tasks`: its ``train`` split without the
     demonstrations the embedded base model learned from): a built bundled suite folder is read as it
     is (the ``task_dataset`` asset built it); anything else goes through the evals loaders."""
-    from sandboxes.home import default_suite_dir
-    from evals.tasks import load_bundled, load_tasks, rl_tasks
-
     path = Path(source) if source else default_suite_dir()
     if (path / "suite.json").is_file():
         task_set = load_bundled(path)
@@ -305,6 +301,7 @@ class ReplicaFleet:
     whose process exits is replaced (see the module docstring). ``url`` is the router's."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, watch_interval_s: float = 0.5, log=print) -> None:
+        # heavy: the local fleet's HTTP servers (uvicorn); a run on a remote fleet never starts them
         from serving.fleet import LocalFleet
         from serving.router.core import Router
         from serving.router.server import serve_router
@@ -423,11 +420,9 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
     router of ``cfg.replicas`` local replicas, else one local replica. The sandbox factory is
     ``cfg.sandbox_runtime``'s (:func:`evals.sandbox.platform_sandbox_factory`: bwrap or gVisor here,
     ``k8s``: the run's sandbox pool at ``POSTTRAIN_SANDBOX_POOL_URL``)."""
-    import os
-
+    # heavy: transformers (and torch through it)
     from transformers import AutoTokenizer
 
-    from evals.sandbox import platform_sandbox_factory
 
     tasks = training_tasks(cfg.tasks)
     curriculum = load_curriculum(cfg, sorted(tasks), run_dir)
@@ -439,12 +434,12 @@ def harness_environment(cfg: TrainConfig, run_dir: Path) -> Environment:
         return HarnessRunner(tasks, url, tokenizer, platform_sandbox_factory(cfg.sandbox_runtime), cfg,
                              episode_workers=cfg.episode_workers)
 
-    from training.remote_fleet import ROUTER_URL_VARIABLE, RemoteFleet
 
     if os.environ.get(ROUTER_URL_VARIABLE):  # a cluster run: engines and router are workloads of their own
         return fleet_environment(cfg, run_dir, make_runner, curriculum, fleet=RemoteFleet(os.environ[ROUTER_URL_VARIABLE]))
     if cfg.replicas > 1:
         return fleet_environment(cfg, run_dir, make_runner, curriculum)
+    # heavy: the local fleet's HTTP servers (uvicorn); only a scaffold run without a router starts a replica here
     from serving.fleet import start_engine, stop_replica
 
     proc, url = start_engine(cfg.base_model, logs_dir(run_dir) / "engine-0.log", **engine_kwargs(cfg))

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
+
 from evals.attempts import write_rows
 from evals.evaluate import evaluate, load_eval_tasks, model_tokens, select_tasks
 from evals.harbor import eval_split
@@ -85,8 +87,6 @@ def run(args: argparse.Namespace, log=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
-
     args = parse_args(argv)
     if not os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
         run(args)

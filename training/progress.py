@@ -13,11 +13,17 @@ cheating signal flagged (the integrity gate, :class:`training.grpo.IntegrityGate
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
+
 from evals.signals import ALL_SIGNALS
+from training.checkpoint import metrics_dir, store_path
 
 TENSORBOARD_DIR = "tensorboard"  # under the run's metrics folder
 
@@ -73,9 +79,6 @@ def step_rollouts(run_dir: str | Path, step: int, *, scale_by_std: bool = False)
     """The rollouts step ``step`` took (the store's ``status_step``, stale ones left out), read
     read-only from the run's store: ``HISTOGRAMS`` values and the seconds of each episode phase
     (summed; ``generation_s`` where a rollout records it, the rest of ``agent_s`` the sandbox's)."""
-    import sqlite3
-
-    from training.checkpoint import store_path
 
     path = store_path(Path(run_dir))
     out: dict[str, Any] = {name: [] for name in HISTOGRAMS}
@@ -115,8 +118,6 @@ def eta_s(step_seconds: list[float], step: int, of_steps: int | None, window: in
 
 
 def tensorboard_dir(run_dir: str | Path) -> Path:
-    from training.checkpoint import metrics_dir
-
     return metrics_dir(Path(run_dir)) / TENSORBOARD_DIR
 
 
@@ -128,8 +129,6 @@ class Reporter:
 
     def __init__(self, run_dir: str | Path | None = None, *, of_steps: int | None = None,
                  scale_by_std: bool = False) -> None:
-        import time
-
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.of_steps, self.scale_by_std = of_steps, scale_by_std
         self._last_step_at = time.monotonic()
@@ -139,9 +138,6 @@ class Reporter:
         self._writer = None
 
     def __enter__(self) -> "Reporter":
-        import os
-
-        from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
 
         if os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
             self._cm = open_dagster_pipes()
@@ -166,6 +162,7 @@ class Reporter:
     def _tensorboard(self, first_step: int):
         if self._writer is None and self.run_dir is not None:
             try:
+                # heavy: torch (TensorBoard's writer); only a reporter with a run folder writes events
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:  # tensorboard is a base dependency; an install without it still trains
                 print(f"no TensorBoard event files: {exc}", file=sys.stderr, flush=True)
@@ -176,8 +173,6 @@ class Reporter:
         return self._writer
 
     def step(self, row: dict[str, Any], published: Any) -> None:
-        import time
-
         publish_s = float(published.http_s + published.volume_s)
         now = time.monotonic()
         self._step_seconds.append(now - self._last_step_at)
@@ -200,6 +195,7 @@ class Reporter:
                 writer.add_scalar(name, value, int(row["step"]))
             for name in HISTOGRAMS:  # distributions per step: TensorBoard's Histograms tab
                 if taken.get(name):
+                    # heavy: numpy; only a step with rewards to summarize needs it
                     import numpy as np
 
                     writer.add_histogram(name, np.asarray(taken[name], dtype=np.float64), int(row["step"]))
@@ -247,10 +243,11 @@ def plot_curves(runs: dict[str, list[dict[str, Any]]], path: str | Path, title: 
 
     ``runs`` maps a run name to its step rows (each with ``step`` and :func:`step_series` names);
     several runs on one figure compare them side by side."""
+    # heavy: matplotlib; only plotting needs it
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend is looked for
 
     fig, axes = plt.subplots(2, 4, figsize=(13, 6))
     for ax, (panel, names) in zip(axes.flat, PANELS):
@@ -279,6 +276,7 @@ def plot_curves(runs: dict[str, list[dict[str, Any]]], path: str | Path, title: 
 
 def rows_from_steps_parquet(path: str | Path) -> list[dict[str, Any]]:
     """A run's step rows (``metrics/steps.parquet``) as :func:`step_series` rows with their step."""
+    # heavy: pandas (and pyarrow); only reading the Parquet rows needs it
     import pandas as pd
 
     path = Path(path)

@@ -28,6 +28,9 @@ from torch import nn
 from training.fused_step import plain_lora  # shared with the fused layer, which imports nothing of this module
 
 from training.attention import AttentionKernels, attention_kernels, last_dim_contiguous
+import importlib
+from training.fused_step import FusedKeepAttentionOutput
+from training.fused_step import chosen_step_kernels, fused_layer_parts
 
 RecomputeMode = Literal["none", "full", "attention_output"]
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "full", "attention_output")
@@ -212,8 +215,6 @@ def keep_attention_output_in_hf_layers(model: nn.Module, fused: bool | None = Fa
     why not): ``True`` on any device, ``None`` on CUDA in 16-bit dtypes only, ``False`` never. A
     layer that does not qualify runs :class:`KeepAttentionOutput`.
     """
-    import importlib
-
     layers = [m for m in model.modules() if type(m).__name__ in HF_LAYER_CLASSES]
     if not layers:
         raise ValueError(f"recompute='attention_output': no {' or '.join(HF_LAYER_CLASSES)} in the model")
@@ -244,8 +245,6 @@ def _kept_forward(split: HFDecoderSplit, original: Callable, fused: bool | None 
         if device_type not in chosen:
             chosen[device_type] = None
             if _use_fused(fused, hidden_states):
-                from training.fused_step import chosen_step_kernels, fused_layer_parts
-
                 parts, _ = fused_layer_parts(split.layer)
                 if parts is not None:
                     parts.kernels = split.kernels
@@ -253,8 +252,6 @@ def _kept_forward(split: HFDecoderSplit, original: Callable, fused: bool | None 
                 chosen[device_type] = parts
         parts = chosen[device_type]
         if parts is not None:
-            from training.fused_step import FusedKeepAttentionOutput
-
             return FusedKeepAttentionOutput.apply(parts, hidden_states, cos, sin, *parts.trainable())
         return KeepAttentionOutput.apply(split, hidden_states, cos, sin, *trainable)
 

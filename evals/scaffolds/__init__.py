@@ -46,6 +46,7 @@ def run_scaffold_episode(scaffold: str, task: Task, *, model_url: str, sandbox_f
                            grader_factory=grader_factory, grade_cache=grade_cache, **builtin_kwargs)
     if builtin_kwargs:
         raise ValueError(f"scaffold {scaffold!r} takes no {', '.join(sorted(builtin_kwargs))}")
+    # heavy: mini-swe-agent and its dependencies (about 3,000 modules); only its scaffold needs them
     from evals.scaffolds.mini_swe_agent import run_mini_swe_agent
 
     return run_mini_swe_agent(task, chat_url=model_url, sandbox_factory=sandbox_factory, adapter_version=adapter_version,

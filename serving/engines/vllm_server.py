@@ -77,6 +77,7 @@ def busy_poll_s(environ: dict[str, str] | os._Environ = os.environ) -> float | N
 
 def set_busy_poll(seconds: float) -> None:
     """Make every shared-memory queue reader of this process spin for ``seconds`` at most."""
+    # heavy: vLLM (and torch); loaded in vLLM's server process, where the patch is applied
     from vllm.distributed.device_communicators import shm_broadcast
 
     condition = getattr(shm_broadcast, "SpinCondition", None)
@@ -99,6 +100,7 @@ def _lora_products(inputs, weights, indices, dtype):
     in]``, or ``[slots, 1, out, in]``), in ``dtype``: one product per slot present, where vLLM's torch
     ops gather ``weights[indices]`` and multiply per token. Index -1 is the last slot, as in a gather.
     None for shapes outside that contract (the caller then runs vLLM's own op)."""
+    # heavy: torch; loaded in vLLM's server process only
     import torch
 
     if weights.dim() == 4 and weights.shape[1] == 1:
@@ -122,6 +124,7 @@ def use_grouped_lora_ops() -> bool:
     ``sgmv_*`` ops call them) compute with :func:`_lora_products`; their write-back into the output
     tensor is unchanged. False if this vLLM has no such ops (nothing is changed then)."""
     try:
+        # heavy: vLLM (and torch); loaded in vLLM's server process, where the patch is applied
         from vllm.lora.ops import torch_ops
         from vllm.lora.ops.torch_ops import lora_ops
     except ImportError:
@@ -168,6 +171,7 @@ def use_grouped_lora_ops() -> bool:
         setattr(lora_ops, name, fn)  # lora_ops' sgmv_* ops look these up at call time
         setattr(torch_ops, name, fn)
     try:
+        # heavy: vLLM (and torch); loaded in vLLM's server process, where the patch is applied
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:
         return True
@@ -198,6 +202,7 @@ def with_cpu_eager(argv: list[str], on_cpu: bool) -> list[str]:
 
 
 def _on_cpu() -> bool:
+    # heavy: vLLM (and torch); loaded in vLLM's server process only
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())

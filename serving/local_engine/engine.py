@@ -84,6 +84,7 @@ class LocalEngine:
         torch_threads: int | None = None,
         weight_version: str = BASE_WEIGHT_VERSION,
     ):
+        # heavy: torch and transformers; only an engine that loads a model needs them
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -98,6 +99,7 @@ class LocalEngine:
         self.model = self.base  # becomes a PeftModel once an adapter is loaded
         self.tokenizer = None
         try:
+            # heavy: transformers (and torch through it)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -171,6 +173,7 @@ class LocalEngine:
         return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
     def load_lora_adapter(self, name: str, path: str) -> None:
+        # heavy: peft; only loading an adapter needs it
         from peft import PeftModel
 
         adapter_dir = Path(path)
@@ -280,6 +283,7 @@ class LocalEngine:
         req.done.set()
 
     def _forward(self, input_ids, positions, mask, kv, adapters: list[str | None]):
+        # heavy: transformers (and torch through it)
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
@@ -483,6 +487,7 @@ class LocalEngine:
 
 def _check_adapter_files(adapter_dir: Path) -> None:
     """Refuse an adapter folder whose files are not whole (truncated, garbage) with a clear error."""
+    # heavy: safetensors; only checking an adapter's files needs it
     from safetensors import safe_open
 
     config_path = adapter_dir / "adapter_config.json"

@@ -70,6 +70,7 @@ from training.recompute import RECOMPUTE_MODES
 def _megatron():
     # imported on first use: megatron-core is a GPU extra, and this module is read without it
     try:
+        # optional: Megatron-core is a GPU library, loaded only when this backend is built
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from sandboxes.k8s import PodSettings
 from serving import sglang
 from serving.admission import GIB, Geometry
 from training.config import TrainConfig, groups_per_step
@@ -366,8 +367,6 @@ def pod_sizes(rf: RunFile, geometry: Geometry, resolved: Mapping[str, Any], memo
     and the engines split the CPUs left evenly and the trainer takes the memory left. A node too
     small for that is a ``PlanError`` with the sums. Memory limits equal the requests; CPU has no
     limit, so an idle pod's share is used by the others."""
-    from sandboxes.k8s import PodSettings
-
     kube, inf, sbx = rf.kubernetes, rf.inference, rf.sandbox
     engine = engine_of(rf)
     gpus = rf.trainer.gpus

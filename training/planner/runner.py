@@ -25,6 +25,7 @@ from sandboxes.files import NotARegularFile, read_regular_bytes
 from sandboxes.httpserver.auth import Credential
 from sandboxes.home import default_home
 from training.planner.resolve import Plan
+import base64
 
 PLAN_FILENAME = "resolved-plan.json"
 TRAINER_MODULE = "training"
@@ -195,6 +196,7 @@ def changed_fields(before: Any, after: Any, prefix: str = "", limit: int = 8) ->
 
 def kube_api_client(kubeconfig: str | None = None):
     """An ``ApiClient`` from the in-cluster configuration, else the kubeconfig (``RunStartError`` if neither)."""
+    # heavy: kubernetes (over 1,000 modules); only talking to a cluster needs it
     from kubernetes import client, config
 
     try:
@@ -209,6 +211,7 @@ def kube_api_client(kubeconfig: str | None = None):
 
 def served_group_versions(api, group: str) -> set[str]:
     """The ``group/version`` strings the API server serves for ``group`` (discovery: ``GET /apis/GROUP``)."""
+    # heavy: kubernetes (over 1,000 modules); only talking to a cluster needs it
     from kubernetes.client.exceptions import ApiException
 
     try:
@@ -251,6 +254,7 @@ def apply_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None, *,
     Raises ``RunStartError`` naming the object that could not be applied; the ones before it stay.
     An immutable field (a Job's pod template) that a changed plan touches is named with what to do.
     """
+    # heavy: kubernetes (over 1,000 modules); only talking to a cluster needs it
     from kubernetes.client.exceptions import ApiException
 
     api = api_client or kube_api_client(kubeconfig)
@@ -330,8 +334,6 @@ def with_credential(manifest: dict[str, Any], before: dict[str, Any] | None) -> 
     """The credential Secret with its value: the one the server holds (an apply never changes the
     credential of running pods), else a new one (:meth:`Credential.generate`, the one place credentials
     are made)."""
-    import base64
-
     value = ((before or {}).get("data") or {}).get(CREDENTIAL_KEY)
     if not value:
         value = base64.b64encode(Credential.generate().value.encode()).decode()
@@ -353,6 +355,7 @@ def delete_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None, *
     """Delete the run's objects (last applied first), except those of ``keep_kinds`` (by default the
     run volume and the plan); an object already gone is fine. Returns ``KIND/NAME`` of each deleted.
     Pods of the workloads go with them (propagation ``Background``: the garbage collector's work)."""
+    # heavy: kubernetes (over 1,000 modules); only talking to a cluster needs it
     from kubernetes.client.exceptions import ApiException
 
     api = api_client or kube_api_client(kubeconfig)
@@ -374,6 +377,7 @@ def delete_k8s(manifests: list[dict[str, Any]], kubeconfig: str | None = None, *
 
 def read_object(api, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """The object as the server holds it now (``None`` when there is none)."""
+    # heavy: kubernetes (over 1,000 modules); only talking to a cluster needs it
     from kubernetes.client.exceptions import ApiException
 
     try:
