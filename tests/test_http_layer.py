@@ -137,3 +137,21 @@ def test_a_credential_is_an_object_that_never_shows_its_value():
     assert credential.environment({})["POSTTRAIN_TRAINER_CREDENTIAL"] == CREDENTIAL
     with pytest.raises(ValueError, match="at least 32"):
         Credential("short", "test")
+
+
+def test_a_head_pipelined_behind_a_request_is_held_to_the_same_bounds():
+    """A request, and in the same send an oversized second head: the first is answered, then the
+    second gets 431 and the connection closes (the gate follows the framing, so a head behind
+    another is scanned too; httptools alone would hold any size of head)."""
+    from serving.http import serve
+    from serving.sim import SimEngine
+
+    server = serve(SimEngine(max_total_tokens=4096))
+    try:
+        payload = (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                   + b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+        data = _exchange(server.port, payload)
+        statuses = [int(answer[:3]) for answer in data.split(b"HTTP/1.1 ")[1:]]
+        assert statuses == [200, 431], data[:400]
+    finally:
+        server.shutdown()

@@ -91,20 +91,22 @@ def _answer(status: int, message: str) -> bytes:
             % (status, reason, len(body), body))
 
 
-def _framing_fault(head: bytes) -> str | None:
-    """Why a request head's framing is refused (see the module docstring), or None."""
+def _framing(head: bytes) -> tuple[str | None, int | None]:
+    """``(why the head's framing is refused or None, its body's length)``: the length is None for a
+    chunked body (see the module docstring)."""
     low = head.lower()
     lengths = low.count(b"\ncontent-length:")
     codings = low.count(b"\ntransfer-encoding:")
     if not lengths and not codings:
-        return None
-    if lengths > 1 or (lengths and not _DIGITS.fullmatch(_value(head, low, b"\ncontent-length:"))):
-        return "one Content-Length of decimal digits: a body has one length"
+        return None, 0
+    value = _value(head, low, b"\ncontent-length:") if lengths else b""
+    if lengths > 1 or (lengths and not _DIGITS.fullmatch(value)):
+        return "one Content-Length of decimal digits: a body has one length", 0
     if lengths and codings:
-        return "both Content-Length and Transfer-Encoding given: a body has one framing"
+        return "both Content-Length and Transfer-Encoding given: a body has one framing", 0
     if codings > 1 or (codings and _value(low, low, b"\ntransfer-encoding:") != b"chunked"):
-        return "the only transfer coding taken is Transfer-Encoding: chunked"
-    return None
+        return "the only transfer coding taken is Transfer-Encoding: chunked", 0
+    return None, (int(value) if lengths else None)
 
 
 def _value(head: bytes, low: bytes, name: bytes) -> bytes:
@@ -123,14 +125,11 @@ class Connections:
         self.by_peer: dict[Any, _Gate] = {}
 
     def request_started(self, scope: dict) -> "_Gate | None":
-        gate = self.by_peer.get(scope.get("client"))
-        if gate is not None:
-            gate.head_complete()
-        return gate
+        return self.by_peer.get(scope.get("client"))
 
     def request_ended(self, gate: "_Gate | None") -> None:
         if gate is not None:
-            gate.waiting = True  # the next byte begins a head (and its timeout)
+            gate.answered()
 
     def abort(self, scope: dict) -> None:
         """Drop the request's connection at once, unsent bytes and all (a ``close`` would wait for a
@@ -189,9 +188,12 @@ class _Gate(asyncio.Protocol):
         self.limits = connections.limits
         self.inner: asyncio.Protocol | None = None  # made when the first head is here
         self.refused = False
+        self.deferred = b""  # a refusal of a pipelined head, sent once the answers before it are
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None
         self.waiting = True  # the next bytes are a request's head
+        self.body_left: int | None = 0  # bytes of the current request's body still to pass on (None: chunked)
+        self.in_flight = 0  # requests passed on to uvicorn and not answered yet
         self.head = b""  # a head still coming (held here until it is whole)
         self.timer: asyncio.TimerHandle | None = None
 
@@ -208,34 +210,56 @@ class _Gate(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(self.limits.header_timeout_s, self._head_timed_out)
 
     def data_received(self, data: bytes) -> None:
+        """Bytes of a body go on to uvicorn as they come; the bytes after a body (a request's
+        ``Content-Length``: the gate follows the framing, so a request pipelined behind another is
+        scanned too) are a head, held here until it is whole, then passed on with what follows."""
         if self.refused:
             return
         if not self.waiting:
-            self.inner.data_received(data)
-            return
-        head = (self.head + data) if self.head else data
-        if head[:1] in (b"\r", b"\n"):  # blank lines before a request line: allowed, and no request
-            head = head.lstrip(b"\r\n")
-        end = _HEAD_END.search(head, 0, self.limits.max_header_bytes + 4)
-        if end is None:
-            if len(head) > self.limits.max_header_bytes:
-                self._refuse(431, f"request line and headers longer than {self.limits.max_header_bytes} bytes")
+            left = self.body_left
+            if left is None or len(data) <= left:  # chunked (uvicorn finds its end), or all body
+                if left is not None:
+                    self.body_left = left - len(data)
+                    self.waiting = self.body_left == 0
+                self.inner.data_received(data)
                 return
-            self.head = head
-            if self.timer is None and head:  # the head has begun: it has header_timeout_s to finish
-                self.timer = asyncio.get_running_loop().call_later(self.limits.header_timeout_s, self._head_timed_out)
-            return
-        fault = _framing_fault(head[:end.end()])
-        if fault is not None:
-            self._refuse(400, fault)
-            return
-        self.head = b""
-        self.head_complete()
-        if self.inner is None:
-            line = head[:head.find(b"\n")].rstrip()
-            self.inner = self.inner_factory(line.endswith(b"HTTP/1.0"))
-            self.inner.connection_made(_Coalesced(self.transport, asyncio.get_running_loop()))
-        self.inner.data_received(head)
+            self.body_left, self.waiting = 0, True
+            self.inner.data_received(data[:left])
+            data = data[left:]
+        head = (self.head + data) if self.head else data
+        while head:
+            if head[:1] in (b"\r", b"\n"):  # blank lines before a request line: allowed, and no request
+                head = head.lstrip(b"\r\n")
+            end = _HEAD_END.search(head, 0, self.limits.max_header_bytes + 4)
+            if end is None:
+                if len(head) > self.limits.max_header_bytes:
+                    self._refuse(431, f"request line and headers longer than {self.limits.max_header_bytes} bytes")
+                    return
+                self.head = head
+                if self.timer is None and head:  # the head has begun: it has header_timeout_s to finish
+                    self.timer = asyncio.get_running_loop().call_later(self.limits.header_timeout_s, self._head_timed_out)
+                return
+            fault, length = _framing(head[:end.end()])
+            if fault is not None:
+                self._refuse(400, fault)
+                return
+            self.head = b""
+            self.head_complete()
+            if self.inner is None:
+                line = head[:head.find(b"\n")].rstrip()
+                self.inner = self.inner_factory(line.endswith(b"HTTP/1.0"))
+                self.inner.connection_made(_Coalesced(self.transport, asyncio.get_running_loop()))
+            self.in_flight += 1
+            rest = len(head) - end.end()
+            if length is None or rest <= length:
+                self.body_left = None if length is None else length - rest
+                self.waiting = self.body_left == 0
+                self.inner.data_received(head)
+                return
+            cut = end.end() + length  # a pipelined request follows this one's body
+            self.body_left, self.waiting = 0, True
+            self.inner.data_received(head[:cut])
+            head = head[cut:]
 
     def head_complete(self) -> None:
         self.waiting = False
@@ -243,9 +267,21 @@ class _Gate(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
 
+    def answered(self) -> None:
+        """A request's answer is sent: after a chunked body the next bytes are a head again."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if self.body_left is None:
+            self.body_left, self.waiting = 0, True
+        if self.deferred and not self.in_flight:
+            self.transport.write(self.deferred)
+            self.transport.close()
+
     def _head_timed_out(self) -> None:
         self.timer = None
         if self.transport is None or self.transport.is_closing() or not self.waiting:
+            return
+        if self.in_flight:  # a head pipelined behind a call still being answered: wait for the answer
+            self.timer = asyncio.get_running_loop().call_later(self.limits.header_timeout_s, self._head_timed_out)
             return
         if self.head and self.limits.answer_header_timeout:  # a head that stopped coming
             self._refuse(408, f"request line and headers not received within {self.limits.header_timeout_s:g} s")
@@ -256,6 +292,10 @@ class _Gate(asyncio.Protocol):
         self.refused = True
         self.head = b""
         self.head_complete()
+        if self.in_flight:  # answers to the requests before it come first: then this one, and the close
+            self.deferred = _answer(status, message)
+            self.transport.pause_reading()
+            return
         self.transport.write(_answer(status, message))
         self.transport.close()
 
