@@ -24,7 +24,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
 
@@ -33,6 +32,7 @@ from evals.evaluate import evaluate, load_eval_tasks, model_tokens, select_tasks
 from evals.harbor import eval_split
 from evals.harness import HttpClient, episode_context
 from evals.sandbox import platform_sandbox_factory
+from evals.settings import parse_eval_table
 from training.checkpoint import checkpoint_policy
 from training.loop import AdapterRef
 from training.planner.k8s import EVAL_SETTINGS
@@ -58,16 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace, log=print) -> Path:
     """Evaluate and write the rows; returns their path."""
     try:
-        settings: dict[str, Any] = json.loads(args.settings)
-    except ValueError as exc:
-        raise SystemExit(f"--settings: not JSON ({exc})") from None
+        # the run's [eval] section, its defaults and checks as everywhere else (evals.settings)
+        section = parse_eval_table(json.loads(args.settings), "--settings")
+    except ValueError as exc:  # not JSON, or a key that does not validate (SettingsError is a ValueError)
+        raise SystemExit(f"--settings: {exc}") from None
     router = os.environ.get(ROUTER_URL_VARIABLE)
     if not router:
         raise SystemExit(f"${ROUTER_URL_VARIABLE} is not set: the run's eval pod sets it to the run's router")
     policy = checkpoint_policy(args.checkpoint_dir, name=args.checkpoint)
-    tasks = select_tasks(load_eval_tasks(settings.get("dataset", "bundled"), eval_split(settings.get("split", "eval")),
+    tasks = select_tasks(load_eval_tasks(section.dataset, eval_split(section.split),
                                          bundled_dir=Path(os.environ.get("POSTTRAIN_HOME", ".")) / "datasets" / "bundled"),
-                         list(settings.get("task_ids") or []), settings.get("dataset", "bundled"))
+                         list(section.task_ids), section.dataset)
     fleet = RemoteFleet(router, log=log)
     version = None
     if policy.adapter is not None:
@@ -77,10 +78,10 @@ def run(args: argparse.Namespace, log=print) -> Path:
         log(f"announced adapter {version} ({policy.adapter}) to the router {router}")
     tokenizer, eos_ids = model_tokens(policy.base_model, what=f"checkpoint {args.checkpoint}")
     log(f"evaluating {args.checkpoint} (adapter {version or 'none: the base model'}) on {len(tasks)} tasks x "
-        f"{settings.get('attempts', 8)} attempts through {router}")
+        f"{section.attempts} attempts through {router}")
     rows = evaluate(tasks, HttpClient(router), tokenizer, platform_sandbox_factory("k8s"), checkpoint=args.checkpoint,
                     adapter_version=version, stop_token_ids=eos_ids,
-                    **{**episode_context(policy.base_model), **{k: settings[k] for k in RUN_SETTINGS if k in settings}})
+                    **{**episode_context(policy.base_model), **{k: getattr(section, k) for k in RUN_SETTINGS}})
     path = write_rows(rows, Path(args.rows))
     log(f"{len(rows)} attempt rows written to {path}")
     return path

@@ -45,7 +45,7 @@ from training.checkpoint import (ADAPTER_DIR, CheckpointLoadError, adapter_dir, 
                                  set_rng_state, store_path, write_checkpoint)
 from training.config import TrainConfig
 from training.curriculum import Curriculum
-from training.grpo import IntegrityGate, LossConfig, TrainBatch, batch_from_groups, has_reward_variance, is_canary_group
+from training.grpo import IntegrityGate, TrainBatch, batch_from_groups, has_reward_variance, is_canary_group
 from training.metrics import MetricsWriter, bin_rows
 from training.publish import AdapterPublisher, version_name
 from training.rollout import Rollout
@@ -264,7 +264,7 @@ class RunState:
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.backend = self._new_backend()
         self.gate = IntegrityGate.from_config(cfg)  # what a flagged attempt counts for (training.grpo)
-        self.loss = LossConfig.from_config(cfg)  # every loss setting, for the batch and each step
+        self.loss = cfg.loss  # every loss setting (training.config.LossConfig), for the batch and each step
         self.store = RolloutStore(store_path(self.run_dir))
         self._lock = threading.Lock()
         self._versions_in_flight: collections.Counter[str] = collections.Counter()
