@@ -24,7 +24,9 @@ where the tree records it). Kernel work done later in kernel threads (a cgroup's
 overlay's deferred cleanup) is in neither; the machine's whole ``/proc/stat`` busy time over the
 same starts is printed beside, which includes whatever else the machine runs (see the load average).
 Last, the CPU a started sandbox costs while it waits (an episode's sandbox mostly waits for the
-model): one sandbox left idle for ``--idle-s`` seconds, in CPU ms per second.
+model): one sandbox left idle for ``--idle-s`` seconds, in CPU ms per second; and before that, the
+CPU of one command in it (``exec(["true"])`` 20 times: the request, pxd starting ``true`` and
+waiting for it, the answer; the harness's side included), in ms.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def self_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+EXEC_CALLS = 20
+
+
 def worker(repeats: int, runtimes: list[str], idle_s: float = 2.0) -> None:
     """Measure with the ``sandboxes`` on ``sys.path``; print one JSON line per image and runtime."""
     import sandboxes
@@ -143,6 +148,10 @@ def worker(repeats: int, runtimes: list[str], idle_s: float = 2.0) -> None:
                                 steps.setdefault(name, []).append(value)
                 with sandboxes.start(image, runtime=runtime, store=store, cache=cache) as sb:  # one that waits
                     sb.exec("true")
+                    u0 = usage_s(group)
+                    for _ in range(EXEC_CALLS):  # what a command costs: pxd starting it, it, the answer
+                        sb.exec(["true"])
+                    exec_cpu = (usage_s(group) - u0) / EXEC_CALLS
                     time.sleep(0.2)
                     u0 = usage_s(group)
                     time.sleep(idle_s)
@@ -150,7 +159,7 @@ def worker(repeats: int, runtimes: list[str], idle_s: float = 2.0) -> None:
                 name, size = (image.name, image.size_bytes) if isinstance(image, sandboxes.Image) else ("task-folder", 0)
                 print(json.dumps({"image": name, "size_bytes": size, "runtime": runtime,
                                   "cold_s": times["cold"], "hit_s": times["hit"], "cpu": cpu, "steps": steps,
-                                  "idle_cpu_s_per_s": idle}), flush=True)
+                                  "idle_cpu_s_per_s": idle, "exec_cpu_s": exec_cpu}), flush=True)
     finally:
         if group is not None:  # back to the parent, and the cgroup removed
             (group.parent / "cgroup.procs").write_text(str(os.getpid()))
@@ -204,6 +213,7 @@ def main() -> int:
                     for key in old["steps"]:
                         old["steps"][key] += new["steps"][key]
                     old["idle_cpu_s_per_s"] = (old["idle_cpu_s_per_s"] + new["idle_cpu_s_per_s"]) / 2
+                    old["exec_cpu_s"] = (old.get("exec_cpu_s", 0.0) + new.get("exec_cpu_s", 0.0)) / 2
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
@@ -211,14 +221,15 @@ def main() -> int:
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     print(f"{'tree':<17} {'image':<11} {'runtime':<8} {'cold p50 ms':>11} {'hit p50 ms':>10} {'hit p90 ms':>10} "
           f"| CPU ms per hit start+stop (p50): {'start':>6} {'stop':>6} {'total':>6} {'harness':>7} {'machine':>7} "
-          f"| idle CPU ms/s")
+          f"| idle CPU ms/s | exec CPU ms")
     for name, rows in results.items():
         for r in rows:
             c = r["cpu"]
             total = [a + b for a, b in zip(c["start"], c["stop"])]
             print(f"{name:<17} {r['image']:<11} {r['runtime']:<8} {ms(r['cold_s']):>11} {ms(r['hit_s']):>10} "
                   f"{pct(r['hit_s'], 90) * 1e3:>10.1f} | {'':>33} {ms(c['start']):>6} {ms(c['stop']):>6} "
-                  f"{ms(total):>6} {ms(c['harness']):>7} {ms(c['machine']):>7} | {r['idle_cpu_s_per_s'] * 1e3:>6.2f}")
+                  f"{ms(total):>6} {ms(c['harness']):>7} {ms(c['machine']):>7} | {r['idle_cpu_s_per_s'] * 1e3:>6.2f} "
+                  f"| {r.get('exec_cpu_s', 0.0) * 1e3:>6.2f}")
     for name, rows in results.items():
         for r in rows:
             if r["steps"]:

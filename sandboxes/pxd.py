@@ -62,8 +62,9 @@ sandboxes start per episode, so its start-up is kept short: its imports are the 
 built-in modules (``_thread``, ``_signal``, ``select``, ``_json`` for the JSON codec, ``_ctypes``
 for ``prctl``), not ``subprocess``, ``threading``, ``selectors``, ``signal``, ``json`` or ``ctypes``,
 which pull in ``enum``, ``re``, ``locale``, ``struct`` and ``collections`` (about 10 ms of CPU a start on the host, more
-under gVisor: docs/benchmarks.md, "pxd on built-in modules"). A command starts with ``fork`` and
-``execve`` (:class:`_Child`). It loads ``re`` (through ``base64``) only to decode a base64 file
+under gVisor: docs/benchmarks.md, "pxd on built-in modules"). A command starts with
+``posix_spawn``, or ``fork`` and ``execve`` where it runs in another folder or as another user
+(:class:`_Child`). It loads ``re`` (through ``base64``) only to decode a base64 file
 write, ``socket`` only for ``--socket``, ``json`` only where ``_json`` is missing or to word a
 malformed body's error, and never OpenSSL (through ``hashlib``).
 """
@@ -945,7 +946,8 @@ PIPE, DEVNULL, STDOUT = -1, -3, -2  # what a _Child's standard stream is (subpro
 class _Child:
     """A process pxd starts and waits for itself; the orphan reaper leaves its exit status alone.
 
-    Started with ``fork`` and ``execve`` (``subprocess`` costs its imports at every sandbox's start):
+    Started with ``posix_spawn`` when it runs in pxd's own folder as pxd's user (the usual case on
+    bwrap), else with ``fork`` and ``execve`` (``subprocess`` costs its imports at every sandbox's start):
     in a session of its own (its own process group, which pxd kills when it is done), in ``cwd``
     with exactly ``env``, as the command user when pxd has one (:func:`set_command_ids`: no
     supplementary groups), stdin a pipe or ``/dev/null``, stdout a pipe, stderr a pipe or the stdout
