@@ -21,7 +21,11 @@ not).
 - A head longer than ``max_header_bytes`` gets ``431`` (it is never held past that); a head with
   more than one ``Content-Length`` line, a length that is not decimal digits, both a length and a
   transfer coding, or any transfer coding but ``chunked`` gets ``400`` before uvicorn parses it
-  (httptools would take ``Content-Length: 40, 40``... as one length, or refuse it without a reason).
+  (httptools caps no head's size, and refuses bad framing with a bare "Invalid HTTP request").
+  The gate follows each request's ``Content-Length`` (a chunked body: until its answer), so a head
+  pipelined behind another is held to the same bounds; a refusal behind requests still being
+  answered is sent after their answers.
+- An answer's head and its body leave in one send (:class:`_Coalesced`).
 - The rest (the caps on the target and the headers, the body's size and time, the method) is the
   application's (:mod:`sandboxes.httpserver.app`), with the request in hand.
 
