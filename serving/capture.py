@@ -45,8 +45,8 @@ from serving.capture_store import CaptureStore, trainer_headers, warn_if_credent
 from serving.client import HttpPool
 from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
-from serving.http import (Endpoint, EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text, generate_access,
-                          parsed_generate, session_routes, trainer_only)
+from serving.http import (Endpoint, EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text,
+                          generate_and_adapter_routes, parsed_generate, session_routes)
 from serving.protocol import (BASE_WEIGHT_VERSION, GenerateRequest, engine_adapter, parse_adapter_load,
                               parse_adapter_name, render_metrics)
 
@@ -78,11 +78,7 @@ class CaptureFront(JsonServer):
         self._lock = threading.Lock()
         self._calls = itertools.count()
         routes: dict[tuple[str, str], Route | Endpoint] = {
-            ("POST", "/generate"): Endpoint(self._generate, generate_access(self.capture)),
-            ("POST", "/load_lora_adapter"): Endpoint(self._load, trainer_only(self.capture, "loading an adapter")),
-            ("POST", "/unload_lora_adapter"): Endpoint(self._unload, trainer_only(self.capture, "unloading an adapter")),
-            ("PUT", "/lora_shards/"): Endpoint(self._shard, trainer_only(self.capture, "uploading an adapter")),
-            ("POST", "/commit_lora_adapter"): Endpoint(self._commit, trainer_only(self.capture, "loading an adapter")),
+            **generate_and_adapter_routes(self, self.capture),
             ("GET", "/health"): self._health,
             ("GET", "/health_generate"): self._health,
             ("GET", "/server_info"): self._server_info,

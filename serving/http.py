@@ -104,6 +104,19 @@ def generate_access(capture: CaptureStore) -> SessionAccess:
     return capture_access(capture, "a call into it", _generate_sessions, appending=True)
 
 
+def generate_and_adapter_routes(server: Any, capture: CaptureStore) -> dict[tuple[str, str], Endpoint]:
+    """The SGLang routes that call the engine and change its adapters, as every engine-facing server
+    (:class:`EngineServer`, the capture front) declares them: ``server`` has ``_generate``, ``_load``,
+    ``_unload``, ``_shard`` and ``_commit``; each adapter change needs the trainer credential."""
+    return {
+        ("POST", "/generate"): Endpoint(server._generate, generate_access(capture)),
+        ("POST", "/load_lora_adapter"): Endpoint(server._load, trainer_only(capture, "loading an adapter")),
+        ("POST", "/unload_lora_adapter"): Endpoint(server._unload, trainer_only(capture, "unloading an adapter")),
+        ("PUT", "/lora_shards/"): Endpoint(server._shard, trainer_only(capture, "uploading an adapter")),
+        ("POST", "/commit_lora_adapter"): Endpoint(server._commit, trainer_only(capture, "loading an adapter")),
+    }
+
+
 def _generate_sessions(req: Request) -> list[str]:
     req.state["generate"] = requests = parse_generate(req.json())  # parsed once, for the handler too
     return sessions_of(requests)
@@ -149,11 +162,7 @@ class EngineServer(JsonServer):
         self.model_name = model_name
         self._batch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batch")
         routes: dict[tuple[str, str], Route | Endpoint] = {
-            ("POST", "/generate"): Endpoint(self._generate, generate_access(self.capture)),
-            ("POST", "/load_lora_adapter"): Endpoint(self._load, trainer_only(self.capture, "loading an adapter")),
-            ("POST", "/unload_lora_adapter"): Endpoint(self._unload, trainer_only(self.capture, "unloading an adapter")),
-            ("PUT", "/lora_shards/"): Endpoint(self._shard, trainer_only(self.capture, "uploading an adapter")),
-            ("POST", "/commit_lora_adapter"): Endpoint(self._commit, trainer_only(self.capture, "loading an adapter")),
+            **generate_and_adapter_routes(self, self.capture),
             ("GET", "/health"): lambda r: {"status": "ok"},
             ("GET", "/health_generate"): lambda r: {"status": "ok"},
             ("GET", "/server_info"): lambda r: self.engine.server_info(),

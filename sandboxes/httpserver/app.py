@@ -165,10 +165,15 @@ class _Workers(Executor):
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
+        self._enqueue((future, fn, args, kwargs))
+        return future
+
+    def _enqueue(self, job: tuple) -> None:
+        """Queue ``job`` for a waiting worker, a new one (up to the cap), or the next to finish."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot run a call after shutdown")
-            self._jobs.put((future, fn, args, kwargs))
+            self._jobs.put(job)
             if self._idle:
                 self._idle -= 1
             elif self._threads < self._max:
@@ -176,7 +181,6 @@ class _Workers(Executor):
                 threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
             else:
                 self._backlog += 1
-        return future
 
     def _work(self) -> None:
         while True:
@@ -222,17 +226,7 @@ class _Workers(Executor):
             except RuntimeError:  # the server has stopped (its loop closed): no one waits for the answer
                 pass
 
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("cannot run a call after shutdown")
-            self._jobs.put((None, job, args, None))
-            if self._idle:
-                self._idle -= 1
-            elif self._threads < self._max:
-                self._threads += 1
-                threading.Thread(target=self._work, name=f"{self._name}-worker", daemon=True).start()
-            else:
-                self._backlog += 1
+        self._enqueue((None, job, args, None))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
