@@ -177,14 +177,7 @@ def hidden_checks(task, visible: Sequence[CallCheck], sandbox_factory, seed: int
     Computed once per task and factory in a process (:func:`_hidden_answers`), keyed by what
     decides them rather than by where the task lies, so a task validated in a folder that is then
     renamed is not answered again by the same factory."""
-    edits = (task.metadata or {}).get("reference_edits")
-    if not isinstance(edits, list) or not edits:
-        return ()
-    try:
-        line_edits = tuple((int(line), str(text)) for _, line, text in edits)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"task {task.id}: metadata.reference_edits must be [file, line, text] lists: {exc}") from exc
-    calls = tuple(hidden_inputs(task, visible, seed))
+    line_edits, calls = _reference_and_calls(task, visible, seed)
     if not calls:
         return ()
     reference, unfixed = _hidden_answers(task, sandbox_factory, line_edits, calls)
@@ -196,6 +189,20 @@ _answers: "OrderedDict[tuple[str, int], tuple[Any, tuple[dict[int, Any], dict[in
 _answers_locks: dict[tuple[str, int], threading.Lock] = {}
 _answers_guard = threading.Lock()
 _ANSWERS_KEPT = 4096
+
+
+def _reference_and_calls(task, visible: Sequence[CallCheck], seed: int) -> tuple[tuple, tuple]:
+    """``task``'s reference edits (``metadata.reference_edits`` as (line, text) pairs) and its hidden
+    calls for ``seed``; two empty tuples when it carries no reference solution. Bad metadata raises
+    naming the task."""
+    edits = (task.metadata or {}).get("reference_edits")
+    if not isinstance(edits, list) or not edits:
+        return (), ()
+    try:
+        line_edits = tuple((int(line), str(text)) for _, line, text in edits)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"task {task.id}: metadata.reference_edits must be [file, line, text] lists: {exc}") from exc
+    return line_edits, tuple(hidden_inputs(task, visible, seed))
 
 
 def _answers_key(task, line_edits, calls) -> str:
@@ -289,14 +296,9 @@ def answer_hidden_in(sandbox, task, sandbox_factory, seed: int = 0) -> None:
     a sandbox an agent's command reached. The module file is left as it was; the task's metadata is
     checked as :func:`hidden_checks` checks it."""
     visible = call_checks(task)
-    edits = (task.metadata or {}).get("reference_edits")
-    if visible is None or not isinstance(edits, list) or not edits:
+    if visible is None:
         return
-    try:
-        line_edits = tuple((int(line), str(text)) for _, line, text in edits)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"task {task.id}: metadata.reference_edits must be [file, line, text] lists: {exc}") from exc
-    calls = tuple(hidden_inputs(task, visible, seed))
+    line_edits, calls = _reference_and_calls(task, visible, seed)
     if not calls:
         return
     key = (_answers_key(task, line_edits, calls), id(sandbox_factory))
