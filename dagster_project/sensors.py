@@ -1,9 +1,5 @@
 """Sensors: each checkpoint a run saves becomes a partition and is evaluated; a failed eval is asked for again.
 
-"Each checkpoint" includes one whose partition is known but that no run ever evaluated or tried to
-(a partition added by hand or by a home's earlier demo that left the eval to the sensor): the sensor
-requests those too, so no saved checkpoint stays unscored because its partition came first.
-
 Run requests are keyed by partition for the first eval (``<partition>``) and by the failed run for a
 repeat (``<partition>:after-<run_id>``): the daemon never launches two runs for one key, so each
 failure is followed by exactly one new request, up to :data:`MAX_EVAL_RUNS` runs per checkpoint.
@@ -93,34 +89,18 @@ def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: Posttrai
     the settings of its run's ``[eval]`` (the run file's); asks again for the eval of a checkpoint
     whose newest eval run failed (a new request per failed run, at most 4 runs per checkpoint)."""
     known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
-    complete = complete_checkpoint_keys(storage)
-    new = [key for key in complete if key not in known]
-    unevaluated = never_evaluated(context.instance, [key for key in complete if key in known])
+    new = [key for key in complete_checkpoint_keys(storage) if key not in known]
     retries = failed_eval_requests(context.instance, storage, log=context.log.info)
-    if not new and not unevaluated and not retries:
-        return dg.SensorResult(skip_reason="no new checkpoint, none left unevaluated and no failed eval")
+    if not new and not retries:
+        return dg.SensorResult(skip_reason="no new checkpoint and no failed eval")
     if new:
         context.log.info(f"new checkpoints: {', '.join(new)}")
-    if unevaluated:
-        context.log.info(f"checkpoints with a partition that no run evaluated yet: {', '.join(unevaluated)}")
     if retries:
         context.log.info(f"evals requested again after a failed run: {', '.join(r.partition_key for r in retries)}")
-    firsts = [eval_request(storage, key, key, context.log.error) for key in new + unevaluated]
     return dg.SensorResult(
-        run_requests=[r for r in firsts if r] + retries,
+        run_requests=[r for r in (eval_request(storage, key, key, context.log.error) for key in new) if r] + retries,
         dynamic_partitions_requests=[checkpoints_partitions.build_add_request(new)] if new else [],
     )
-
-
-def never_evaluated(instance: dg.DagsterInstance, keys: list[str]) -> list[str]:
-    """Of the checkpoint partitions ``keys``, those with no ``deepswe_eval`` materialization and no run
-    of any job for that partition (queued, running or ended): nothing evaluated them and nothing is
-    about to. Their request is keyed by the partition, as a new checkpoint's, so it is made once."""
-    if not keys:
-        return []
-    evaluated = instance.get_materialized_partitions(dg.AssetKey("deepswe_eval"))
-    return [key for key in keys if key not in evaluated
-            and not instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: key}), limit=1)]
 
 
 sensors = [new_checkpoint_sensor, *automation_sensors]

@@ -27,29 +27,11 @@ def test_new_checkpoints_become_partitions_with_eval_requests(posttrain_home):
         assert add.partitions_def_name == "checkpoints"
         assert list(add.partition_keys) == ["r1-step_000000", "r1-step_000004"]
 
-        # Once those partitions exist and are evaluated, only the next new checkpoint is requested.
+        # Once those partitions exist, only the next new checkpoint is requested.
         instance.add_dynamic_partitions(checkpoints_partitions.name, list(add.partition_keys))
-        for key in add.partition_keys:
-            instance.report_runless_asset_event(dg.AssetMaterialization("deepswe_eval", partition=key))
         write_checkpoint(posttrain_home, "r1", 12)
         result = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources={"storage": storage}))
         assert [r.partition_key for r in result.run_requests] == ["r1-step_000012"]
-
-
-def test_a_known_checkpoint_that_nothing_evaluated_is_requested_once(posttrain_home):
-    """A partition added before its eval (by hand, or by a home's earlier demo that left the eval to
-    the sensor) is requested; one with an eval run of its own, or evaluated, is not."""
-    for step in (0, 4, 8):
-        write_checkpoint(posttrain_home, "r1", step)
-    storage = PosttrainStorage(root=str(posttrain_home))
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(checkpoints_partitions.name, ["r1-step_000000", "r1-step_000004", "r1-step_000008"])
-        instance.report_runless_asset_event(dg.AssetMaterialization("deepswe_eval", partition="r1-step_000000"))
-        _failed_eval_run(instance, "r1-step_000008")  # a run of its own (failed: the retry path's concern)
-        result = new_checkpoint_sensor(dg.build_sensor_context(instance=instance, resources={"storage": storage}))
-        firsts = [r for r in result.run_requests if r.run_key == r.partition_key]
-        assert [(r.partition_key, r.run_key) for r in firsts] == [("r1-step_000004", "r1-step_000004")]
-        assert not result.dynamic_partitions_requests  # known already
 
 
 def test_no_runs_folder_means_nothing_to_do(posttrain_home):
