@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Bound before the line below is printed: whoever reads it (posttrain ui, a test) can connect at
         # once; a port in use is this error, not a line announcing a viewer that never serves.
-        listener = _listen(args.host.strip("[]"), args.port)
+        host = args.host.strip("[]")
+        family = socket.getaddrinfo(host, args.port, type=socket.SOCK_STREAM)[0][0]  # IPv4 or IPv6, as the name is
+        listener = socket.create_server((host, args.port), family=family, backlog=128)
     except OSError as exc:
         print(f"python -m viewer: cannot serve on {host_name(args.host)}:{args.port}: {exc.strerror or exc}",
               file=sys.stderr)
@@ -56,20 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(home, tensorboard_url=args.tensorboard_url, allowed_hosts=allowed)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     return 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` (an IPv4 or IPv6 address or a name)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 if __name__ == "__main__":
