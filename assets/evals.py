@@ -162,7 +162,8 @@ def deepswe_eval(
     rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
     pod_file = run_eval_pod_file(storage, key)
-    if pod_file is not None and not is_harbor_dataset(section.dataset):
+    on_fleet = pod_file is not None and not is_harbor_dataset(section.dataset)  # Harbor tasks run here, always
+    if on_fleet:
         tasks, rows, adapter_version = fleet_eval_rows(context, section, storage, pod_file, rows_path)
     elif is_harbor_dataset(section.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
         policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
@@ -181,7 +182,7 @@ def deepswe_eval(
             max_turns=section.max_turns, max_new_tokens=section.max_new_tokens, temperature=section.temperature,
             seed=section.seed, workers=section.workers, log=context.log.info, engine_log=engine_log,
         )
-    path = rows_path if pod_file is not None else write_rows(rows, rows_path)  # the eval pod wrote its own
+    path = rows_path if on_fleet else write_rows(rows, rows_path)  # the eval pod wrote its own
 
     frame = pd.DataFrame(rows)
     summary = run_summary(frame, section.attempts)

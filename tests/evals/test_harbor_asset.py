@@ -134,3 +134,30 @@ def test_an_episode_is_bounded_by_the_served_models_context(tmp_path):
     assert model_context_tokens(tmp_path) is None
     assert model_context_tokens(tmp_path / "missing") is None
     assert episode_context(tmp_path / "missing") == {}  # run_episode's own bound then
+
+
+@pytest.mark.slow
+def test_a_harbor_eval_of_a_kubernetes_runs_checkpoint_runs_here_and_keeps_its_rows(small_suite, posttrain_home, tmp_path,
+                                                                                  capsys):
+    """A run launched on Kubernetes leaves its eval pod in its folder; a Harbor dataset is still
+    evaluated here (its images, DeepSWE's verifier flow), and its rows are written like any other's."""
+    from serving.tiny import build_tiny_model
+    from training.planner.k8s import EVAL_POD_FILE
+
+    [task_id] = [t.id for t in load_bundled(small_suite).tasks if t.split == "eval"][:1]
+    dataset = tmp_path / "harbor"
+    assert main(["tasks", "export-harbor", str(small_suite), str(dataset), "--tasks", task_id]) == 0
+    capsys.readouterr()
+    storage = PosttrainStorage(root=str(posttrain_home))
+    model = build_tiny_model(tmp_path / "model")
+    write_checkpoint(storage.run_dir("h"), 0, lambda tmp: None, {"base_model": str(model), "adapter": None})
+    (storage.run_dir("h") / EVAL_POD_FILE).write_text(json.dumps({"kind": "Pod", "metadata": {"name": "never-launched"}}))
+    config = {"dataset": str(dataset), "sources": str(dataset / "repos"), "network": False,
+              "attempts": 1, "max_turns": 1, "max_new_tokens": 8, "workers": 1}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("checkpoints", [KEY])
+        result = dg.materialize([deepswe_eval], instance=instance, resources={"storage": storage}, partition_key=KEY,
+                                run_config={"ops": {"deepswe_eval": {"config": config}}})
+    assert result.success
+    rows = pd.read_parquet(storage.evals_dir() / "deepswe" / KEY / f"{result.run_id}.parquet")
+    assert list(rows["task_id"]) == [task_id]
