@@ -71,7 +71,7 @@ DEMO_EVAL: dict[str, Any] = {"attempts": 2, "max_turns": DEMO_TURNS, "workers": 
 # demo stays inside this budget (its evaluation is estimated to take as long as the last one did),
 # counted from POSTTRAIN_DEMO_STARTED_AT (Unix seconds: scripts/demo.sh sets it before the set-up)
 # where that is set, else from the demo's start.
-DEMO_BUDGET_S = 20 * 60
+DEMO_BUDGET_S = 15 * 60
 
 
 def _before_demo_s() -> float:

@@ -3,7 +3,7 @@
 # bash scripts/demo.sh [--seed N] [--home DIR]: N is the trainer's seed and the RL task stream's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The demo's 20 minutes count from here, set-up included: it leaves out the mid-run checkpoint's
+# The demo's 15 minutes count from here, set-up included: it leaves out the mid-run checkpoint's
 # evaluation when that would run past them.
 export POSTTRAIN_DEMO_STARTED_AT=${POSTTRAIN_DEMO_STARTED_AT:-$(date +%s)}
 bash scripts/setup.sh
