@@ -47,12 +47,18 @@ def test_the_emulated_product_is_torch_scaled_mm_on_the_cpu():
     weight = fp8.Fp8Weight.of(w)
     xq, xs = fp8.quantize_rows(x)
     got = weight.forward(xq, xs, torch.float32)
-    real = torch._scaled_mm(xq, weight.w.t(), scale_a=xs, scale_b=weight.w_scale, out_dtype=torch.float32)
-    assert torch.equal(got, real)
     assert _rel(got, x @ w.t()) < 0.06
     g = torch.randn(32, 48, generator=gen)
     gq, gs = fp8.quantize_rows(g)
     assert _rel(weight.backward(gq, gs, torch.float32), g @ w) < 0.06
+    try:
+        real = torch._scaled_mm(xq, weight.w.t(), scale_a=xs, scale_b=weight.w_scale, out_dtype=torch.float32)
+    except RuntimeError as exc:  # torch 2.11's CPU kernel (the GPU machines' build) takes one scale per tensor
+        if "per-tensor scaling" not in str(exc):
+            raise
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no row-wise scales "
+                    "(test_cuda_quantization_is_compiled_and_scaled_mm_gives_the_emulated_product compares on CUDA)")
+    assert torch.equal(got, real)
 
 
 def test_use_fp8_refuses_a_model_without_fused_layers(tiny_model_dir):
