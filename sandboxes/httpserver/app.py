@@ -30,6 +30,7 @@ time (408); each refusal closes the connection, so unread bytes are never taken 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import queue
 import re
@@ -140,10 +141,21 @@ def needs_bearer(credential, doing: str) -> Bearer:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A route's handler and what it needs of its caller (checked by the application, once)."""
+    """A route's handler and what it needs of its caller (checked by the application, once).
+
+    ``on_loop``: the handler runs on the server's event loop instead of a worker thread, which
+    saves a call the two thread hops (to a worker and back). For an ``async def`` handler (its
+    I/O awaited on the loop: an upstream call on an async connection), which always runs there,
+    and for a plain one that is cheap and never blocks (a health answer, a counter); a handler
+    that blocks there holds up every connection of the server."""
 
     handler: Callable[[Request], Any]
     access: Access | None = None
+    on_loop: bool = False
+
+    def __post_init__(self) -> None:
+        if inspect.iscoroutinefunction(self.handler) or inspect.iscoroutinefunction(getattr(self.handler, "__call__", None)):
+            object.__setattr__(self, "on_loop", True)
 
 
 Route = Callable[[Request], Any]
@@ -196,8 +208,16 @@ class _Workers(Executor):
             if job is None:
                 return
             future, fn, args, kwargs = job
-            if future is None:  # a call of :meth:`call` (it answers its loop itself)
-                fn(*args)
+            if kwargs is None:  # a call of :meth:`call`: the result goes straight to the future's loop
+                try:
+                    result, exc = fn(*args), None
+                except BaseException as error:
+                    result, exc = None, error
+                try:
+                    future.get_loop().call_soon_threadsafe(_settle, future, result, exc)
+                except RuntimeError:  # the server has stopped (its loop closed): no one waits for the answer
+                    pass
+                del result, exc
             elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args, **kwargs))
@@ -213,20 +233,8 @@ class _Workers(Executor):
     def call(self, fn: Callable, *args: Any) -> asyncio.Future:
         """``fn(*args)`` on a worker, awaited on the running loop: what ``run_in_executor`` does with
         one future less (the worker hands the result straight to the loop)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def job(*args: Any) -> None:
-            try:
-                result, exc = fn(*args), None
-            except BaseException as error:
-                result, exc = None, error
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, exc)
-            except RuntimeError:  # the server has stopped (its loop closed): no one waits for the answer
-                pass
-
-        self._enqueue((None, job, args, None))
+        future = asyncio.get_running_loop().create_future()
+        self._enqueue((future, fn, args, None))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -239,7 +247,7 @@ class _Workers(Executor):
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None and job[0] is not None:
+            if job is not None and job[3] is not None:  # a :meth:`submit`'s: its caller waits on it
                 job[0].cancel()
         for _ in range(threads):
             self._jobs.put(None)
@@ -288,6 +296,17 @@ async def _disconnected(receive: Callable) -> None:
         pass
 
 
+def _answer_of(result: Any) -> tuple[int, Any, str, dict[str, str]]:
+    """A handler's value as ``(status, payload, content type, extra headers)``."""
+    if isinstance(result, Stream):
+        return 200, result, result.content_type, {}
+    if isinstance(result, Reply):
+        return result.status, json.dumps(result.body).encode(), "application/json", result.headers
+    if isinstance(result, Text):
+        return 200, result.text.encode(), result.content_type, {}
+    return 200, json.dumps(result).encode(), "application/json", {}
+
+
 class App:
     """The ASGI application of one server: its routes, its bounds (``limits``: an ``HttpLimits``),
     the exception types its handlers raise for a 400 (``errors``), and ``connections``, the
@@ -333,23 +352,35 @@ class App:
             if access is not None and not access.from_headers:
                 access.check(request)
             result = endpoint.handler(request)
-        except HttpError as exc:
+        except Exception as exc:
+            return self._failed(exc)
+        return _answer_of(result)
+
+    async def handle_on_loop(self, endpoint: Endpoint, request: Request) -> tuple[int, Any, str, dict[str, str]]:
+        """:meth:`handle` on the event loop, for an ``on_loop`` endpoint (its handler awaited if async)."""
+        try:
+            access = endpoint.access
+            if access is not None and not access.from_headers:
+                access.check(request)
+            result = endpoint.handler(request)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:
+            return self._failed(exc)
+        return _answer_of(result)
+
+    def _failed(self, exc: Exception) -> tuple[int, bytes, str, dict[str, str]]:
+        if isinstance(exc, HttpError):
             return exc.status, error_body(str(exc)), "application/json", {}
-        except self.errors as exc:
+        if isinstance(exc, self.errors):
             return 400, error_body(str(exc)), "application/json", {}
-        except Exception as exc:  # an engine failure: 500 with the reason, the server keeps serving
-            return 500, error_body(f"{type(exc).__name__}: {exc}"), "application/json", {}
-        if isinstance(result, Stream):
-            return 200, result, result.content_type, {}
-        if isinstance(result, Reply):
-            return result.status, json.dumps(result.body).encode(), "application/json", result.headers
-        if isinstance(result, Text):
-            return 200, result.text.encode(), result.content_type, {}
-        return 200, json.dumps(result).encode(), "application/json", {}
+        # an engine failure: 500 with the reason, the server keeps serving
+        return 500, error_body(f"{type(exc).__name__}: {exc}"), "application/json", {}
 
     def dispatch(self, method: str, path: str, query: dict[str, list[str]], body: bytes,
                  headers: dict[str, str] | None = None) -> tuple[int, Any, str, dict[str, str]]:
-        """Route, check every access the route needs and handle one request (as the ASGI app does)."""
+        """Route, check every access the route needs and handle one request (as the ASGI app does),
+        in the calling thread (an ``on_loop`` handler on an event loop of its own)."""
         endpoint, params = self.find(method, path)
         if endpoint is None:
             return 404, error_body(f"no route for {method} {path}"), "application/json", {}
@@ -359,13 +390,16 @@ class App:
                 endpoint.access.check(request)
             except HttpError as exc:
                 return exc.status, error_body(str(exc)), "application/json", {}
+        if endpoint.on_loop:
+            return asyncio.run(self.handle_on_loop(endpoint, request))
         return self.handle(endpoint, request)
 
     # -- the ASGI application (on the event loop) -------------------------------------------------
 
-    def _refusal(self, scope: dict) -> tuple[int, str] | tuple[None, int]:
+    def _refusal(self, scope: dict, fields: dict[str, str]) -> tuple[int, str] | tuple[None, int]:
         """``(status, reason)`` for a request refused from its head alone, else ``(None, body
-        length)`` (``-1``: chunked)."""
+        length)`` (``-1``: chunked), with the head's header ``fields`` read into the dict given
+        (the same pass: a name in lower case, repeated ones joined by ", ")."""
         limits, method, headers = self.limits, scope["method"], scope["headers"]
         if scope["http_version"] not in ("1.1", "1.0"):
             return 505, f"HTTP version {scope['http_version']} not supported: use HTTP/1.1"
@@ -377,7 +411,10 @@ class App:
         if len(headers) > limits.max_headers:
             return 431, f"more than {limits.max_headers} header lines"
         length, chunked = None, False
-        for name, value in headers:  # one of each at most: the transport refused the rest
+        for name, value in headers:
+            key, text = name.decode("latin-1"), value.decode("latin-1")
+            fields[key] = f"{fields[key]}, {text}" if key in fields else text
+            # one length and one coding at most: the transport refused the rest
             if name == b"content-length":
                 if length is not None or not value.isdigit() or len(value) > 19:
                     return 400, "one Content-Length of decimal digits: a body has one length"
@@ -401,12 +438,13 @@ class App:
             return
         connection = self.connections.request_started(scope)
         try:
-            await self._serve(scope, receive, send)
+            await self._serve(scope, receive, send, connection)
         finally:
             self.connections.request_ended(connection)
 
-    async def _serve(self, scope: dict, receive: Callable, send: Callable) -> None:
-        status, length = self._refusal(scope)
+    async def _serve(self, scope: dict, receive: Callable, send: Callable, connection: Any) -> None:
+        headers: dict[str, str] = {}
+        status, length = self._refusal(scope, headers)
         if status is not None:
             await _send_refusal(send, status, length)
             return
@@ -416,12 +454,8 @@ class App:
         if endpoint is None:
             await _send_refusal(send, 404, f"no route for {method} {path}")
             return
-        headers: dict[str, str] = {}
-        for name, value in scope["headers"]:
-            key = name.decode("latin-1")
-            headers[key] = f"{headers[key]}, {value.decode('latin-1')}" if key in headers else value.decode("latin-1")
-        request = Request(method, path, parse_qs(scope["query_string"].decode("latin-1")) if scope["query_string"] else {},
-                          b"", params, headers)
+        query = scope["query_string"]
+        request = Request(method, path, parse_qs(query.decode("latin-1")) if query else {}, b"", params, headers)
         access = endpoint.access
         if access is not None and access.from_headers:  # before any of the body is read
             try:
@@ -435,8 +469,11 @@ class App:
             return
         if length:
             try:
-                async with asyncio.timeout(self.limits.body_timeout_s):
-                    body = await self._read_body(receive)
+                if length > 0 and self.connections.body_received(connection):
+                    body = await self._read_body(receive)  # all here: no timer to arm
+                else:
+                    async with asyncio.timeout(self.limits.body_timeout_s):
+                        body = await self._read_body(receive)
             except TimeoutError:
                 t = f"{self.limits.body_timeout_s:g}"
                 await _send_refusal(send, 408, f"request body not received within {t} s "
@@ -448,7 +485,10 @@ class App:
             if body is None:  # the client went away
                 return
             request.body = body
-        status, payload, ctype, extra = await self.pool.call(self.handle, endpoint, request)
+        if endpoint.on_loop:
+            status, payload, ctype, extra = await self.handle_on_loop(endpoint, request)
+        else:
+            status, payload, ctype, extra = await self.pool.call(self.handle, endpoint, request)
         if isinstance(payload, Stream):
             await self._stream(scope, receive, send, payload)
             return

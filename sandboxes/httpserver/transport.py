@@ -131,6 +131,12 @@ class Connections:
     def request_started(self, scope: dict) -> "_Gate | None":
         return self.by_peer.get(scope.get("client"))
 
+    def body_received(self, gate: "_Gate | None") -> bool:
+        """Whether every byte of the request's body (one with a ``Content-Length``) has reached
+        uvicorn's protocol: the gate is past the body of every request it passed on, so the
+        application's read of it returns at once."""
+        return gate is not None and gate.waiting and not gate.refused
+
     def request_ended(self, gate: "_Gate | None") -> None:
         if gate is not None:
             gate.answered()
