@@ -19,6 +19,7 @@ import dagster as dg
 
 from assets.partitions import parse_checkpoint_partition_key
 from sandboxes.home import default_home
+from sandboxes.httpserver.auth import process_credential
 from training.checkpoint import checkpoint_path, run_path, runs_root
 from training.planner import TRAINER_MODULE, k8s, runner, trainer_args
 
@@ -207,7 +208,8 @@ class WorkloadLauncher(dg.ConfigurableResource):
         context.log.info(f"launching {' '.join(command)} on {self.target}")
         if self.target == "local":
             reader = dg.PipesTempFileMessageReader()
-            return dg.PipesSubprocessClient(env=dict(os.environ), message_reader=tap_custom_messages(reader, on_message)).run(
+            # the workload shares this process's trainer credential, given explicitly (never exported)
+            return dg.PipesSubprocessClient(env=process_credential().environment(), message_reader=tap_custom_messages(reader, on_message)).run(
                 context=context, command=command, env=dict(env or {}), extras=dict(extras or {})
             )
         # heavy: dagster_k8s and kubernetes (over 1,000 modules); only a run on Kubernetes needs them

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from serving.capture_store import trainer_headers  # noqa: E402
+from serving.capture_store import environment_with, trainer_headers  # noqa: E402
 from serving.client import EngineClient  # noqa: E402
 from serving.router.core import Router  # noqa: E402
 from serving.router.server import serve_router  # noqa: E402
@@ -51,7 +51,8 @@ def start_replica(decode_step_ms: float, model_dir: Path | None = None) -> tuple
         cmd = [sys.executable, "-m", "serving.sim", "--replicas", "1x1", "--decode-step-ms", str(decode_step_ms)]
     else:
         cmd = [sys.executable, "-m", "serving.local_engine", "--model", str(model_dir), "--port", "0", "--torch-threads", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=environment_with())  # this process's credential: it reads their sessions
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if model_dir is None:

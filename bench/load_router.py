@@ -29,12 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from serving.capture_store import trainer_headers  # noqa: E402
+from serving.capture_store import environment_with, trainer_headers  # noqa: E402
 from serving.client import EngineClient, HttpPool  # noqa: E402
 
 
 def _start(cmd: list[str], until: str) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=environment_with())  # this process's credential
     lines = []
     while True:
         line = proc.stdout.readline()

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from serving.capture_store import trainer_headers  # noqa: E402
+from serving.capture_store import environment_with, trainer_headers  # noqa: E402
 from serving.client import EngineClient, EngineError, HttpPool  # noqa: E402
 from serving.fleet import free_port  # noqa: E402
 
@@ -57,7 +57,7 @@ def start_fleet(args) -> tuple[subprocess.Popen, list[tuple[str, int]]]:
            "--decode-step-ms", str(args.decode_step_ms), "--prefill-us-per-token", str(args.prefill_us_per_token)]
     for spec in args.replicas:
         cmd += ["--replicas", spec]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=environment_with())  # this process's credential
     workers = []
     for line in proc.stdout:
         if line.strip() == "ready":
@@ -86,7 +86,7 @@ def start_router(kind: str, workers, port: int) -> subprocess.Popen | None:
         cmd = [sys.executable, "-m", "serving.router", "--port", str(port), "--policy", kind]
         for url, gpus in workers:
             cmd += ["--worker", f"{url}@{'reserved' if gpus > 1 else 'on_demand'}:{gpus}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment_with())
     wait_http(f"http://127.0.0.1:{port}")
     if kind == "sglang-router":  # it reports healthy before the workers are checked in
         time.sleep(3.0)

@@ -26,11 +26,12 @@ evicts an episode's session; every session holds at most ``max_calls_per_session
 **The trainer credential** is a :class:`sandboxes.httpserver.auth.Credential`: given to a process as
 ``$POSTTRAIN_TRAINER_CREDENTIAL`` or the file named by ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE`` (a
 mounted secret), read in one place (``Credential.from_environment``), at least 32 printable
-characters; a process given none makes one that the processes it starts share (that module's
-docstring). A store, a router or a client holds the object it is given (this process's by
-default), and the HTTP layer checks it where a route declares it (:mod:`serving.http`). It is never
-put on a command line (``ps`` shows those to every user), and sandboxes start with an empty
-environment.
+characters; a process given none makes one in memory, never exported, and passes it to each
+process it starts that must share it (``env=credential.environment()``, :func:`environment_with`;
+that module's docstring). A store, a router or a client holds the object it is given (this
+process's by default), and the HTTP layer checks it where a route declares it (:mod:`serving.http`).
+It is never put on a command line (``ps`` shows those to every user), and sandboxes start with an
+empty environment.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, Mapping
 
 from sandboxes.httpserver.auth import (CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, MIN_CREDENTIAL_CHARS,  # noqa: F401 (serving's names for them)
-                             Credential, process_credential)
+                             Credential, process_credential, require_given)
 from serving.protocol import GenerateRequest
 
 SESSION_HEADER = "X-Session-Id"
@@ -75,10 +76,12 @@ def warn_if_credential_is_private(what: str) -> None:
               file=sys.stderr, flush=True)
 
 
-def environment_with(credential: Credential | str) -> dict[str, str]:
-    """This process's environment with ``credential`` as the trainer credential: for a replica or
-    router started to serve a given credential (never passed on its command line)."""
-    return as_credential(credential).environment()
+def environment_with(credential: Credential | str | None = None,
+                     base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with ``credential`` (default: this process's)
+    as the trainer credential: the environment of a child that must share it, a replica, an engine,
+    a router or the trainer (never passed on its command line)."""
+    return as_credential(credential).environment(base)
 
 
 def session_key(credential: Credential | str, session_id: str) -> str:

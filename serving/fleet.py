@@ -18,8 +18,9 @@ so a replica never outlives the process that started it. ``POSTTRAIN_ENGINE=loca
 ``mode="thread"`` runs that engine in this process (router tests).
 
 Replicas get the trainer credential through their environment, never their command line
-(:mod:`serving.capture_store`): a fleet's replica processes get the router's, a replica from
-:func:`start_engine` this process's.
+(:mod:`serving.capture_store`), passed explicitly at their start: a fleet's replica processes get
+the router's, a replica from :func:`start_engine` the ``credential`` it is given (default: this
+process's). A replica started without one refuses to start (``--exit-with-parent``).
 
 On Kubernetes the replicas are SGLang pods (``serving.sglang.sglang_launch_spec``) and scale-up is
 the launcher's; the router side (``Router.add_replica``) is the same.
@@ -38,7 +39,7 @@ from typing import Any
 
 from serving.replica import free_port  # noqa: F401 (callers take it from here)
 from serving.router.core import Router
-from serving.capture_store import environment_with
+from serving.capture_store import Credential, environment_with
 from serving.client import EngineClient
 from serving.http import serve
 from serving.local_engine import LocalEngine
@@ -60,11 +61,14 @@ def default_engine() -> str:
 
 
 def start_engine(model: str, log_path: Path, timeout_s: float = 600.0, *, engine: str | None = None,
-                 adapters_dir: str | Path | None = None, **settings: Any) -> tuple[subprocess.Popen, str]:
+                 adapters_dir: str | Path | None = None, credential: Credential | str | None = None,
+                 **settings: Any) -> tuple[subprocess.Popen, str]:
     """One replica (:mod:`serving.replica`: the engine server and the capture front) as a local
     process on loopback; returns it and its URL once it answers /health. ``engine`` is ``vllm``
     (the default, :func:`default_engine`) or ``local``; ``settings`` are replica settings among
-    :data:`serving.replica.REPLICA_FLAGS`; its output goes to ``log_path``.
+    :data:`serving.replica.REPLICA_FLAGS`; its output goes to ``log_path``. It is given
+    ``credential`` (default: this process's) in its environment, and this process's clients call it
+    with the same one by default.
 
     It starts on the base model (and the newest version of ``adapters_dir``, if given): a trainer
     pushes the adapter version it resumes from."""
@@ -74,9 +78,9 @@ def start_engine(model: str, log_path: Path, timeout_s: float = 600.0, *, engine
     cmd = replica_command(model, engine=engine or default_engine(), port=port,
                           adapters_dir=str(adapters_dir) if adapters_dir else None, **settings)
     with open(log_path, "ab") as log:  # the child keeps its own copy
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environment_with(credential))
     url = f"http://127.0.0.1:{port}"
-    client = EngineClient(url, timeout_s=5)
+    client = EngineClient(url, timeout_s=5, credential=credential)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -10,9 +10,11 @@ the newest adapter version of ``--adapters-dir``, then serves posttrain's engine
 ``/sessions/{id}``) and prints ``replica (ENGINE) serving MODEL on http://HOST:PORT``.
 
 Its sessions open with their keys or the trainer credential, taken from the environment
-(``$POSTTRAIN_TRAINER_CREDENTIAL`` or ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE``,
-:mod:`serving.capture_store`): a replica started by a trainer or a fleet inherits theirs; the engine
-child inherits it too, and the front calls the project's engine (``local``) with it.
+(``$POSTTRAIN_TRAINER_CREDENTIAL`` or ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE``, read once at its
+start, :mod:`serving.capture_store`): a trainer or a fleet that starts a replica passes theirs in its
+environment, and a replica started with ``--exit-with-parent`` without one refuses to start (its
+parent's calls would all be refused). The replica passes it on to the engine child in the same way,
+and the front calls the project's engine (``local``) with it.
 
 The engine dies with the replica (it is started with a parent-death signal and stopped with its
 process group), and with ``--exit-with-parent`` the replica dies with the process that started it.
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from serving.adapters import newest_adapter
 from serving.capture import serve_front, upstream_engine
-from serving.capture_store import warn_if_credential_is_private
+from serving.capture_store import environment_with, process_credential, require_given, warn_if_credential_is_private
 from serving.engines.vllm import vllm_command
 from serving.http import stop_as_interrupt
 
@@ -115,7 +117,7 @@ def engine_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
-    env = dict(os.environ)
+    env = environment_with(process_credential())  # the engine's adapter routes answer to the replica's credential
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")) if p)
     return cmd, env
 
@@ -234,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
+        require_given("serving.replica")  # before anything starts: its parent could never call it
         exit_with_parent()
-    warn_if_credential_is_private("serving.replica")
+    else:
+        warn_if_credential_is_private("serving.replica")
     signal.signal(signal.SIGTERM, stop_as_interrupt)  # stop as on Ctrl-C: the engine is stopped too
     child = EngineProcess(args)
     front = None

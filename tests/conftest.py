@@ -1,11 +1,22 @@
 """Shared test settings: every test gets its own posttrain home, never the user's."""
 
 import os
+import secrets
 
 import pytest
 
 # Two cores on CI: keep torch from oversubscribing them in every test process.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The test session's trainer credential, set at its boundary: the test process is started as if
+# its shell had exported $POSTTRAIN_TRAINER_CREDENTIAL (unless it was, or a credential file was
+# named). This is the one place the tests put it in an environment; the project's modules never do
+# (sandboxes.httpserver.auth; tests/test_credential_boundary.py). The project's servers and clients
+# in this process read it once (process_credential), and the processes the tests start with a copy
+# of this environment, or that the project's code starts with the credential it passes them
+# explicitly, all hold the same one, so the tests' calls into them authenticate.
+if not (os.environ.get("POSTTRAIN_TRAINER_CREDENTIAL") or os.environ.get("POSTTRAIN_TRAINER_CREDENTIAL_FILE")):
+    os.environ["POSTTRAIN_TRAINER_CREDENTIAL"] = secrets.token_hex(32)
 
 
 @pytest.fixture

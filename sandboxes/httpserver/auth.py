@@ -15,12 +15,14 @@ The environment variables are read in :meth:`Credential.from_environment` alone:
 ``$POSTTRAIN_TRAINER_CREDENTIAL_FILE`` (a mounted Secret); :meth:`environment` writes the first for a
 child process.
 
-A process that is given no credential (:func:`process_credential`, the default of every server and
-client that takes none) makes one, once, and exports it to its own environment: the replicas,
-routers and engines it starts (they inherit the environment) share it, and no other process knows
-it. That is done when this module is first imported, the one write to the environment of the
-project: the tests and tools that start the project's processes with a copy of their own
-environment (``{**os.environ, ...}``) rely on it.
+A process has one credential (:func:`process_credential`, the default of every server and client
+that takes none): the one it was given at its start, read once, else one it makes, in memory only.
+Nothing here writes to ``os.environ``, at import or later: a child that must share the credential
+(a replica, its engine, a router, the trainer) is given it by the process that starts it, in the
+child's environment (:meth:`Credential.environment`), and reads it once at its own start. A child
+started without it makes its own, which no other process knows: its parent's calls are refused
+(403 and a message naming the credential), never waited on; a server started as a child
+(``--exit-with-parent``) refuses to start without one instead (:func:`require_given`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hmac
 import os
 import re
 import secrets
+import sys
 import threading
 from pathlib import Path
 from typing import Mapping
@@ -117,26 +120,34 @@ class Credential:
         return f"Credential(<{len(self._value)} characters from {self.source}>)"
 
 
-_made: Credential | None = None
-_made_lock = threading.Lock()
+_process: Credential | None = None
+_process_lock = threading.Lock()
 
 
 def process_credential() -> Credential:
     """This process's credential: the one it was started with (:meth:`Credential.from_environment`,
-    read at each call, so a test or a caller that sets it is seen), else one made on the first call
-    and exported for the processes it starts (module docstring)."""
-    global _made
-    given = Credential.from_environment()
-    if given is not None:
-        return _made if _made is not None and given == _made else given  # the one made here says so
-    with _made_lock:
-        if _made is None:
-            _made = Credential.generate()
-            os.environ[CREDENTIAL_ENV] = _made.value  # the boundary: inherited by this process's children
-        return _made
+    read on the first call only: a process's boundary is its start), else one made on the first
+    call and kept here, never exported (module docstring). A bad value given raises on each call,
+    naming its variable; nothing is kept until a good one is read."""
+    global _process
+    with _process_lock:
+        if _process is None:
+            _process = Credential.from_environment() or Credential.generate()
+        return _process
 
 
-try:
-    process_credential()  # see the module docstring: a process's children inherit its credential
-except ValueError:
-    pass  # a bad value given: the first use says which (never an import error)
+def require_given(what: str) -> Credential:
+    """This process's credential for a server started by another process (``--exit-with-parent``):
+    it must have been given one, since one made here would be unknown to the parent, whose calls
+    would all be refused. Exits (status 2) with a message naming the variable otherwise."""
+    try:
+        credential = process_credential()
+    except ValueError as exc:
+        print(f"{what}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if credential.source == "generated":
+        print(f"{what}: started by a parent process (--exit-with-parent) without ${CREDENTIAL_ENV} or "
+              f"${CREDENTIAL_FILE_ENV}: the parent must pass its trainer credential in this process's "
+              "environment (Credential.environment()), or its calls here are all refused", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return credential

@@ -23,7 +23,7 @@ import pytest
 
 from serving.capture import serve_sidecar
 from serving.capture_store import (CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, SESSION_HEADER, SESSION_KEY_HEADER,
-                                   CaptureStore, session_key, trainer_credential)
+                                   CaptureStore, Credential, session_key, trainer_credential)
 from serving.client import EngineClient, HttpPool
 from serving.local_engine import LocalEngine
 from serving.http import serve
@@ -229,18 +229,16 @@ def test_anonymous_sessions_never_evict_an_episodes_session():
     assert store.sessions() == [VICTIM] + [f"chat-{i:032x}" for i in (47, 48, 49)]
 
 
-def test_the_credential_comes_from_the_environment_and_is_checked(tmp_path, monkeypatch):
-    monkeypatch.setenv(CREDENTIAL_ENV, "short")
+def test_the_credential_comes_from_the_environment_and_is_checked(tmp_path):
+    """A process's boundary (Credential.from_environment, which process_credential reads once)."""
     with pytest.raises(ValueError, match=r"\$POSTTRAIN_TRAINER_CREDENTIAL: the trainer credential must be at least 32"):
-        trainer_credential()
-    monkeypatch.delenv(CREDENTIAL_ENV)
-    monkeypatch.setenv(CREDENTIAL_FILE_ENV, str(tmp_path / "missing"))
+        Credential.from_environment({CREDENTIAL_ENV: "short"})
     with pytest.raises(ValueError, match=r"POSTTRAIN_TRAINER_CREDENTIAL_FILE \(.*missing\): the trainer credential file"):
-        trainer_credential()
+        Credential.from_environment({CREDENTIAL_FILE_ENV: str(tmp_path / "missing")})
     secret = tmp_path / "credential"
     secret.write_text("c" * 40 + "\n")
-    monkeypatch.setenv(CREDENTIAL_FILE_ENV, str(secret))
-    assert trainer_credential() == "c" * 40
+    assert Credential.from_environment({CREDENTIAL_FILE_ENV: str(secret)}).value == "c" * 40
+    assert Credential.from_environment({}) is None
 
 
 def test_a_router_process_takes_the_credential_from_its_environment_never_its_command_line(tmp_path):

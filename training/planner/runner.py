@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandboxes.files import NotARegularFile, read_regular_bytes
-from sandboxes.httpserver.auth import Credential
+from sandboxes.httpserver.auth import Credential, process_credential
 from sandboxes.home import default_home
 from training.planner.resolve import Plan
 import base64
@@ -105,13 +105,14 @@ def trainer_is_built() -> bool:
 
 def start_local(plan_path: Path, run_dir: Path, gpus: int = 0) -> int:
     """Run the trainer's entry point on this machine in the foreground, one process per GPU when
-    ``gpus`` (the plan's ``[trainer] gpus``) is more than one; return its exit status."""
+    ``gpus`` (the plan's ``[trainer] gpus``) is more than one; return its exit status. They are given
+    this process's trainer credential in their environment (one for all of a run's processes)."""
     if not trainer_is_built():
         raise RunStartError(
             f"the trainer is not built: there is no `python -m {TRAINER_MODULE}` entry point "
             f"({TRAINER_MODULE}/__main__.py, issue 6); the plan is written to {plan_path}, nothing was started"
         )
-    return subprocess.call(trainer_command(plan_path, run_dir, gpus))
+    return subprocess.call(trainer_command(plan_path, run_dir, gpus), env=process_credential().environment())
 
 
 FIELD_MANAGER = "posttrain"
