@@ -163,8 +163,9 @@ class EngineServer(JsonServer):
         self._batch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batch")
         routes: dict[tuple[str, str], Route | Endpoint] = {
             **generate_and_adapter_routes(self, self.capture),
-            ("GET", "/health"): lambda r: {"status": "ok"},
-            ("GET", "/health_generate"): lambda r: {"status": "ok"},
+            # answered on the event loop: a health check is never queued behind calls that hold every worker
+            ("GET", "/health"): Endpoint(lambda r: {"status": "ok"}, on_loop=True),
+            ("GET", "/health_generate"): Endpoint(lambda r: {"status": "ok"}, on_loop=True),
             ("GET", "/server_info"): lambda r: self.engine.server_info(),
             ("GET", "/get_server_info"): lambda r: self.engine.server_info(),
             ("GET", "/metrics"): lambda r: Text(render_metrics(self.engine.metrics(), {"model_name": self.model_name})),

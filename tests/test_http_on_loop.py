@@ -139,3 +139,37 @@ def test_a_body_that_arrives_after_its_head_is_read_and_one_that_stops_is_refuse
         assert data.startswith(b"HTTP/1.1 408 ") and b"request body not received within 1 s" in data, data
     finally:
         srv.shutdown()
+
+
+def test_the_engine_servers_health_answers_while_every_worker_is_busy():
+    """The engine server answers ``/health`` on its event loop: with its one worker held by a call
+    that is still generating, the health check is answered at once instead of waiting its turn."""
+    from sandboxes.httpserver import HttpLimits
+    from serving.http import serve
+    from serving.sim import ServiceModel, SimEngine
+
+    engine = SimEngine(max_total_tokens=4096, service=ServiceModel(decode_step_s=1.0, decode_chunk_tokens=1))
+    server = serve(engine, limits=HttpLimits(max_workers=1))
+    done: list[str] = []
+
+    def long_call() -> None:
+        body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}})
+        try:
+            _request(server.port, "POST", "/generate", body.encode())
+            done.append("generate")
+        except (OSError, http.client.HTTPException):  # cut by the shutdown below
+            done.append("generate cut")
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    try:
+        for _ in range(3000):  # until the engine is generating it (the server's one worker waits on it)
+            if engine.scheduler.running:
+                break
+            threading.Event().wait(0.01)
+        assert engine.scheduler.running, "the long call never reached the engine"
+        assert _request(server.port, "GET", "/health") == (200, {"status": "ok"})
+        assert done == []  # answered while the generate call still held the worker
+    finally:
+        server.shutdown()
+        caller.join(timeout=30)

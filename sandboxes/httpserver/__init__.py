@@ -10,7 +10,8 @@ the sandbox pool): uvicorn through its public interface, the access policy apart
 - :mod:`sandboxes.httpserver.transport`: uvicorn on a background thread, and each connection's bounds before
   it has a request (connections, the header timeout, the head's size and framing): ``HttpLimits``.
 - :mod:`sandboxes.httpserver.app`: the ASGI application: a request's bounds (size, time, framing), the access
-  each route declares (checked once, before its handler), handlers on worker threads, the answers.
+  each route declares (checked once, before its handler), handlers on worker threads or, where a route
+  says so (``async def``, or ``Endpoint(on_loop=True)``), on the event loop; the answers.
 - :mod:`sandboxes.httpserver.auth`: the trainer credential as an object (``Credential``).
 
 It imports nothing of the project, so the lowest package (sandboxes, for its pool) and serving share it.

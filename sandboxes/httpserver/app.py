@@ -1,6 +1,6 @@
 """The routes and the access policy: an ASGI application that reads a request within its bounds,
-checks what its route declares (the credential, a session's key), runs the route's handler on a
-worker thread and sends its answer.
+checks what its route declares (the credential, a session's key), runs the route's handler (on a
+worker thread, or on the event loop where the route says so) and sends its answer.
 
     routes = {("GET", "/health"): lambda req: {"status": "ok"},
               ("POST", "/load_lora_adapter"): Endpoint(load, needs_bearer(credential, "loading an adapter"))}
@@ -14,7 +14,11 @@ read (a caller without the credential never makes the server read its body); one
 
 Handlers are plain blocking functions (an engine generating, the router waiting on a replica),
 called on a bounded pool of threads (``max_workers``) that grows with load and shrinks when idle, so
-an engine still sees every call in flight at once and batches them. A handler returns a JSON-able
+an engine still sees every call in flight at once and batches them. An ASGI server answers from its
+event loop, so such a call costs two thread hops (to a worker and back); a handler that needs no
+thread runs on the loop instead (``Endpoint(on_loop=True)``): an ``async def`` one, whose I/O is
+awaited there (a call to an upstream server on an async connection), or a plain one that is cheap
+and never blocks (a health answer). A handler returns a JSON-able
 value, :class:`Text`, :class:`Reply` (JSON with a status or headers of its own) or :class:`Stream`
 (an answer sent as it is produced); it raises :class:`HttpError` for an error answer, and an
 exception type given in ``errors`` (a ``BadRequest``: 400) or any other (500, with its reason).
@@ -497,6 +501,7 @@ class App:
         except ValueError as exc:  # a header value the handler should not have set
             await _send_refusal(send, 500, str(exc))
             return
+        self.connections.answer_is_whole(connection)
         await _send_whole(send, status, payload, raw)
 
     async def _read_body(self, receive: Callable) -> bytes | None:

@@ -137,6 +137,12 @@ class Connections:
         application's read of it returns at once."""
         return gate is not None and gate.waiting and not gate.refused
 
+    def answer_is_whole(self, gate: "_Gate | None") -> None:
+        """The answer's head about to be sent is followed by its whole body at once: the two leave
+        in one send with no flush scheduled in between (:class:`_Coalesced`)."""
+        if gate is not None and gate.out is not None:
+            gate.out.whole = True
+
     def request_ended(self, gate: "_Gate | None") -> None:
         if gate is not None:
             gate.answered()
@@ -152,19 +158,23 @@ class Connections:
 class _Coalesced:
     """The transport as uvicorn's protocol sees it: an answer's head waits for the write that follows
     it in the same turn of the event loop (its body, or a streamed answer's first piece), and the two
-    leave in one send; a head with nothing after it leaves at the end of the turn."""
+    leave in one send; a head with nothing after it leaves at the end of the turn. For an answer
+    the application sends whole (``whole``, set just before its head) the head waits for its body
+    without a flush scheduled: the body's write sends both."""
 
-    __slots__ = ("_transport", "_loop", "_pending")
+    __slots__ = ("_transport", "_loop", "_pending", "whole")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
         self._transport, self._loop, self._pending = transport, loop, []
+        self.whole = False
 
     def write(self, data: bytes) -> None:
-        if self._pending:
-            self._pending.append(data)
+        self._pending.append(data)
+        if len(self._pending) > 1:
             self._flush()
+        elif self.whole:  # an answer's head: its body comes next
+            self.whole = False
         else:
-            self._pending.append(data)
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
@@ -197,6 +207,7 @@ class _Gate(asyncio.Protocol):
         self.connections = connections
         self.limits = connections.limits
         self.inner: asyncio.Protocol | None = None  # made when the first head is here
+        self.out: _Coalesced | None = None  # the transport as the inner protocol sees it
         self.refused = False
         self.deferred = b""  # a refusal of a pipelined head, sent once the answers before it are
         self.transport: asyncio.Transport | None = None
@@ -258,7 +269,8 @@ class _Gate(asyncio.Protocol):
             if self.inner is None:
                 line = head[:head.find(b"\n")].rstrip()
                 self.inner = self.inner_factory(line.endswith(b"HTTP/1.0"))
-                self.inner.connection_made(_Coalesced(self.transport, asyncio.get_running_loop()))
+                self.out = _Coalesced(self.transport, asyncio.get_running_loop())
+                self.inner.connection_made(self.out)
             self.in_flight += 1
             rest = len(head) - end.end()
             if length is None or rest <= length:
