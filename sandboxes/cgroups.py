@@ -98,17 +98,38 @@ def _read_small(path: str) -> str | None:
         os.close(fd)
 
 
+def _write_small(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+_unified_host: list[bool] = []
+# interface file name -> index in a made cgroup's paths of the hierarchy that has it (None: none)
+_LAYOUT: dict[str, int | None] = {}
+
+
+def _unified() -> bool:
+    """Whether the host has cgroup v2 (asked once per process)."""
+    if not _unified_host:
+        _unified_host.append((CGROUP_ROOT / "cgroup.controllers").exists())
+    return _unified_host[0]
+
+
 class Cgroup:
     """One cgroup per sandbox for CPU, memory and process count (cgroup v2, or the v1 controllers)."""
 
     def __init__(self, name: str, *, cpus: float, memory_mib: int, pids: int):
         self.paths: list[Path] = []
+        self._made = True  # its hierarchies in the order every made cgroup has them (_read's layout)
         base = CGROUP_ROOT
         period = 100_000
         quota = max(1000, int(cpus * period))
         memory = memory_mib * 1024 * 1024
         try:
-            if (base / "cgroup.controllers").exists():
+            if _unified():
                 parent = base / "posttrain"
                 parent.mkdir(exist_ok=True)
                 (base / "cgroup.subtree_control").write_text("+cpu +memory +pids")
@@ -121,16 +142,21 @@ class Cgroup:
                 (p / "pids.max").write_text(str(pids))
                 (p / "cpu.max").write_text(f"{quota} {period}")
             else:
+                # os calls on strings: a sandbox's start makes three folders and writes four files
+                # here, and pathlib's objects cost more CPU than the system calls
                 for ctl, settings in (
-                    ("memory", {"memory.limit_in_bytes": memory}),
-                    ("pids", {"pids.max": pids}),
-                    ("cpu", {"cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}),
+                    ("memory", (("memory.limit_in_bytes", memory),)),
+                    ("pids", (("pids.max", pids),)),
+                    ("cpu", (("cpu.cfs_period_us", period), ("cpu.cfs_quota_us", quota))),
                 ):
-                    p = base / ctl / "posttrain" / name
-                    p.mkdir(parents=True)
-                    self.paths.append(p)
-                    for key, value in settings.items():
-                        (p / key).write_text(str(value))
+                    p = f"{base}/{ctl}/posttrain/{name}"
+                    try:
+                        os.mkdir(p)
+                    except FileNotFoundError:  # the hierarchy's posttrain folder, made once
+                        os.makedirs(p)
+                    self.paths.append(Path(p))
+                    for key, value in settings:
+                        _write_small(f"{p}/{key}", str(value))
         except OSError as exc:
             self.remove()
             raise SandboxError(f"cannot create the sandbox's cgroup under {base} ({exc}); CPU, memory and "
@@ -142,11 +168,12 @@ class Cgroup:
         exists (a dead harness's sandbox, or one runsc made from its OCI spec), to kill or remove."""
         self = cls.__new__(cls)
         self.paths = [p for p in _hierarchies(name) if p.is_dir()]
+        self._made = False
         return self
 
     @property
     def procs_files(self) -> list[str]:
-        return [str(p / "cgroup.procs") for p in self.paths]
+        return [f"{p}/cgroup.procs" for p in self.paths]
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` preceded by a shell that moves itself into the cgroup, then becomes ``argv``."""
@@ -156,10 +183,9 @@ class Cgroup:
     def pids(self) -> list[int]:
         out = set()
         for f in self.procs_files:
-            try:
-                out.update(int(x) for x in Path(f).read_text().split())
-            except OSError:
-                pass
+            text = _read_small(f)
+            if text is not None:
+                out.update(int(x) for x in text.split())
         return sorted(out)
 
     def peak_memory_bytes(self) -> int | None:
@@ -176,16 +202,24 @@ class Cgroup:
         after every answer of the sandbox's daemon (:meth:`limit_events`), so where each file is, or
         that it is nowhere, is found once: a cgroup's interface files are there from its creation."""
         where = self.__dict__.setdefault("_where", {})
+        if name not in where and getattr(self, "_made", False) and name in _LAYOUT and self.paths:
+            # every cgroup made here has its hierarchies in one order: found once per process
+            index = _LAYOUT[name]
+            where[name] = None if index is None else f"{self.paths[index]}/{name}"
         if name in where:
             path = where[name]
             return None if path is None else _read_small(path)
-        for p in self.paths:
-            text = _read_small(str(p / name))
+        for index, p in enumerate(self.paths):
+            text = _read_small(f"{p}/{name}")
             if text is not None:
-                where[name] = str(p / name)
+                where[name] = f"{p}/{name}"
+                if getattr(self, "_made", False):
+                    _LAYOUT[name] = index
                 return text
         if self.paths:
             where[name] = None
+            if getattr(self, "_made", False):
+                _LAYOUT[name] = None
         return None
 
     def limit_events(self) -> LimitEvents:

@@ -24,6 +24,10 @@ capabilities, via ``setpriv``), so the sandbox's processes are an unprivileged h
 outside their namespaces; their run folders live under ``/tmp/posttrain-sandboxes`` (mode 0711)
 and a toolchain folder that user cannot reach (a Python under ``/root``) is bind-mounted read-only
 there once. The task layer's files belong to uid 1000, so the workspace is the sandbox user's own.
+Its ``/dev`` is a folder the host makes on the sandbox's own tmpfs (the devices of bwrap's
+``--dev``, a ``shm`` folder held to the disk limit, a devpts instance of its own:
+:meth:`sandboxes.rootfs.Rootfs.device_folder`), bound with one ``--dev-bind``; the image root
+itself stays bound ``nodev``.
 
 gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none run``: the sandbox's system
 calls go to gVisor's user-space kernel, not the host's. The image root is read-only with
@@ -106,7 +110,7 @@ from sandboxes.toolchain import (
 
 RUNTIMES = ("bwrap", "gvisor", "unisolated")
 PXD_SOURCE = Path(__file__).with_name("pxd.py")
-PXD_COMPILED_IN_SANDBOX = "/opt/pxd/pxd.pyc"  # what the local runtimes bind and start (a cluster pod starts
+PXD_COMPILED_IN_SANDBOX = "/opt/pxd/pxd.pyc"  # what the local runtimes write and start (a cluster pod starts
 # the image's /opt/pxd/pxd.py: sandboxes.images, sandboxes.k8s)
 _compile_lock = threading.Lock()
 
@@ -132,17 +136,30 @@ def _cache_tag(python: str) -> str:
     return _interpreter_tags[python]
 
 
+_source_digests: dict[tuple[int, int, int, int], str] = {}
+
+
+def _source_digest() -> str:
+    """The first 16 hex digits of ``pxd.py``'s SHA-256, hashed again only when the file's inode,
+    size or times changed (every sandbox's start asks)."""
+    st = os.stat(PXD_SOURCE)
+    key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    digest = _source_digests.get(key)
+    if digest is None:
+        digest = _source_digests[key] = hashlib.sha256(PXD_SOURCE.read_bytes()).hexdigest()[:16]
+    return digest
+
+
 def compiled_pxd(python: str = SANDBOX_PYTHON) -> Path:
     """``pxd.py`` compiled by ``python``, the interpreter the runtime starts it with (the sandbox's
     own ``/usr/bin/python3``; the unisolated mode: this one), kept under
     the run base's ``pxd/`` folder and named by the source's hash. Starting the ``.pyc`` skips
     compiling the daemon's 1,100 lines, about a fifth of the CPU a start costs, and two sandboxes
     start per episode (docs/benchmarks.md, "pxd's start"). Written once per source and interpreter,
-    atomically, mode 0644 in folders of mode 0711 (bwrap reads it as the sandbox user); a file there
-    that this user did not write, or that others may write, is replaced."""
-    source = PXD_SOURCE.read_bytes()
+    atomically, mode 0644 in folders of mode 0711; a file there that this user did not write, or
+    that others may write, is replaced. Each sandbox gets a copy in its own layer (:func:`_install_pxd`)."""
     folder = run_base() / "pxd"
-    path = folder / f"pxd-{hashlib.sha256(source).hexdigest()[:16]}.{_cache_tag(python)}.pyc"
+    path = folder / f"pxd-{_source_digest()}.{_cache_tag(python)}.pyc"
     with _compile_lock:
         try:
             st = path.lstat()
@@ -208,12 +225,48 @@ def _wait_eof(stream, timeout_s: float) -> None:
             return
 
 
-def _pxd_mount_point(root: Path) -> None:
-    """Make the compiled daemon's mount point in the sandbox's own layer (the image has pxd.py)."""
-    point = root / PXD_COMPILED_IN_SANDBOX.lstrip("/")
-    if not point.exists():
-        point.parent.mkdir(parents=True, exist_ok=True)
-        point.touch()
+_pxd_images: dict[str, bytes] = {}
+
+
+def _install_pxd(root: Path) -> None:
+    """Write the compiled daemon (:func:`compiled_pxd`) into the sandbox's own layer at
+    ``PXD_COMPILED_IN_SANDBOX``, owned by root, mode 0644: the sandbox user can neither change nor
+    replace it (``/opt/pxd`` is root's in every image). A write of some 50 KB to the sandbox's
+    tmpfs in place of a bind mount: one mount less for bwrap, one gofer mount less for gVisor
+    (docs/benchmarks.md, "Issue 55, third session"). Each folder on the way is opened without
+    following a symbolic link: the image's tree is not the host's to write through."""
+    path = compiled_pxd()
+    data = _pxd_images.get(str(path))
+    if data is None:
+        data = _pxd_images[str(path)] = path.read_bytes()
+    fds = []
+    try:
+        fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        *folders, name = PXD_COMPILED_IN_SANDBOX.strip("/").split("/")
+        for folder in folders:
+            try:
+                os.mkdir(folder, 0o755, dir_fd=fds[-1])
+            except FileExistsError:
+                pass
+            fds.append(os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o644, dir_fd=fds[-1])
+        except FileExistsError:  # the image's own file there: replaced
+            os.unlink(name, dir_fd=fds[-1])
+            fd = os.open(name, flags, 0o644, dir_fd=fds[-1])
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise SandboxError(f"cannot write the daemon at {PXD_COMPILED_IN_SANDBOX} in the sandbox's root "
+                           f"({exc}); the image's /opt/pxd must be a folder") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def pxd_argv(python: str) -> list[str]:
@@ -259,9 +312,11 @@ class BwrapRuntime:
             # mount points made here, in the sandbox's own layer: the sandbox user may not write there
             (root / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
             argv += ["--ro-bind", reachable_toolchain_source(path), path]
-        _pxd_mount_point(root)
-        argv += ["--ro-bind", reachable_toolchain_source(str(compiled_pxd())), PXD_COMPILED_IN_SANDBOX,
-                 "--proc", "/proc", "--dev", "/dev"]
+        _install_pxd(root)
+        argv += ["--proc", "/proc"]
+        # the sandbox's own /dev, made on its tmpfs by the host (Rootfs.device_folder): one bind
+        # instead of bwrap's tmpfs and seven mounts; without root (no tmpfs of its own) bwrap's
+        argv += ["--dev-bind", str(sb.rootfs.device_folder()), "/dev"] if sb.rootfs.mounted else ["--dev", "/dev"]
         if not sb.writable_root:
             argv += ["--remount-ro", "/"]
         argv += ["--clearenv"]
@@ -288,7 +343,7 @@ class GvisorRuntime:
             raise SandboxError("runsc is not installed (Debian package 'runsc'; scripts/setup.sh installs it)")
         bundle = sb.run_dir / "bundle"
         bundle.mkdir()
-        _pxd_mount_point(sb.rootfs.merged)
+        _install_pxd(sb.rootfs.merged)
         (bundle / "config.json").write_text(json.dumps(self.oci_config(sb), indent=1))
         return ["runsc", "--root", str(self.state_dir(sb)), f"--platform={self.platform}", "--network=none",
                 "run", "--bundle", str(bundle), sb.id]
@@ -308,7 +363,6 @@ class GvisorRuntime:
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": tmp_opts},
             {"destination": SANDBOX_HOME, "type": "tmpfs", "source": "tmpfs", "options": tmp_opts},
             *[ro(p) for p in host_toolchain(sb.toolchains)],
-            ro(str(compiled_pxd()), PXD_COMPILED_IN_SANDBOX),
             {"destination": WORKDIR, "type": "bind", "source": str(sb.rootfs.workspace), "options": ["rbind", "rw"]},
         ]
         return {
@@ -463,10 +517,12 @@ class Sandbox:
                 host_env = {**self.env, "HOME": str(home), "TMPDIR": str(home)}
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          start_new_session=True, close_fds=True, env=host_env)
-            self.pxd = PxdClient.over_fds(self.proc.stdout.fileno(), self.proc.stdin.fileno(), name=f"pxd[{self.id}]")
-            self.pxd.explain_loss = self.why_gone
-            self._step("spawn")
             try:
+                # the key goes out here: a runtime whose set-up failed has closed its stdin already
+                self.pxd = PxdClient.over_fds(self.proc.stdout.fileno(), self.proc.stdin.fileno(),
+                                              name=f"pxd[{self.id}]")
+                self.pxd.explain_loss = self.why_gone
+                self._step("spawn")
                 self.pxd.wait_ready(READY_TIMEOUT_S)
             except PxdConnectionError as exc:
                 raise SandboxError(f"{runtime} sandbox for image {image.name} did not start: {exc}; "
@@ -623,19 +679,24 @@ class Sandbox:
             timer.cancel()
         proc = self.proc
         if proc is not None:
+            if self.cgroup is not None:
+                # no grace needed: the sandbox's files go away with it. Killed before its stdin
+                # closes, so that pxd does not wake to run the interpreter's exit, nor gVisor's
+                # kernel its shut-down, for a sandbox that is thrown away (gVisor: its kernel,
+                # gofer and stubs are in the cgroup; `runsc run` is killed below, its state folder
+                # goes with the run folder)
+                self.cgroup.kill()
             try:
                 proc.stdin.close()  # pxd sees EOF and exits (gVisor: the sandbox then shuts down)
             except OSError:
                 pass
-            if self.runtime.name == "gvisor":
+            if self.runtime.name == "gvisor" and self.cgroup is None:
                 _wait_eof(proc.stdout, 3.0)
                 if proc.poll() is None:
                     try:
                         self.runtime.stop(self)
                     except (OSError, subprocess.SubprocessError):
                         pass
-            elif self.cgroup is not None:
-                self.cgroup.kill()  # no grace needed: the sandbox's files go away with it
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
