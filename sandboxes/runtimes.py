@@ -29,7 +29,8 @@ Its ``/dev`` is a folder the host makes on the sandbox's own tmpfs (the devices 
 :meth:`sandboxes.rootfs.Rootfs.device_folder`), bound with one ``--dev-bind``; the image root
 itself stays bound ``nodev``.
 
-gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none run``: the sandbox's system
+gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none
+--file-access-mounts=exclusive run``: the sandbox's system
 calls go to gVisor's user-space kernel, not the host's. The image root is read-only with
 ``/workspace`` bound writable. The ptrace platform is the one that works on these machines
 (``--platform=kvm`` hangs), the sandbox user is uid 1000 too, and pxd's output is read through a
@@ -345,8 +346,13 @@ class GvisorRuntime:
         bundle.mkdir()
         _install_pxd(sb.rootfs.merged)
         (bundle / "config.json").write_text(json.dumps(self.oci_config(sb), indent=1))
+        # --file-access-mounts=exclusive: gVisor caches what it read of the bind mounts (the host's
+        # /usr and toolchains, the workspace) instead of asking the gofer again at every lookup; no
+        # host process changes them while the sandbox runs (the harness writes the workspace through
+        # pxd), and the cache is this sandbox's own. 12-13% of a start's CPU (docs/benchmarks.md,
+        # "Issue 55, third session")
         return ["runsc", "--root", str(self.state_dir(sb)), f"--platform={self.platform}", "--network=none",
-                "run", "--bundle", str(bundle), sb.id]
+                "--file-access-mounts=exclusive", "run", "--bundle", str(bundle), sb.id]
 
     @staticmethod
     def state_dir(sb: "Sandbox") -> Path:
