@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.measure, args.calls, args.clients)))
         return 0
 
+    load_before = os.getloadavg()
     rev = subprocess.run(["git", "rev-parse", "--short", args.baseline_rev], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout.strip()
     runs: dict[str, list[dict]] = {"old": [], "new": []}
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             ("front overhead, ms per call", "overhead_ms"), ("requests/s through front", "front_rps")]
     for label, key in rows:
         print(f"{label:34}{old[key]:>16.3f}{new[key]:>14.3f}{new[key] / old[key]:>10.2f}")
+    # The machine's load beside the figures: both trees ran under it, in turns.
+    print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f} at the start, {:.2f} {:.2f} {:.2f} at the end".format(
+        *load_before, *os.getloadavg()))
     return 0
 
 
