@@ -424,19 +424,40 @@ def _write_command(path: str, data: bytes) -> str:
     hold, goes through ``base64``."""
     if b"\0" in data:
         return f"printf %s {base64.b64encode(data).decode()} | base64 -d > {path}"
-    text = "".join(chr(b) if b in _PRINTF_PLAIN else "%%" if b == 0x25 else f"\\{b:03o}" for b in data)
-    return f"printf '{text}' > {path}"
+    return f"printf '{_printf_format(data)}' > {path}"
+
+
+def _printf_format(data: bytes) -> str:
+    return "".join(chr(b) if b in _PRINTF_PLAIN else "%%" if b == 0x25 else f"\\{b:03o}" for b in data)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_write_format() -> str:
+    """The probe's source as a ``printf`` format: the same every grading, made once (Python source
+    holds no NUL byte, which a format could not)."""
+    return _printf_format(PROBE_SOURCE.read_bytes())
+
+
+def probe_install(grader_dir: str, spec: bytes) -> tuple[str, str]:
+    """The shell commands that write the probe and its spec under ``grader_dir`` (a fresh random name,
+    owner-only files, the shell's own ``printf``: ``mkdir`` is their one process), and the command
+    that then runs it. The grader runs the two in one exec where it can (:func:`evals.grading`):
+    each exec is a round trip to the sandbox's daemon and a shell."""
+    name = f"_posttrain_probe_{os.urandom(8).hex()}"
+    script = (f"printf '{_probe_write_format()}' > {grader_dir}/{name}.py && "
+              + _write_command(f"{grader_dir}/{name}.json", spec))
+    # a subshell (a fork, no exec) keeps the umask to the grader's files
+    return (f"(umask 077 && mkdir -p {grader_dir} && {script})",
+            f"python3 -I -S {grader_dir}/{name}.py {grader_dir}/{name}.json")
 
 
 def install_probe(sandbox, grader_dir: str, spec: bytes) -> str:
     """Write the probe and its spec under ``grader_dir`` in the sandbox; return the command that runs it."""
-    name = f"_posttrain_probe_{os.urandom(8).hex()}"
-    files = ((f"{grader_dir}/{name}.py", PROBE_SOURCE.read_bytes()), (f"{grader_dir}/{name}.json", spec))
-    script = "; ".join(_write_command(path, data) for path, data in files)
-    made = sandbox.exec(f"set -e; umask 077; mkdir -p {grader_dir}; {script}", timeout_s=30)
+    install, command = probe_install(grader_dir, spec)
+    made = sandbox.exec(f"set -e; {install}", timeout_s=30)
     if made.timed_out or made.exit_code != 0:
         raise InfraError(f"writing the call probe to {grader_dir} failed: {made.output[-300:]}")
-    return f"python3 -I -S {grader_dir}/{name}.py {grader_dir}/{name}.json"
+    return command
 
 
 def decode(value: Any) -> Any:

@@ -57,7 +57,7 @@ from typing import Collection, Iterable, Mapping, Sequence
 
 from evals.attempts import AGENT_FAULT, APPLY_FAILED, GRADED, INFRA_ERROR, Scores
 from evals.call_checks import (GRADER_DIR, RESULTS_FD, CallCheck, StreamBroken, check_statuses, graded_checks,
-                               install_probe, module_name, probe_spec)
+                               module_name, probe_install, probe_spec)
 from evals.quicktest import RUNNER_FILE
 from evals.sandbox import AgentFault, InfraError
 from evals.signals import OVERFITS_TESTS, REPORT_REWRITTEN, RESULTS_TAMPERED, patch_signals
@@ -766,6 +766,11 @@ class _TestsBroke(Exception):
 
 
 def _run_tests(task, sandbox, patch: str, checks: Sequence[CallCheck] | None = None) -> GradeResult:
+    if checks is not None and _supports_results(sandbox) and not task.metadata.get("test_patch") and all(
+            not table and not is_path_pattern(path) for path, table in map(protected_entry, task.protected_paths)):
+        # the tests are removed before the probe runs: restoring them first, and the report files
+        # no one reads, would change nothing (see _run_call_checks)
+        return _run_call_checks(task, sandbox, checks, patch)
     if patch.strip():
         sandbox.write_file(PATCH_PATH, patch.encode())
         includes = "".join(f" --include={shlex.quote(p)}" for p in task.editable_paths)
@@ -785,7 +790,7 @@ def _run_tests(task, sandbox, patch: str, checks: Sequence[CallCheck] | None = N
         sandbox.exec(f"rm -f -- {shlex.quote(report)}", timeout_s=30)
     streamed = _supports_results(sandbox)
     if checks is not None and streamed:
-        return _run_call_checks(task, sandbox, checks)
+        return _run_call_checks(task, sandbox, checks, "", removes_tests_only=True)
     kwargs, key = {}, None
     if streamed:
         module, key = _install_plugin(sandbox)
@@ -802,17 +807,42 @@ def _run_tests(task, sandbox, patch: str, checks: Sequence[CallCheck] | None = N
     return _score_run(task, run, reports, missing, streamed, key)
 
 
-def _run_call_checks(task, sandbox, checks: Sequence[CallCheck]) -> GradeResult:
-    """Grade a bundled task by its call checks (:mod:`evals.call_checks`): the tests and ``.git`` are
-    removed from the sandbox, the probe makes the calls and streams what they returned, and the
-    host compares those values with the expected ones, which never enter the sandbox. Each call runs
-    in a process of its own that cannot write the stream (:mod:`evals.call_probe`)."""
+_APPLY_FAILED_EXIT = 97  # the preparing script's exit when git apply refused the patch (git's own are 1 and 128)
+
+
+def _run_call_checks(task, sandbox, checks: Sequence[CallCheck], patch: str, *,
+                     removes_tests_only: bool = False) -> GradeResult:
+    """Grade a bundled task by its call checks (:mod:`evals.call_checks`): the patch is applied, the
+    tests and ``.git`` are removed from the sandbox, the probe makes the calls and streams what they
+    returned, and the host compares those values with the expected ones, which never enter the
+    sandbox. Each call runs in a process of its own that cannot write the stream
+    (:mod:`evals.call_probe`).
+
+    Two execs: one shell script prepares (``git apply``, ``rm``, the probe's install: no code of the
+    agent's runs in it, the patch is data to ``git apply`` in a pristine repository), then the probe
+    runs alone with the results pipe; before, each step was an exec of its own (six a grading, each
+    a round trip to the sandbox's daemon and a shell). A patch ``git apply`` refuses is
+    :data:`APPLY_FAILED` as before; a failure of the other steps is the infrastructure's. The
+    protected paths are removed, not restored from the base commit first: the general path's
+    restore would be removed with them. ``removes_tests_only``: the caller applied the patch and
+    restored the tests itself."""
     module = module_name(task)
+    steps = ["set -e"]
+    applies = bool(patch.strip()) and not removes_tests_only
+    if applies:
+        sandbox.write_file(PATCH_PATH, patch.encode())
+        includes = "".join(f" --include={shlex.quote(p)}" for p in task.editable_paths)
+        steps.append(f"git apply --whitespace=nowarn{includes} {PATCH_PATH} || exit {_APPLY_FAILED_EXIT}")
     hidden = " ".join(shlex.quote(p) for p in (".git", *task.protected_paths))
-    removed = sandbox.exec(f"rm -rf -- {hidden}", timeout_s=60)
-    if removed.timed_out or removed.exit_code != 0:
-        raise InfraError(f"removing {hidden} from the grading sandbox failed: {removed.output[-500:]}")
-    command = install_probe(sandbox, GRADER_DIR, probe_spec(module, checks))
+    install, command = probe_install(GRADER_DIR, probe_spec(module, checks))
+    prepared = sandbox.exec("; ".join([*steps, f"rm -rf -- {hidden}", install]), timeout_s=60)
+    if applies and prepared.exit_code == _APPLY_FAILED_EXIT and not prepared.timed_out:
+        return GradeResult(APPLY_FAILED, zero_scores(task.target_tests, task.existing_tests),
+                           detail=prepared.output[-2000:])
+    if prepared.timed_out or prepared.exit_code != 0:
+        what = "timed out" if prepared.timed_out else f"failed (exit {prepared.exit_code})"
+        raise InfraError(f"preparing the grading sandbox (git apply, removing {hidden}, writing the call probe to "
+                         f"{GRADER_DIR}) {what}: {prepared.output[-500:]}")
     try:
         run = sandbox.exec(command, timeout_s=task.limits.test_timeout_s, output_cap_bytes=1 << 20,
                            env={"POSTTRAIN_RESULTS_FD": str(RESULTS_FD)}, results_fd=RESULTS_FD, kill_others=True)
