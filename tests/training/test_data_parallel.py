@@ -187,6 +187,9 @@ def test_the_trainer_job_and_the_local_launch_start_one_process_per_gpu(tmp_path
     assert trainer_command(_plan({"gpus": 1})) == ["python", "-m", "training", *args]
     seen = []
     monkeypatch.setattr(runner, "trainer_is_built", lambda: True)
-    monkeypatch.setattr(runner.subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    monkeypatch.setattr(runner.subprocess, "call", lambda cmd, **kwargs: seen.append((cmd, kwargs)) or 0)
     runner.start_local(tmp_path / "plan.json", tmp_path, gpus=2)
-    assert seen[0][1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "training"]
+    cmd, kwargs = seen[0]
+    assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "training"]
+    from sandboxes.httpserver.auth import CREDENTIAL_ENV, process_credential
+    assert kwargs["env"][CREDENTIAL_ENV] == process_credential().value  # every rank is given the launcher's

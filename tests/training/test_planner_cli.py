@@ -176,10 +176,14 @@ def test_local_run_starts_the_trainer_entry_point(tmp_path: Path, hybrid_file: P
     """The trainer itself is training's to test; here the command it is started with is checked."""
     seen = []
     monkeypatch.setattr(runner, "trainer_is_built", lambda: True)
-    monkeypatch.setattr(runner.subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    monkeypatch.setattr(runner.subprocess, "call", lambda cmd, env: seen.append((cmd, env)) or 0)
     run_dir = tmp_path / "run"
     assert main(["run", str(hybrid_file), "--run-dir", str(run_dir)]) == 0
-    assert seen[0][1:] == ["-m", "training", "--config", str(run_dir / "resolved-plan.json"), "--run-dir", str(run_dir)]
+    cmd, env = seen[0]
+    assert cmd[1:] == ["-m", "training", "--config", str(run_dir / "resolved-plan.json"), "--run-dir", str(run_dir)]
+    from sandboxes.httpserver.auth import CREDENTIAL_ENV, process_credential
+    assert env[CREDENTIAL_ENV] == process_credential().value  # given explicitly, never on its command line
+    assert process_credential().value not in cmd
 
 
 def test_the_trainer_reads_the_plans_trainer_table(tmp_path: Path) -> None:
