@@ -20,9 +20,9 @@ that takes none): the one it was given at its start, read once, else one it make
 Nothing here writes to ``os.environ``, at import or later: a child that must share the credential
 (a replica, its engine, a router, the trainer) is given it by the process that starts it, in the
 child's environment (:meth:`Credential.environment`), and reads it once at its own start. A child
-started without it makes its own, which no other process knows: its parent's calls are refused
-(403 and a message naming the credential), never waited on; a server started as a child
-(``--exit-with-parent``) refuses to start without one instead (:func:`require_given`).
+started without it makes its own, which no other process knows, so its parent's calls are refused
+(403); a replica started as a child (``--exit-with-parent``) refuses to start without one instead,
+naming the variable (:func:`require_given`), so its parent sees it exit rather than serve.
 """
 
 from __future__ import annotations
