@@ -1360,9 +1360,21 @@ def parse_args(argv: list) -> dict:
     return opts
 
 
+def reset_inherited_ignores() -> None:
+    """Every standard signal the host left ignored goes back to its default, for pxd and so for the
+    commands it starts: a sandbox's signals must not depend on how the process that started it was
+    started (a trainer under ``nohup`` ignores SIGHUP, and an ignored signal survives exec). SIGPIPE
+    and SIGXFSZ stay as Python set them for pxd itself; each command gets them at their defaults."""
+    keep = (signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ)
+    for number in range(1, 32):
+        if number not in keep and signal.getsignal(number) == signal.SIG_IGN:
+            signal.signal(number, signal.SIG_DFL)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     close_inherited_fds()
+    reset_inherited_ignores()
     reserve_results_fds()
     protect_self()
     if args["command_uid"] is not None:

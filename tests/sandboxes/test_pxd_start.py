@@ -108,3 +108,19 @@ def test_commands_pxd_starts_get_what_subprocess_gave_them(repo, store, cache, r
         r = sb.pxd.exec(["cat"], stdin="fed", cwd="/workspace/sub")
         assert r.stdout == "fed"
         assert sb.exec("echo alive").stdout == "alive\n"
+
+
+@pytest.mark.parametrize("runtime", runtime_params())
+def test_a_signal_the_host_ignores_is_at_its_default_in_the_sandbox(repo, store, cache, runtime):
+    """A sandbox started by a process that ignores SIGHUP (a trainer under ``nohup``): its commands
+    still die of SIGHUP, as any command started afresh would; an ignored signal survives exec, so
+    without pxd's reset the sandbox's behaviour would depend on how the host process was started."""
+    import signal
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with sandboxes.start(repo, runtime=runtime, store=store, cache=cache) as sb:
+            r = sb.exec(["/bin/sh", "-c", "kill -HUP $$; echo survived"])
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert r.exit_code == 128 + signal.SIGHUP and "survived" not in r.stdout, r.output
