@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worktrees import baseline_tree  # noqa: E402 - bench/ is no package
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -148,14 +151,6 @@ def side(code: Path, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def baseline_tree(commit: str) -> Path:
-    path = Path(tempfile.gettempdir()) / f"gp-base-{commit[:7]}"
-    if not (path / "evals").is_dir():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit], check=True,
-                       capture_output=True)
-    return path
-
-
 def show(label: str, result: dict, commands: bool) -> None:
     for what in ("grading", "validation"):
         s = summary(result[what])
@@ -183,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f}")
     for commit in filter(None, args.baseline.split(",")):
-        show(commit, side(baseline_tree(commit), args), args.commands)
+        show(commit, side(baseline_tree(commit, "gp-base"), args), args.commands)
     show("current", side(args.code.resolve(), args), args.commands)
     print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f}")
     return 0

@@ -72,6 +72,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpuacct import open_group  # noqa: E402 - bench/ is no package
+from worktrees import baseline_tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKETS = ("model", "episode commands", "sandbox start/stop", "trainer step", "else")
@@ -422,15 +423,6 @@ def profile(code: Path, home: Path, steps: int, interval_s: float, work: Path, l
     return result
 
 
-def baseline_tree(commit: str) -> Path:
-    """A detached worktree of ``commit`` (made once, kept for the next call)."""
-    path = Path(tempfile.gettempdir()) / f"lp-base-{commit[:7]}"
-    if not (path / "training").is_dir():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit], check=True,
-                       capture_output=True)
-    return path
-
-
 def print_side(result: dict) -> None:
     total = sum(result["cpu_s"].values())
     print(f"{result['label']}: {result['groups']} groups in {result['window_s']:.1f} s (the steps' train_s "
@@ -501,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     if args.only != "current":
         for commit in args.baseline.split(","):
-            results.append(profile(baseline_tree(commit), home, args.steps, args.interval_s, args.work,
+            results.append(profile(baseline_tree(commit, "lp-base"), home, args.steps, args.interval_s, args.work,
                                    f"baseline {commit}", acct=args.acct))
     if args.only != "baseline":
         results.append(profile(args.code.resolve(), home, args.steps, args.interval_s, args.work, "current",
