@@ -7,8 +7,6 @@ Real bubblewrap sandboxes; ``PlatformSandbox.exec`` is wrapped only to record th
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
@@ -19,8 +17,9 @@ from evals.attempts import APPLY_FAILED, GRADED
 from evals.call_checks import PROBE_SOURCE
 from evals.grading import committed_patch, grade_patch
 from evals.sandbox import PlatformSandbox, platform_sandbox_factory
+from tests.sandboxes.conftest import installed
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+needs_bwrap = pytest.mark.skipif(not installed("bwrap"), reason="bubblewrap is not installed")
 
 
 @pytest.fixture
