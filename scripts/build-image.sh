@@ -15,7 +15,7 @@
 #
 # Packages come from the package registries only: Debian's mirror (debootstrap), and pip's
 # configured indexes (this machine's /etc/pip.conf: a local wheel cache and index mirrors, PyPI for
-# the rest). The root file system is packed as one uncompressed layer into an OCI archive
+# the rest). The root file system is packed as one zstd-compressed layer into an OCI archive
 # (OUT/posttrain-image.oci.tar) and, when the kube-local node of POSTTRAIN_KUBE_STATE runs (or
 # POSTTRAIN_CONTAINERD_SOCK names a containerd), imported with `ctr -n k8s.io images import` under
 # the tag POSTTRAIN_IMAGE (default posttrain.local/posttrain:local, examples/embedded-k8s.toml's).
@@ -119,16 +119,14 @@ mkdir -p "$root/run-data" && chown "$uid:$uid" "$root/run-data"
 chmod 1777 "$root/tmp"
 echo "$commit" >"$root$venv/POSTTRAIN_COMMIT"
 
-# 4. One layer, an OCI archive, streamed (the layer is GBs: never read into memory).
-log "packing the root file system"
-tar --numeric-owner --xattrs -C "$root" -cf "$work/layer.tar" .
+# 4. One layer, an OCI archive, streamed (the layer is GBs: never read into memory nor written twice).
 cat >"$work/image-config.json" <<EOF
 {"Env": ["PATH=$venv/bin:/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/tmp/home"],
  "User": "$uid:$uid", "WorkingDir": "/run-data", "Cmd": ["python", "-m", "training", "--help"],
  "Labels": {"org.opencontainers.image.revision": "$commit"}}
 EOF
-python3 "$repo/scripts/oci-archive.py" "$tag" "$work/layer.tar" "$work/posttrain-image.oci.tar" "$work/image-config.json"
-rm -f "$work/layer.tar"
+rm -f "$work/layer.tar"  # an uncompressed layer an older build left
+pack_image "$tag" "$root" "$work/posttrain-image.oci.tar" "$work/image-config.json"
 size=$(du -sh --apparent-size "$root" | cut -f1)
 rm -rf "$root"  # GBs; the next build starts again from the Debian base
 log "image $tag: root file system $size, archive $(du -h --apparent-size "$work/posttrain-image.oci.tar" | cut -f1) at $work/posttrain-image.oci.tar"

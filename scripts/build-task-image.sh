@@ -56,14 +56,12 @@ chmod 1777 "$root/tmp"
 chroot "$root" /usr/bin/python3 -c "import ast; ast.parse(open('/opt/pxd/pxd.py').read())" || die "the image's python3 cannot read pxd"
 chroot "$root" git --version >/dev/null || die "the image has no working git"
 
-log "packing the root file system"
-tar --numeric-owner --xattrs -C "$root" -cf "$work/layer.tar" .
 cat >"$work/image-config.json" <<JSON
 {"Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", "HOME=/home/sandbox"],
  "User": "$uid:$uid", "WorkingDir": "/workspace", "Cmd": ["/usr/bin/python3", "-I", "-S", "/opt/pxd/pxd.py", "--workspace", "/workspace", "--stdio"],
  "Labels": {"org.opencontainers.image.revision": "$commit"}}
 JSON
-python3 "$repo/scripts/oci-archive.py" "$tag" "$work/layer.tar" "$work/task-image.oci.tar" "$work/image-config.json"
+pack_image "$tag" "$root" "$work/task-image.oci.tar" "$work/image-config.json"
 size=$(du -sh --apparent-size "$root" | cut -f1)
 rm -rf "$root" "$work/layer.tar"
 log "image $tag: root file system $size, archive $(du -h --apparent-size "$work/task-image.oci.tar" | cut -f1)"

@@ -10,10 +10,12 @@ die() { echo "$what: $*" >&2; exit 1; }
 prepare_work() {
     [[ $(id -u) -eq 0 ]] || die "needs root (debootstrap and chroot)"
     [[ $1 == /* && $1 != / ]] || die "$2 must be an absolute folder, got '$1'"
-    command -v debootstrap >/dev/null || {
-        log "installing Debian's debootstrap"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
-    }
+    local missing=() tool
+    for tool in debootstrap zstd; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+    if ((${#missing[@]})); then
+        log "installing Debian's ${missing[*]}"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
     mkdir -p "$1"
     exec {lock}>"$1/.lock"
     flock -n "$lock" || die "another build uses $1"
@@ -33,6 +35,19 @@ debian_base() {
         touch "$base/.posttrain-base"
     fi
     echo "$base"
+}
+
+# pack_image TAG ROOT ARCHIVE CONFIG: ROOT's files as the one zstd layer of an OCI archive. The layer
+# is streamed from tar through scripts/oci-archive.py into the archive: an image's GBs are never on
+# disk twice (a test machine's disk is shared, and the build's peak is what fills it).
+# A failed pack (tar's or the packer's) leaves the archive that was there, if any, as it was.
+pack_image() {
+    log "packing the root file system"
+    if ! tar --numeric-owner --xattrs -C "$2" -cf - . | python3 "$repo/scripts/oci-archive.py" "$1" - "$3.new" "$4"; then
+        rm -f "$3.new" "$3.new.part"
+        die "could not pack $2 into $3"
+    fi
+    mv -f "$3.new" "$3"
 }
 
 # import_into_node ARCHIVE: `ctr images import` into the containerd of the kube-local node of

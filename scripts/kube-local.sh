@@ -186,6 +186,12 @@ build_locked() {
     for cmd in "${wanted[@]}"; do install -m 0755 "$src/_output/bin/$cmd" "$cache/bin/$cmd"; done
     echo "$KUBE_BUILD_REV" >"$cache/bin/.build-rev"
     log "built ${wanted[*]} in $((SECONDS - start)) s"
+    # Every binary there: the build's objects and Go cache (GBs in _output) go, the source stays. A
+    # test machine's disk is not ours alone, and the image builds that follow need it more.
+    for cmd in kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy; do
+        [[ -x $cache/bin/$cmd ]] || return 0
+    done
+    rm -rf "$src/_output"
 }
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -423,31 +429,13 @@ status() {
 # The tag of the node's images; a change rebuilds them.
 IMAGES_REV=3
 
-# import_image NAME LAYER_TAR: an OCI archive of one layer, imported into containerd's k8s.io namespace.
+# import_image NAME LAYER_TAR [CMD]: an OCI archive of one layer (scripts/oci-archive.py), imported
+# into containerd's k8s.io namespace.
 import_image() {
     local name=$1 layer=$2 cmd=${3:-'["/bin/sh"]'} sock=$state/node/containerd.sock
-    python3 - "$name" "$layer" "$state/node/image.oci.tar" "$cmd" <<'PY'
-import hashlib, io, json, sys, tarfile
-name, layer_path, out, cmd = sys.argv[1:]
-layer = open(layer_path, "rb").read()
-digest = lambda b: "sha256:" + hashlib.sha256(b).hexdigest()
-config = json.dumps({"architecture": "amd64", "os": "linux",
-                     "config": {"Env": ["PATH=/usr/local/bin:/usr/bin:/bin"], "Cmd": json.loads(cmd)},
-                     "rootfs": {"type": "layers", "diff_ids": [digest(layer)]}}).encode()
-manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                       "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config), "size": len(config)},
-                       "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest(layer), "size": len(layer)}]}).encode()
-index = json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "digest": digest(manifest), "size": len(manifest),
-                    "annotations": {"io.containerd.image.name": name}}]}).encode()
-with tarfile.open(out, "w") as tar:
-    for path, data in [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", index),
-                       (f"blobs/sha256/{digest(config)[7:]}", config), (f"blobs/sha256/{digest(manifest)[7:]}", manifest),
-                       (f"blobs/sha256/{digest(layer)[7:]}", layer)]:
-        info = tarfile.TarInfo(path)
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-PY
+    printf '{"Env": ["PATH=/usr/local/bin:/usr/bin:/bin"], "Cmd": %s}\n' "$cmd" >"$state/node/image-config.json"
+    python3 "$repo/scripts/oci-archive.py" --uncompressed "$name" "$layer" "$state/node/image.oci.tar" \
+        "$state/node/image-config.json" || die "could not pack $layer into an OCI archive"
     ctr -a "$sock" -n k8s.io images import "$state/node/image.oci.tar" >/dev/null || die "ctr could not import $name"
     rm -f "$state/node/image.oci.tar"
 }

@@ -1,56 +1,143 @@
-"""Pack one root file system layer (an uncompressed tar) into an OCI image archive that
-`ctr images import`, `podman load` and `skopeo copy oci-archive:` read.
+"""Pack one root file system layer into an OCI image archive that `ctr images import`,
+`podman load` and `skopeo copy oci-archive:` read.
 
-    python3 scripts/oci-archive.py TAG LAYER.tar OUT.oci.tar CONFIG.json
+    tar -C ROOT -cf - . | python3 scripts/oci-archive.py TAG - OUT.oci.tar CONFIG.json
+    python3 scripts/oci-archive.py [--uncompressed] TAG LAYER.tar OUT.oci.tar CONFIG.json
 
-CONFIG.json is the image config's ``config`` object (Env, User, WorkingDir, Cmd, Labels). The layer
-is streamed (a workload image's is GBs): hashed in blocks and added to the archive from its file.
-Used by scripts/build-image.sh (the workloads' image) and scripts/build-task-image.sh (the sandbox
-image of task folders). Standard library only.
+CONFIG.json is the image config's ``config`` object (Env, User, WorkingDir, Cmd, Labels). LAYER is an
+uncompressed tar, a file or ``-`` for standard input.
+
+A workload image's layer is GBs, and the disk of a test machine is not ours alone, so nothing is
+written twice: the layer is read once, as a stream, compressed with zstd on the way (Debian's `zstd`,
+all cores; `application/vnd.oci.image.layer.v1.tar+zstd`, which containerd reads since 1.5) and
+written straight into the archive as its first member. A tar member's header names the blob by its
+digest and gives its size, neither known until the stream ends, so a placeholder header is written
+first and filled in afterwards (the archive is a seekable file). The uncompressed stream's digest is
+the config's diff_id; the compressed blob's is the manifest's. The small members (config, manifest,
+index, oci-layout) follow; readers take the members in any order.
+
+Used by scripts/image-common.sh (pack_image: the workloads' image and the sandbox image of task
+folders) and scripts/kube-local.sh (the node's own small images, --uncompressed). Standard library
+only, and Debian's zstd binary.
 """
 
+import argparse
 import hashlib
 import io
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tarfile
+import threading
+import time
+from typing import BinaryIO, Iterator
+
+BLOCK = 1 << 20
+ZSTD = ["zstd", "-q", "-3", "-T0", "-c"]
+LAYER_TYPES = {True: "application/vnd.oci.image.layer.v1.tar+zstd", False: "application/vnd.oci.image.layer.v1.tar"}
 
 
 def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def main(tag: str, layer_path: str, out: str, config_path: str) -> None:
-    h = hashlib.sha256()
-    with open(layer_path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    layer_digest, layer_size = "sha256:" + h.hexdigest(), os.path.getsize(layer_path)
-    with open(config_path) as f:
+def uncompressed(source: BinaryIO, diff: "hashlib._Hash") -> Iterator[bytes]:
+    for block in iter(lambda: source.read(BLOCK), b""):
+        diff.update(block)
+        yield block
+
+
+def zstd_compressed(source: BinaryIO, diff: "hashlib._Hash") -> Iterator[bytes]:
+    """The layer through `zstd`: one thread feeds it (hashing the uncompressed bytes), this one reads."""
+    if shutil.which("zstd") is None:
+        sys.exit("oci-archive: Debian's zstd is not installed (apt-get install zstd), or pass --uncompressed")
+    proc = subprocess.Popen(ZSTD, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    failure: list[BaseException] = []
+
+    def feed() -> None:
+        try:
+            for block in uncompressed(source, diff):
+                proc.stdin.write(block)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the reading thread
+            failure.append(exc)
+        finally:
+            proc.stdin.close()
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    yield from iter(lambda: proc.stdout.read(BLOCK), b"")
+    feeder.join()
+    if proc.wait() != 0:
+        sys.exit(f"oci-archive: zstd exited with {proc.returncode}")
+    if failure:
+        raise failure[0]
+
+
+def blob_member(out: BinaryIO, blocks: Iterator[bytes]) -> tuple[str, int]:
+    """Streams BLOCKS into OUT as one tar member named blobs/sha256/<digest>; returns (digest, size)."""
+    start = out.tell()
+    out.write(bytes(tarfile.BLOCKSIZE))  # the header, once the name and size are known
+    h, size = hashlib.sha256(), 0
+    for block in blocks:
+        out.write(block)
+        h.update(block)
+        size += len(block)
+    out.write(bytes(-size % tarfile.BLOCKSIZE))
+    end = out.tell()
+    info = tarfile.TarInfo(f"blobs/sha256/{h.hexdigest()}")
+    info.size, info.mode, info.mtime = size, 0o644, int(time.time())
+    header = info.tobuf(tarfile.GNU_FORMAT)  # one block for a name this short, any size (GNU base-256)
+    assert len(header) == tarfile.BLOCKSIZE, len(header)
+    out.seek(start)
+    out.write(header)
+    out.seek(end)
+    return "sha256:" + h.hexdigest(), size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tag")
+    parser.add_argument("layer", help="the layer, an uncompressed tar: a file, or - for standard input")
+    parser.add_argument("out")
+    parser.add_argument("config", help="a JSON file: the image config's `config` object")
+    parser.add_argument("--uncompressed", action="store_true", help="store the layer as it comes (small layers)")
+    args = parser.parse_args()
+    with open(args.config) as f:
         image_config = json.load(f)
-    config = json.dumps({"architecture": "amd64", "os": "linux", "config": image_config,
-                         "rootfs": {"type": "layers", "diff_ids": [layer_digest]}}).encode()
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config), "size": len(config)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer_size}],
-    }).encode()
-    index = json.dumps({"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest), "size": len(manifest),
-        "annotations": {"io.containerd.image.name": tag}}]}).encode()
-    with tarfile.open(out, "w") as tar:
-        for path, data in [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", index),
-                           (f"blobs/sha256/{digest(config)[7:]}", config),
-                           (f"blobs/sha256/{digest(manifest)[7:]}", manifest)]:
-            info = tarfile.TarInfo(path)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        tar.add(layer_path, arcname=f"blobs/sha256/{layer_digest[7:]}")
-    print(f"{tag}: layer {layer_size / 2**20:.1f} MiB", file=sys.stderr)
+    compress = not args.uncompressed
+    diff = hashlib.sha256()
+    source = sys.stdin.buffer if args.layer == "-" else open(args.layer, "rb")
+    part = args.out + ".part"  # renamed when whole: a failed pack leaves no archive that looks finished
+    with source, open(part, "wb") as out:
+        blocks = (zstd_compressed if compress else uncompressed)(source, diff)
+        layer_digest, layer_size = blob_member(out, blocks)
+        if diff.hexdigest() == hashlib.sha256().hexdigest():
+            os.unlink(part)
+            sys.exit(f"oci-archive: the layer {args.layer} is empty")
+        config = json.dumps({"architecture": "amd64", "os": "linux", "config": image_config,
+                             "rootfs": {"type": "layers", "diff_ids": ["sha256:" + diff.hexdigest()]}}).encode()
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config),
+                       "size": len(config)},
+            "layers": [{"mediaType": LAYER_TYPES[compress], "digest": layer_digest, "size": layer_size}],
+        }).encode()
+        index = json.dumps({"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest),
+            "size": len(manifest), "annotations": {"io.containerd.image.name": args.tag}}]}).encode()
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:  # appends after the blob
+            for path, data in [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", index),
+                               (f"blobs/sha256/{digest(config)[7:]}", config),
+                               (f"blobs/sha256/{digest(manifest)[7:]}", manifest)]:
+                info = tarfile.TarInfo(path)
+                info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+    os.replace(part, args.out)
+    print(f"{args.tag}: layer {layer_size / 2**20:.1f} MiB{' (zstd)' if compress else ''}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 5:
-        sys.exit(__doc__)
-    main(*sys.argv[1:])
+    main()

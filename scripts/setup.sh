@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS=0  # the stages below say when they start, counted from here
 
-# bubblewrap and runsc (gVisor) isolate sandboxes; chromium renders the UI in tests; git holds task repos.
-apt_packages=(git bubblewrap runsc chromium)
+# bubblewrap and runsc (gVisor) isolate sandboxes; chromium renders the UI in tests; git holds task repos;
+# zstd compresses the layers of the images built for a cluster (scripts/oci-archive.py).
+apt_packages=(git bubblewrap runsc chromium zstd)
 missing=()
 for pkg in "${apt_packages[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
