@@ -36,7 +36,7 @@ from evals.report import (
     report_rows, run_summary, signal_counts, spread_markdown,
 )
 from evals.sandbox import platform_sandbox_factory
-from evals.settings import EvalSection, parse_eval_table
+from evals.settings import POD_KEYS, EvalSection, parse_eval_table
 from sandboxes.k8s import LABEL_PREFIX, label_value
 from sandboxes.settings import SettingsError, as_table, key_name
 from training.checkpoint import checkpoint_policy, metrics_dir
@@ -119,6 +119,13 @@ def run_eval_config(storage: PosttrainStorage, run_name: str) -> dict[str, Any]:
     return eval_run_config(run_eval_section(storage, run_name))
 
 
+def eval_tasks(section: EvalSection, storage: PosttrainStorage) -> list[Any]:
+    """The tasks ``section`` evaluates (its :data:`evals.settings.TASKS` keys: the dataset, its split,
+    the ids named), the bundled suite taken from the storage root's datasets folder."""
+    tasks = load_eval_tasks(section.dataset, eval_split(section.split), bundled_dir=storage.datasets_dir() / "bundled")
+    return select_tasks(tasks, section.task_ids, section.dataset)
+
+
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:
     """Where one eval run of ``checkpoint`` keeps its attempt rows."""
     return storage.evals_dir() / "deepswe" / checkpoint / f"{run_id}.parquet"
@@ -173,14 +180,11 @@ def deepswe_eval(
         policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
         adapter_version = policy.adapter_version
         engine_log = rows_path.with_suffix(".engine.log")
-        tasks = select_tasks(load_eval_tasks(section.dataset, eval_split(section.split),
-                                             bundled_dir=storage.datasets_dir() / "bundled"),
-                             section.task_ids, section.dataset)
-        rows = evaluate_checkpoint(
+        tasks = eval_tasks(section, storage)
+        rows = evaluate_checkpoint(  # how each task is run: the section's own list (EvalSection.run_settings)
             tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), checkpoint=key,
-            adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=section.attempts,
-            max_turns=section.max_turns, max_new_tokens=section.max_new_tokens, temperature=section.temperature,
-            seed=section.seed, workers=section.workers, log=context.log.info, engine_log=engine_log,
+            adapter=policy.adapter, adapter_version=policy.adapter_version, log=context.log.info,
+            engine_log=engine_log, **section.run_settings(),
         )
     path = rows_path if on_fleet else write_rows(rows, rows_path)  # the eval pod wrote its own
 
@@ -222,7 +226,7 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, section: EvalSection, sto
     paths are the volume's (``/run-data/...``) and the rows it writes appear at ``rows_path`` here.
     Returns the tasks, the rows (read back from ``rows_path``) and the checkpoint's adapter version."""
     from training.checkpoint import read_metadata
-    from training.planner.k8s import DATA_MOUNT, EVAL_MODULE, EVAL_SETTINGS
+    from training.planner.k8s import DATA_MOUNT, EVAL_MODULE
 
     key = context.partition_key
     launcher = WorkloadLauncher.from_env()  # the code location's: POSTTRAIN_TARGET and KUBECONFIG
@@ -235,15 +239,13 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, section: EvalSection, sto
     ckpt = storage.checkpoint_dir(key)
     rows_path.parent.mkdir(parents=True, exist_ok=True)
     hand_to_workloads(rows_path.parent)
-    settings = {k: getattr(section, k) for k in EVAL_SETTINGS}
+    settings = {k: getattr(section, k) for k in POD_KEYS}  # which tasks and how they are run (evals.settings)
     launcher.run(context, EVAL_MODULE, ["--checkpoint", key, "--checkpoint-dir", in_pod(ckpt), "--rows", in_pod(rows_path),
                                         "--settings", json.dumps(settings)],
                  pod_spec=pod["spec"], pod_meta=pod["metadata"], namespace=pod["namespace"])
     if not rows_path.is_file():
         raise FileNotFoundError(f"checkpoint {key}: the eval pod ended without writing {rows_path}")
-    tasks = select_tasks(load_eval_tasks(section.dataset, eval_split(section.split), bundled_dir=storage.datasets_dir() / "bundled"),
-                         section.task_ids, section.dataset)
-    return tasks, pd.read_parquet(rows_path).to_dict("records"), read_metadata(ckpt, name=key).get("adapter_version")
+    return eval_tasks(section, storage), pd.read_parquet(rows_path).to_dict("records"), read_metadata(ckpt, name=key).get("adapter_version")
 
 
 class EvalReportConfig(dg.Config):

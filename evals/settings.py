@@ -7,14 +7,28 @@ checkpoint sensor, ``posttrain backfill``, ``posttrain eval`` and the demo read 
 fields (``assets.evals.DeepSWEEvalConfig``), so the keys, their types and their defaults are
 written in this file only. The vocabulary (constraints, choices, the validation) is
 ``sandboxes.settings``'s.
+
+Each key also says which part of an evaluation it is (``part`` in its metadata): :data:`TASKS`
+picks the tasks, :data:`RUN` says how each task is run and is handed to the evaluation as its
+keyword arguments (:meth:`EvalSection.run_settings`: ``evals.evaluate.evaluate``, on a local
+engine or in a Kubernetes run's eval pod); the rest are the asset's (sources, sandbox runtime,
+network, checks). The eval pod is given :data:`POD_KEYS`, the two parts, read from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, parse_table, setting
+
+TASKS = "tasks"  # a key that picks the tasks evaluated
+RUN = "run"  # a key that says how each task is run: a keyword argument of the evaluation
+
+
+def _part(part: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """``setting`` metadata with the part of the evaluation the key is (:data:`TASKS`, :data:`RUN`)."""
+    return {**meta, "part": part}
 
 
 @dataclass(frozen=True)
@@ -23,19 +37,20 @@ class EvalSection:
     the demo's, ``posttrain backfill`` and ``posttrain eval`` read it; ``deepswe_eval``'s config is
     made from it."""
 
-    dataset: str = field(default="bundled", metadata=setting(doc=(
-        "bundled (the generated suite), a task source, or a Harbor dataset folder such as DeepSWE's tasks/")))
+    dataset: str = field(default="bundled", metadata=_part(TASKS, setting(doc=(
+        "bundled (the generated suite), a task source, or a Harbor dataset folder such as DeepSWE's tasks/"))))
     sources: str | None = field(default=None, metadata=setting(doc=(
         "folder of repository sources a Harbor dataset's images are built from (git folders or bundles)")))
-    task_ids: tuple[str, ...] = field(default=(), metadata=setting(doc="task ids to evaluate; [] evaluates every one"))
-    split: str = field(default="eval", metadata=setting(doc=(
-        "the split evaluated: eval (held out), train, or all; a Harbor task without a split counts as held out")))
-    attempts: int = field(default=8, metadata=setting(POSITIVE, doc="attempts per task (the k of pass@k)"))
-    max_turns: int = field(default=4, metadata=setting(POSITIVE, doc="model turns per attempt"))
-    max_new_tokens: int = field(default=48, metadata=setting(POSITIVE, doc="tokens per model turn"))
-    temperature: float = field(default=1.0, metadata=setting(NON_NEGATIVE))
-    seed: int = field(default=0, metadata=setting(NON_NEGATIVE))
-    workers: int = field(default=2, metadata=setting(POSITIVE, doc="attempts run at once"))
+    task_ids: tuple[str, ...] = field(default=(), metadata=_part(TASKS, setting(
+        doc="task ids to evaluate; [] evaluates every one")))
+    split: str = field(default="eval", metadata=_part(TASKS, setting(doc=(
+        "the split evaluated: eval (held out), train, or all; a Harbor task without a split counts as held out"))))
+    attempts: int = field(default=8, metadata=_part(RUN, setting(POSITIVE, doc="attempts per task (the k of pass@k)")))
+    max_turns: int = field(default=4, metadata=_part(RUN, setting(POSITIVE, doc="model turns per attempt")))
+    max_new_tokens: int = field(default=48, metadata=_part(RUN, setting(POSITIVE, doc="tokens per model turn")))
+    temperature: float = field(default=1.0, metadata=_part(RUN, setting(NON_NEGATIVE)))
+    seed: int = field(default=0, metadata=_part(RUN, setting(NON_NEGATIVE)))
+    workers: int = field(default=2, metadata=_part(RUN, setting(POSITIVE, doc="attempts run at once")))
     sandbox_runtime: str = field(default="bwrap", metadata=setting(choices=("bwrap", "gvisor")))
     network: bool = field(default=True, metadata=setting(doc=(
         "a Harbor image built for the eval may reach the package registries (with the benchmark's date cutoff)")))
@@ -44,6 +59,23 @@ class EvalSection:
         "existing tests it fails here")))
     max_infra_error_share: float = field(default=0.1, metadata=setting(FRACTION, doc=(
         "share of attempts lost to the infrastructure above which the eval's check fails")))
+
+    def run_settings(self) -> dict[str, Any]:
+        """How each task is run (the :data:`RUN` keys), as the keyword arguments of the evaluation
+        (``evals.evaluate.evaluate``, and ``evaluate_checkpoint``, which passes them on): the asset
+        and the eval pod hand the section's values over by this one list."""
+        return {key: getattr(self, key) for key in RUN_KEYS}
+
+
+def _keys_of(part: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(EvalSection) if f.metadata.get("part") == part)
+
+
+TASK_KEYS = _keys_of(TASKS)  # dataset, task_ids, split
+RUN_KEYS = _keys_of(RUN)  # attempts, max_turns, max_new_tokens, temperature, seed, workers
+# The keys a Kubernetes run's eval pod is given (python -m training.fleet_eval --settings): which
+# tasks, then how they are run; the rest are the asset's, which stays here.
+POD_KEYS = TASK_KEYS + RUN_KEYS
 
 
 def parse_eval_table(table: Any, source: str) -> EvalSection:

@@ -15,7 +15,8 @@ from serving.admission import (
     Geometry,
     read_checkpoint_geometry,
 )
-from training.planner.schema import ModelSection, PlanError
+from training.planner.schema import PlanError
+from training.planner.sections import ModelSection
 
 
 def resolve_geometry(model: ModelSection, source: str) -> Geometry:

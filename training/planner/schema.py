@@ -1,23 +1,24 @@
 """The run file: one TOML file per RL run, parsed once into frozen dataclasses.
 
-This module composes the run file from its sections; each section is declared once, in the package
-that uses it, and composed here: ``[eval]`` is ``evals.settings.EvalSection``, ``[trainer]`` is made
-from the trainer's config (``training.config.TrainConfig`` and its ``LossConfig``), and the sections
-the planner alone reads (``[run]``, ``[model]``, ``[inference]``'s sizing knobs, ``[async]``,
-``[sandbox]``, ``[curriculum]``, ``[kubernetes]``) are declared below, with their types,
-constraints and defaults (the defaults of the ``generic`` profile live in
-``presets.GENERIC_DEFAULTS`` for the inference knobs, which a preset may own). One vocabulary
-(``sandboxes.settings``) validates every section: parsing collects every problem in the file before
-raising, and each message names the file, the section and the key, and says what was expected.
-``docs/run-file.md`` is written from these declarations (:func:`run_file_reference`).
+This module composes the run file from its sections and declares none of its keys: each section
+is declared once, in the package that acts on it, and composed here. ``[eval]`` is
+``evals.settings.EvalSection``; ``[trainer]`` is made from the trainer's config
+(``training.config.TrainConfig`` and its ``LossConfig``), each key optional, with the one key of the
+planner's own (``gpus``, the trainer pod's size); the sections the planner alone reads (``[run]``,
+``[model]``, ``[inference]``, ``[async]``, ``[sandbox]``, ``[curriculum]``, ``[kubernetes]``) are
+declared in :mod:`training.planner.sections`. One vocabulary (``sandboxes.settings``) validates every
+section: parsing collects every problem in the file before raising, and each message names the
+file, the section and the key, and says what was expected. ``docs/run-file.md`` is written from
+the declarations (:func:`run_file_reference`).
 
-The composition lives here, in ``training.planner``, rather than in a package above training: the
-planner is what reads the whole file (it resolves it into the plan, the trainer's table and the
-Kubernetes manifests, and ``training.fleet_eval`` and the trainer read the plan back), and training
-is the lowest package that may import every section's package (evals, serving, sandboxes). A
-package above training would have to take the planner with it, or the planner would import upward.
-The layers above (``assets``, ``dagster_project``) read the plan's tables with the sections' own
-parsers (``evals.settings.parse_eval_table``).
+Where the composition belongs (docs/design.md, "The run config"): here, in ``training.planner``,
+the one reader of the whole file. The planner resolves the file into the plan, the trainer's table
+and the Kubernetes manifests; every other package reads its own section back from the plan with
+its own parser (``evals.settings.parse_eval_table``, ``training.config.TrainConfig.load``), so no
+package but the planner imports the composition. A package of its own above training would hold
+the same code under another name: the planner imports every section's package (evals, serving,
+sandboxes, training.config) and nothing of training's loop, and what imports the planner
+(``assets``, ``dagster_project``) stands above it either way.
 """
 
 from __future__ import annotations
@@ -32,78 +33,15 @@ from typing import Any, Mapping
 
 from evals.settings import EvalSection, parse_eval_table  # noqa: F401 (parse_eval_table: the CLI imports it from here)
 from sandboxes.files import read_regular_bytes
-from sandboxes.settings import (
-    FRACTION, NON_NEGATIVE, POSITIVE, SettingsError, key_name, markdown_table, parse_section, setting,
-)
-from serving.sglang import SGLANG_IMAGE
+from sandboxes.settings import NON_NEGATIVE, SettingsError, key_name, markdown_table, parse_section, setting
 from training.config import TrainConfig
-
-# The engine servers a replica may run (python -m serving.replica --engine vllm on CPUs, SGLang on GPUs).
-ENGINES = ("sglang", "vllm")
+from training.planner.sections import (
+    AsyncSection, CurriculumSection, InferenceSection, KubernetesSection, ModelSection, RunSection, SandboxSection,
+)
 
 # The run planner's name for settings that do not validate (and for a run file that cannot be
 # planned): one class, so that a caller catching PlanError also catches an [eval] table's errors.
 PlanError = SettingsError
-
-
-@dataclass(frozen=True)
-class RunSection:
-    """``[run]``: the name of the run and where it writes."""
-
-    name: str | None = field(default=None, metadata=setting(doc="run name; default: the run file's stem"))
-    dir: str | None = field(default=None, metadata=setting(doc="run directory; default: $POSTTRAIN_HOME/runs/NAME"))
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    """``[model]``: what is served and trained, and its serving geometry (for memory sizing)."""
-
-    name: str | None = field(default=None, metadata=setting(doc="model id, e.g. a Hugging Face id"))
-    path: str | None = field(default=None, metadata=setting(doc="local checkpoint folder whose config.json gives the geometry"))
-    family: str | None = field(default=None, metadata=setting(doc="model family that presets are measured on, e.g. olmo35-hybrid"))
-    weights_gib: float | None = field(default=None, metadata=setting(POSITIVE))
-    full_attention_layers: int | None = field(default=None, metadata=setting(NON_NEGATIVE))
-    kv_heads: int | None = field(default=None, metadata=setting(POSITIVE))
-    head_dim: int | None = field(default=None, metadata=setting(POSITIVE))
-    kv_dtype_bytes: int | None = field(default=None, metadata=setting(POSITIVE))
-    recurrent_layers: int | None = field(default=None, metadata=setting(NON_NEGATIVE))
-    recurrent_heads: int | None = field(default=None, metadata=setting(POSITIVE))
-    recurrent_state_dims: tuple[int, ...] | None = field(default=None, metadata=setting(POSITIVE))
-    recurrent_state_dtype_bytes: int | None = field(default=None, metadata=setting(POSITIVE))
-
-
-@dataclass(frozen=True)
-class InferenceSection:
-    """``[inference]``: the engine fleet and the SGLang knobs that size it.
-
-    ``None`` means "not set in the file": the profile (a preset, or the generic defaults) fills it.
-    """
-
-    profile: str = field(default="generic", metadata=setting(doc="generic, or a preset name"))
-    engine: str | None = field(default=None, metadata=setting(choices=ENGINES, doc=(
-        "the server of each replica: sglang (GPUs) or vllm (vLLM's CPU build behind the capture front, "
-        "python -m serving.replica); default: vllm for gpu = \"cpu\", sglang otherwise")))
-    engines: int = field(default=1, metadata=setting(POSITIVE))
-    max_engines: int | None = field(default=None, metadata=setting(POSITIVE, doc=(
-        "on Kubernetes, the most replicas the engines' StatefulSet may be scaled to while the run goes "
-        "(kubectl scale): the router knows each one's name and a replica joins once it answers; default: engines")))
-    gpu: str = field(default="cpu", metadata=setting(doc="hardware name: cpu, h100, h200, b200, b300, ..."))
-    gpus_per_engine: int = field(default=1, metadata=setting(POSITIVE, doc="tensor-parallel size of one engine"))
-    gpu_memory_gib: float | None = field(default=None, metadata=setting(POSITIVE, doc="memory of one device"))
-    max_context_length: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_max_running_requests: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_server_concurrency: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_cuda_graph_max_bs_decode: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_max_total_tokens: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_max_mamba_cache_size: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_mem_fraction_static: float | None = field(default=None, metadata=setting(FRACTION))
-    sglang_disable_radix_cache: bool | None = None
-    sglang_chunked_prefill_size: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_mamba_scheduler_strategy: str | None = field(
-        default=None, metadata=setting(choices=("no_buffer", "extra_buffer"))
-    )
-    sglang_max_loras_per_batch: int | None = field(default=None, metadata=setting(POSITIVE))
-    sglang_image: str = SGLANG_IMAGE  # one release: the launch flags are checked against its parser
 
 
 def trainer_keys(config: type) -> dict[str, tuple[Any, dataclasses.Field]]:
@@ -153,67 +91,6 @@ def _check_trainer_keys() -> None:
         if name not in config_types or hint != config_types[name] | None:
             raise TypeError(f"[trainer] {name}: {hint} is not an optional TrainConfig field "
                             f"({config_types.get(name, 'absent')} in training.config.TrainConfig)")
-
-
-@dataclass(frozen=True)
-class AsyncSection:
-    """``[async]``: how much work is in flight and how stale it may be when trained on."""
-
-    group_size: int = field(default=8, metadata=setting(POSITIVE, doc="samples per prompt (GRPO group)"))
-    # samples per trainer step; the trainer counts groups: groups_per_step = collection_size / group_size
-    # (training.config.groups_per_step, the one place the two are related)
-    collection_size: int = field(default=48, metadata=setting(POSITIVE, doc="samples per trainer step (whole groups)"))
-    async_max_concurrent_samples: int | None = field(default=None, metadata=setting(POSITIVE))
-    max_policy_lag: int = field(default=1, metadata=setting(NON_NEGATIVE, doc="adapter versions a sample may lag"))
-
-
-@dataclass(frozen=True)
-class SandboxSection:
-    """``[sandbox]``: one sandbox per episode."""
-
-    runtime: str = field(default="auto", metadata=setting(choices=("auto", "runsc", "bwrap", "k8s")))
-    cpus: float = field(default=1.0, metadata=setting(POSITIVE, doc="CPUs per sandbox"))
-    memory_gib: float = field(default=2.0, metadata=setting(POSITIVE, doc="memory per sandbox"))
-    max_sandboxes: int | None = field(default=None, metadata=setting(POSITIVE, doc="default: the producer budget"))
-    command_timeout_s: float = field(default=120.0, metadata=setting(POSITIVE))
-    image: str | None = field(default=None, metadata=setting(doc=(
-        "on Kubernetes, the sandbox pod image of a task that is a folder (the bundled suite, the task stream): "
-        "python3, git, tar, pxd at /opt/pxd/pxd.py; its repository is copied in at start")))
-
-
-@dataclass(frozen=True)
-class CurriculumSection:
-    """``[curriculum]``: the tasks and their order from the base model's pass rates."""
-
-    tasks: str | None = field(default=None, metadata=setting(doc="task source folder or file (default: the bundled suite)"))
-    curriculum_file: str | None = field(default=None, metadata=setting(doc="curriculum.json of difficulty_curriculum"))
-    attempts_per_task: int | None = field(default=None, metadata=setting(POSITIVE, doc="k base-model attempts per task"))
-    retry_after_steps: int | None = field(default=None, metadata=setting(POSITIVE))
-    open_hard_after_steps: int | None = field(default=None, metadata=setting(NON_NEGATIVE))
-    task_stream: bool | None = field(default=None, metadata=setting(
-        doc="RL draws tasks generated and validated as the run goes, each new to it (bundled suite only)"))
-
-
-@dataclass(frozen=True)
-class KubernetesSection:
-    """``[kubernetes]``: where ``posttrain run --target k8s`` puts the run."""
-
-    namespace: str = "posttrain"
-    image: str = field(default="posttrain:latest", metadata=setting(doc="image with this package installed"))
-    volume_gib: int = field(default=200, metadata=setting(POSITIVE, doc="size of the shared run volume"))
-    storage_class: str | None = None
-    volume_claim: str | None = field(default=None, metadata=setting(doc=(
-        "an existing ReadWriteMany claim the run's pods mount instead of a volume of the run's own: several "
-        "runs, and the Dagster storage root (a mount of it), on one volume")))
-    service_account: str | None = None
-    priority_class: str | None = field(default=None, metadata=setting(doc="priorityClassName of every pod of the run"))
-    keep_fleet: bool = field(default=False, metadata=setting(
-        doc="rl_run leaves the engines, router and sandbox pool running when the trainer ends (false: deleted with it)"))
-    node_cpus: float | None = field(default=None, metadata=setting(POSITIVE, doc=(
-        "allocatable CPUs of the node the run's pods share: the planner sizes every pod's requests to fit it "
-        "(with node_memory_gib; unset: the fixed requests of a GPU cluster's pods)")))
-    node_memory_gib: float | None = field(default=None, metadata=setting(POSITIVE, doc=(
-        "allocatable memory of that node, GiB")))
 
 
 @dataclass(frozen=True)
