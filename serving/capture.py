@@ -27,24 +27,31 @@ What the front adds to the engine:
 The chat route (``POST /v1/chat/completions``) is served by :mod:`serving.chat` when that module
 is installed: ``serving.chat.chat_completions(front, request)`` gets this front (its ``engine``,
 ``capture`` and ``adapters``) and the HTTP request.
+
+The routes that call the engine are ``async def`` handlers, run on the server's event loop
+(:mod:`sandboxes.httpserver`), awaiting the engine client's calls (``agenerate``, ``aload_adapter``,
+...) on its connections to the engine (:class:`serving.engines.transport.EngineHttp`, one pool
+for the process): a call through the front takes no worker thread and no thread hop. Only the
+sharded upload (disk writes) runs on a worker thread. The front owns the engine client it is given
+and closes its connections on :meth:`CaptureFront.shutdown`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import importlib.util
 import itertools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from serving.adapters import ShardAssembler
 from serving.capture_store import CaptureStore, trainer_headers, warn_if_credential_is_private
-from serving.client import HttpPool
 from serving.engines import ENGINES, UpstreamEngine, engine_client
 from serving.engines.base import EngineMetrics
+from serving.engines.transport import EngineHttp
 from serving.http import (Endpoint, EngineServer, HttpError, HttpLimits, JsonServer, Request, Route, Text,
                           generate_and_adapter_routes, parsed_generate, session_routes)
 from serving.protocol import (BASE_WEIGHT_VERSION, GenerateRequest, engine_adapter, parse_adapter_load,
@@ -99,7 +106,7 @@ class CaptureFront(JsonServer):
         flight), prefixed by the session for reading an engine's log."""
         return f"{session_id or 'call'}#{next(self._calls)}-{time.monotonic_ns() % 10**9:09d}"
 
-    def generate_one(self, request: GenerateRequest) -> dict[str, Any]:
+    async def generate_one(self, request: GenerateRequest) -> dict[str, Any]:
         """Run one call on the engine, record it, and answer in SGLang's ``/generate`` shape."""
         if request.lora_path is not None and request.lora_path == BASE_WEIGHT_VERSION:
             request.lora_path = None
@@ -107,7 +114,8 @@ class CaptureFront(JsonServer):
         request_id = self.request_id(request.rid)
         started_at = time.time()
         t0 = time.perf_counter()
-        gen = self.engine.generate(request.input_ids, request.sampling_params, adapter=adapter, request_id=request_id)
+        gen = await self.engine.agenerate(request.input_ids, request.sampling_params, adapter=adapter,
+                                          request_id=request_id)
         latency_s = time.perf_counter() - t0
         meta: dict[str, Any] = {
             "id": request_id, "session_id": request.rid, "prompt_tokens": gen.prompt_tokens,
@@ -128,34 +136,50 @@ class CaptureFront(JsonServer):
         })
         return {"text": "", "output_ids": list(gen.output_ids), "meta_info": meta}
 
-    def _generate(self, req: Request) -> Any:
+    async def _generate(self, req: Request) -> Any:
         body = req.json()
         requests = parsed_generate(req)
         if not isinstance(body["input_ids"][0], list):
-            return self.generate_one(requests[0])
-        with ThreadPoolExecutor(max_workers=min(len(requests), 32)) as ex:
-            return list(ex.map(self.generate_one, requests))
+            return await self.generate_one(requests[0])
+        # A batch: its calls at once, 32 at most in flight (as the thread pool this replaced); every
+        # call ends before the answer, and the first failure in the batch's order is the answer.
+        room = asyncio.Semaphore(32)
+
+        async def one(request: GenerateRequest) -> dict[str, Any]:
+            async with room:
+                return await self.generate_one(request)
+
+        answers = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return answers
 
     # --- adapters ---------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, path: str) -> None:
+    async def aload_adapter(self, name: str, path: str) -> None:
         """Load version ``name`` from ``path`` on the engine (a version already loaded is success)."""
-        self.engine.load_adapter(name, str(path))
+        await self.engine.aload_adapter(name, str(path))
         with self._lock:
             self.adapters[name] = str(path)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """:meth:`aload_adapter`, blocking: for a caller outside the server's loop (the replica
+        loading its newest version at start)."""
+        self.engine.http.run(self.aload_adapter(name, path))
 
     def _loaded(self) -> list[str]:
         with self._lock:
             return sorted(self.adapters)
 
-    def _load(self, req: Request) -> Any:
+    async def _load(self, req: Request) -> Any:
         name, path = parse_adapter_load(req.json())
-        self.load_adapter(name, path)
+        await self.aload_adapter(name, path)
         return {"success": True, "loaded_adapters": self._loaded()}
 
-    def _unload(self, req: Request) -> Any:
+    async def _unload(self, req: Request) -> Any:
         name = parse_adapter_name(req.json())
-        self.engine.unload_adapter(name)
+        await self.engine.aunload_adapter(name)
         with self._lock:
             self.adapters.pop(name, None)
         return {"success": True, "loaded_adapters": self._loaded()}
@@ -163,29 +187,36 @@ class CaptureFront(JsonServer):
     def _shard(self, req: Request) -> Any:
         return EngineServer._shard(self, req)  # the engine server's receiving code, on this front's assembler
 
-    def _commit(self, req: Request) -> Any:
+    async def _commit(self, req: Request) -> Any:
         body = req.json()
         name = parse_adapter_name(body)
-        # The engine reads the assembled adapter from this path: the same machine, or a volume both mount.
-        path = self.shards.commit(name, body.get("num_shards"), body.get("adapter_config"))
-        self.load_adapter(name, str(path))
+        # The engine reads the assembled adapter from this path: the same machine, or a volume both
+        # mount. Assembling it writes files: on a thread, off the loop.
+        path = await asyncio.to_thread(self.shards.commit, name, body.get("num_shards"), body.get("adapter_config"))
+        await self.aload_adapter(name, str(path))
         return {"success": True, "lora_path": str(path), "loaded_adapters": self._loaded()}
 
     # --- the rest ---------------------------------------------------------------------------
 
-    def _health(self, req: Request) -> Any:
-        if not self.engine.health():
+    async def _health(self, req: Request) -> Any:
+        if not await self.engine.ahealth():
             raise HttpError(503, f"engine {self.engine.kind} at {self.engine.url} is not healthy")
         return {"status": "ok"}
 
-    def _server_info(self, req: Request) -> Any:
-        m = self.engine.metrics()
+    async def _server_info(self, req: Request) -> Any:
+        m = await self.engine.ametrics()
         return {"engine": self.engine.kind, "engine_url": self.engine.url, "loaded_adapters": self._loaded(),
                 "max_total_num_tokens": int(m.max_total_tokens), "weight_version": self.merged_version or BASE_WEIGHT_VERSION,
                 "enable_lora": True}
 
-    def _metrics(self, req: Request) -> Any:
-        return Text(render_metrics(sglang_metrics(self.engine.metrics()), {"model_name": self.model_name}))
+    async def _metrics(self, req: Request) -> Any:
+        return Text(render_metrics(sglang_metrics(await self.engine.ametrics()), {"model_name": self.model_name}))
+
+    def shutdown(self) -> None:
+        """Close the connections to the engine (on the server's loop, while it runs), then stop
+        serving. A call in flight fails either way: its caller sees an error answer or the reset."""
+        self.engine.close()
+        super().shutdown()
 
 
 def serve_front(engine: UpstreamEngine, host: str = "127.0.0.1", port: int = 0, staging_dir=None,
@@ -198,7 +229,7 @@ def upstream_engine(kind: str, url: str) -> UpstreamEngine:
     (``local``) guards its sessions as the front does, so the front calls it with the trainer
     credential; the others get no credential of ours."""
     if kind == "local":
-        return engine_client(kind, url, pool=HttpPool(headers=trainer_headers()))
+        return engine_client(kind, url, http=EngineHttp(headers=trainer_headers()))
     return engine_client(kind, url)
 
 

@@ -3,7 +3,11 @@ it, whichever engine it is (vLLM, SGLang, or the project's local engine), each r
 process of its own.
 
 Each implementation is a thin client of one engine's own HTTP API (``serving.engines.vllm``,
-``serving.engines.sglang``, ``serving.engines.local``); none inherits from another. The capture
+``serving.engines.sglang``, ``serving.engines.local``); none inherits from another. Each call is
+written once, awaitable (``agenerate``, ``aload_adapter``, ...: the capture front awaits them on
+its server's event loop, :mod:`serving.engines.transport`); :class:`BlockingCalls` gives every
+client the same call under its plain name (``generate``, ``health``, ...), which runs the awaitable
+one, for callers outside an event loop (the replica before it serves, tests, tools). The capture
 front (:mod:`serving.capture`) turns posttrain's engine API (SGLang-shaped ``/generate``,
 ``/load_lora_adapter``, ``/server_info``, ``/metrics``, ``/sessions/{id}``) into calls of this
 protocol, so the router and the trainer never see an engine's own shapes.
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from serving.engines.transport import EngineHttp
 from serving.protocol import SamplingParams
 
 
@@ -51,9 +56,55 @@ class UpstreamEngine(Protocol):
 
     kind: str                              # "vllm" | "sglang" | "local"
     url: str
+    http: EngineHttp                       # its connections: closed by close()
+    async def agenerate(self, input_ids: list[int], params: "SamplingParams", *, adapter: str | None,
+                        request_id: str) -> Generation: ...
+    async def aload_adapter(self, name: str, path: str) -> None: ...  # idempotent: already loaded is success
+    async def aunload_adapter(self, name: str) -> None: ...
+    async def aloaded_adapters(self) -> set[str]: ...
+    async def ahealth(self) -> bool: ...
+    async def ametrics(self) -> EngineMetrics: ...
+    # the same calls, blocking (BlockingCalls)
     def generate(self, input_ids: list[int], params: "SamplingParams", *, adapter: str | None, request_id: str) -> Generation: ...
-    def load_adapter(self, name: str, path: str) -> None: ...        # idempotent: already loaded is success
+    def load_adapter(self, name: str, path: str) -> None: ...
     def unload_adapter(self, name: str) -> None: ...
     def loaded_adapters(self) -> set[str]: ...
     def health(self) -> bool: ...
     def metrics(self) -> EngineMetrics: ...
+    def close(self) -> None: ...
+
+
+class BlockingCalls:
+    """The blocking form of an engine client's awaitable calls, each running the awaitable one on
+    the client's ``http`` (:meth:`serving.engines.transport.EngineHttp.run`): for a caller without
+    an event loop. On a loop, await the ``a``-prefixed call instead (a blocking one there is refused)."""
+
+    http: EngineHttp
+
+    def generate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
+                 request_id: str) -> Generation:
+        return self.http.run(self.agenerate(input_ids, params, adapter=adapter, request_id=request_id))  # type: ignore[attr-defined]
+
+    def load_adapter(self, name: str, path: str) -> None:
+        return self.http.run(self.aload_adapter(name, path))  # type: ignore[attr-defined]
+
+    def unload_adapter(self, name: str) -> None:
+        return self.http.run(self.aunload_adapter(name))  # type: ignore[attr-defined]
+
+    def loaded_adapters(self) -> set[str]:
+        return self.http.run(self.aloaded_adapters())  # type: ignore[attr-defined]
+
+    def health(self) -> bool:
+        return self.http.run(self.ahealth())  # type: ignore[attr-defined]
+
+    def metrics(self) -> EngineMetrics:
+        return self.http.run(self.ametrics())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Close the client's connections (a later call opens new ones)."""
+        self.http.close()
+
+    @property
+    def pool(self) -> EngineHttp:
+        """``http``, by the name the blocking pool had (``engine.pool.json(...)``: a raw call to the engine)."""
+        return self.http

@@ -10,21 +10,25 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving.client import EngineError, HttpPool, answers_health
-from serving.engines.base import EngineMetrics, Generation
+from serving.client import EngineError
+from serving.engines.base import BlockingCalls, EngineMetrics, Generation
+from serving.engines.transport import EngineHttp, answers_health
 from serving.protocol import BadRequest, GenerateRequest, SamplingParams, parse_metrics
 
 
-class LocalEngineClient:
+class LocalEngineClient(BlockingCalls):
+    """The project's engine server at ``url``; ``http`` carries the trainer credential where the
+    engine guards its sessions (:func:`serving.capture.upstream_engine`)."""
+
     kind = "local"
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, pool: HttpPool | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 600.0, http: EngineHttp | None = None):
         self.url = url.rstrip("/")
-        self.pool = pool or HttpPool(timeout_s)
+        self.http = http or EngineHttp(timeout_s)
 
-    def _json(self, method: str, path: str, payload: Any = None) -> Any:
+    async def _json(self, method: str, path: str, payload: Any = None) -> Any:
         body = json.dumps(payload).encode() if payload is not None else None
-        status, data, _ = self.pool.request(method, f"{self.url}{path}", body)
+        status, data, _ = await self.http.request(method, f"{self.url}{path}", body)
         if status >= 300:
             try:
                 message = json.loads(data).get("error", data.decode(errors="replace"))
@@ -33,10 +37,10 @@ class LocalEngineClient:
             raise BadRequest(message) if status == 400 else EngineError(status, message, self.url)
         return json.loads(data) if data else None
 
-    def generate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
-                 request_id: str) -> Generation:
+    async def agenerate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
+                        request_id: str) -> Generation:
         body = GenerateRequest(list(input_ids), params, True, adapter, request_id).to_json()
-        answer = self._json("POST", "/generate", body)
+        answer = await self._json("POST", "/generate", body)
         meta = answer.get("meta_info", {})
         return Generation(
             output_ids=list(answer["output_ids"]),
@@ -47,28 +51,28 @@ class LocalEngineClient:
             engine_request_id=request_id,
         )
 
-    def load_adapter(self, name: str, path: str) -> None:
+    async def aload_adapter(self, name: str, path: str) -> None:
         try:
-            self._json("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            await self._json("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         except BadRequest as exc:
             if "already loaded" not in str(exc):
                 raise
 
-    def unload_adapter(self, name: str) -> None:
+    async def aunload_adapter(self, name: str) -> None:
         try:
-            self._json("POST", "/unload_lora_adapter", {"lora_name": name})
+            await self._json("POST", "/unload_lora_adapter", {"lora_name": name})
         except BadRequest as exc:
             if "is not loaded" not in str(exc):
                 raise
 
-    def loaded_adapters(self) -> set[str]:
-        return set(self._json("GET", "/server_info").get("loaded_adapters", []))
+    async def aloaded_adapters(self) -> set[str]:
+        return set((await self._json("GET", "/server_info")).get("loaded_adapters", []))
 
-    def health(self) -> bool:
-        return answers_health(self.pool, self.url)
+    async def ahealth(self) -> bool:
+        return await answers_health(self.http, self.url)
 
-    def metrics(self) -> EngineMetrics:
-        status, data, _ = self.pool.request("GET", f"{self.url}/metrics")
+    async def ametrics(self) -> EngineMetrics:
+        status, data, _ = await self.http.request("GET", f"{self.url}/metrics")
         if status != 200:
             raise EngineError(status, data.decode(errors="replace"), self.url)
         m = parse_metrics(data.decode())

@@ -6,7 +6,7 @@
     engine = SglangEngine("http://127.0.0.1:30000")
     engine.load_adapter("v000003", "/run-data/runs/r/adapters/v000003")   # already loaded: no-op
     out = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=32), adapter="v000003",
-                          request_id="rollout-17")
+                          request_id="rollout-17")       # on an event loop: await engine.agenerate(...)
     out.output_ids, out.output_logprobs, out.finish_reason, out.cached_tokens
     engine.loaded_adapters()       # {"v000003"}, from GET /v1/models
     engine.metrics().kv_usage      # sglang:token_usage
@@ -43,8 +43,9 @@ import re
 import uuid
 from typing import Any
 
-from serving.client import EngineError, HttpPool, answers_health, error_message
-from serving.engines.base import EngineMetrics, Generation
+from serving.client import EngineError, error_message
+from serving.engines.base import BlockingCalls, EngineMetrics, Generation
+from serving.engines.transport import EngineHttp, answers_health
 from serving.protocol import BadRequest, SamplingParams
 
 # What SGLang says when the name is already loaded: its LoRA manager, or its registry.
@@ -57,19 +58,19 @@ _SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})
 _LABEL = re.compile(r'(?P<key>[A-Za-z_][A-Za-z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
 
 
-class SglangEngine:
+class SglangEngine(BlockingCalls):
     """One SGLang server (``python -m sglang.launch_server ... --enable-lora --enable-metrics``)."""
 
     kind = "sglang"
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, pool: HttpPool | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 600.0, http: EngineHttp | None = None):
         self.url = url.rstrip("/")
-        self.pool = pool or HttpPool(timeout_s)
+        self.http = http or EngineHttp(timeout_s)
 
     # -- HTTP --------------------------------------------------------------------------------------
 
-    def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
-        status, data, _ = self.pool.request("POST", f"{self.url}{path}", json.dumps(payload).encode())
+    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        status, data, _ = await self.http.request("POST", f"{self.url}{path}", json.dumps(payload).encode())
         return status, data
 
     def _json(self, path: str, status: int, data: bytes) -> Any:
@@ -80,8 +81,8 @@ class SglangEngine:
 
     # -- the protocol -------------------------------------------------------------------------------
 
-    def generate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
-                 request_id: str) -> Generation:
+    async def agenerate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
+                        request_id: str) -> Generation:
         """One completion of ``input_ids``. ``request_id`` is the caller's (a session or rollout id,
         which may repeat); SGLang's ``rid`` is it plus a suffix unique to this call."""
         rid = f"{request_id}-{uuid.uuid4().hex[:16]}" if request_id else uuid.uuid4().hex
@@ -89,7 +90,7 @@ class SglangEngine:
                                 "return_logprob": True, "rid": rid}
         if adapter is not None:
             body["lora_path"] = adapter
-        status, data = self._post("/generate", body)
+        status, data = await self._post("/generate", body)
         if status == 400:  # refused as invalid (an adapter that is not loaded, ...): the caller's to fix
             raise BadRequest(f"SGLang at {self.url} refused the request: {error_message(data)}")
         if status >= 300:
@@ -123,11 +124,11 @@ class SglangEngine:
             engine_request_id=str(meta.get("id") or rid),
         )
 
-    def load_adapter(self, name: str, path: str) -> None:
+    async def aload_adapter(self, name: str, path: str) -> None:
         """Load the adapter at ``path`` (a folder SGLang can read) as ``name``. A name already loaded
         is success, from whichever path: a version name is one adapter, and the same version may have
         been loaded from the sidecar's staging folder before it is published on the run volume."""
-        status, data = self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        status, data = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         if status < 300:
             return
         message = error_message(data)
@@ -135,9 +136,9 @@ class SglangEngine:
             return
         raise EngineError(status, message, self.url)
 
-    def unload_adapter(self, name: str) -> None:
+    async def aunload_adapter(self, name: str) -> None:
         """Unload ``name``; a name that is not loaded is already unloaded."""
-        status, data = self._post("/unload_lora_adapter", {"lora_name": name})
+        status, data = await self._post("/unload_lora_adapter", {"lora_name": name})
         if status < 300:
             return
         message = error_message(data)
@@ -145,9 +146,9 @@ class SglangEngine:
             return
         raise EngineError(status, message, self.url)
 
-    def loaded_adapters(self) -> set[str]:
+    async def aloaded_adapters(self) -> set[str]:
         """The adapter names SGLang serves now: the cards of ``/v1/models`` that have a parent."""
-        status, data, _ = self.pool.request("GET", f"{self.url}/v1/models")
+        status, data, _ = await self.http.request("GET", f"{self.url}/v1/models")
         if status >= 300:
             raise EngineError(status, error_message(data), self.url)
         body = self._json("/v1/models", status, data)
@@ -156,11 +157,11 @@ class SglangEngine:
             raise EngineError(status, "/v1/models answer has no data list", self.url)
         return {str(card["id"]) for card in cards if isinstance(card, dict) and card.get("parent") and card.get("id")}
 
-    def health(self) -> bool:
-        return answers_health(self.pool, self.url)
+    async def ahealth(self) -> bool:
+        return await answers_health(self.http, self.url)
 
-    def metrics(self) -> EngineMetrics:
-        status, data, _ = self.pool.request("GET", f"{self.url}/metrics")
+    async def ametrics(self) -> EngineMetrics:
+        status, data, _ = await self.http.request("GET", f"{self.url}/metrics")
         if status != 200:
             raise EngineError(status, error_message(data), self.url)
         return parse_sglang_metrics(data.decode(errors="replace"))

@@ -12,6 +12,7 @@ and talk to it as an :class:`serving.engines.base.UpstreamEngine`::
     engine = VllmEngine("http://127.0.0.1:31001")
     engine.load_adapter("step_000003", "runs/r/adapters/step_000003")
     gen = engine.generate(ids, SamplingParams(max_new_tokens=64), adapter="step_000003", request_id="g1/0-3")
+    gen = await engine.agenerate(...)   # the same call on an event loop (the capture front's)
     gen.output_ids, gen.output_logprobs, gen.finish_reason, gen.cached_tokens
 
 Token in, token out: ``/v1/completions`` with ``prompt`` a list of token ids, ``return_token_ids``
@@ -37,9 +38,10 @@ import sys
 from typing import Any
 
 from serving.capture_store import engine_api_key, engine_headers
-from serving.client import EngineError, HttpPool, error_message
+from serving.client import EngineError, error_message
 from serving.engines.vllm_server import BUSY_POLL_ENV
-from serving.engines.base import EngineMetrics, Generation
+from serving.engines.base import BlockingCalls, EngineMetrics, Generation
+from serving.engines.transport import EngineHttp
 from serving.protocol import BASE_WEIGHT_VERSION, BadRequest, SamplingParams
 
 DEFAULT_BUSY_POLL_S = 0.05  # seconds vLLM's processes spin waiting on each other (serving.engines.vllm_server)
@@ -234,39 +236,41 @@ def parse_completion(body: Any, url: str = "") -> Generation:
         raise EngineError(502, f"vLLM completion answer not understood: {exc!r}", url) from None
 
 
-class VllmEngine:
+class VllmEngine(BlockingCalls):
     """An :class:`~serving.engines.base.UpstreamEngine` over one vLLM server's HTTP API (see the module docstring)."""
 
     kind = "vllm"
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, pool: HttpPool | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 600.0, http: EngineHttp | None = None):
         self.url = url.rstrip("/")
-        self.pool = pool or HttpPool(timeout_s)
+        self.http = http or EngineHttp(timeout_s)
         self._max_model_len: int | None = None
         self._auth = engine_headers()  # the key vllm_command gives the server (ignored by one without a key)
 
-    def _call(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+    async def _call(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
         body = json.dumps(payload).encode() if payload is not None else None
-        status, data, _ = self.pool.request(method, f"{self.url}{path}", body, self._auth)
+        status, data, _ = await self.http.request(method, f"{self.url}{path}", body, self._auth)
         return status, data
 
-    def _models(self) -> list[dict[str, Any]]:
-        status, data = self._call("GET", "/v1/models")
+    async def _models(self) -> list[dict[str, Any]]:
+        status, data = await self._call("GET", "/v1/models")
         if status != 200:
             raise EngineError(status, error_message(data), self.url)
         return json.loads(data).get("data", [])
 
-    def max_model_len(self) -> int:
+    async def amax_model_len(self) -> int:
+        """The base model's context in tokens (0: not reported), asked once."""
         if self._max_model_len is None:
-            base = [m for m in self._models() if m.get("parent") is None]
+            base = [m for m in await self._models() if m.get("parent") is None]
             self._max_model_len = int(base[0].get("max_model_len") or 0) if base else 0
         return self._max_model_len
 
-    def generate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
-                 request_id: str) -> Generation:
-        room = self.max_model_len() - len(input_ids) if self.max_model_len() else params.max_new_tokens
+    async def agenerate(self, input_ids: list[int], params: SamplingParams, *, adapter: str | None,
+                        request_id: str) -> Generation:
+        context = await self.amax_model_len()
+        room = context - len(input_ids) if context else params.max_new_tokens
         if room < 1:
-            raise BadRequest(f"input_ids has {len(input_ids)} tokens; the model's context is {self.max_model_len()}")
+            raise BadRequest(f"input_ids has {len(input_ids)} tokens; the model's context is {context}")
         payload: dict[str, Any] = {
             "model": adapter or SERVED_MODEL_NAME, "prompt": list(input_ids),
             # Generation ends at the model's context, as in SGLang, rather than being refused.
@@ -278,7 +282,7 @@ class VllmEngine:
             payload["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:
             payload["seed"] = params.seed
-        status, data = self._call("POST", "/v1/completions", payload)
+        status, data = await self._call("POST", "/v1/completions", payload)
         if status >= 300:
             message = error_message(data)
             if status == 404 and adapter is not None:
@@ -286,8 +290,8 @@ class VllmEngine:
             raise (BadRequest(message) if status == 400 else EngineError(status, message, self.url))
         return parse_completion(json.loads(data), self.url)
 
-    def load_adapter(self, name: str, path: str) -> None:
-        status, data = self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    async def aload_adapter(self, name: str, path: str) -> None:
+        status, data = await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         if status < 300:
             return
         message = error_message(data)
@@ -295,25 +299,25 @@ class VllmEngine:
             return
         raise EngineError(status, message, self.url)
 
-    def unload_adapter(self, name: str) -> None:
+    async def aunload_adapter(self, name: str) -> None:
         """Unload ``name``; one that is not loaded is already unloaded (success)."""
-        status, data = self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        status, data = await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
         if status < 300 or status == 404:
             return
         raise EngineError(status, error_message(data), self.url)
 
-    def loaded_adapters(self) -> set[str]:
-        return {m["id"] for m in self._models() if m.get("parent") is not None}
+    async def aloaded_adapters(self) -> set[str]:
+        return {m["id"] for m in await self._models() if m.get("parent") is not None}
 
-    def health(self) -> bool:
+    async def ahealth(self) -> bool:
         try:
-            status, _ = self._call("GET", "/health")
+            status, _ = await self._call("GET", "/health")
         except OSError:
             return False
         return status == 200
 
-    def metrics(self) -> EngineMetrics:
-        status, data = self._call("GET", "/metrics")
+    async def ametrics(self) -> EngineMetrics:
+        status, data = await self._call("GET", "/metrics")
         if status != 200:
             raise EngineError(status, error_message(data), self.url)
         return normalize_metrics(data.decode(errors="replace"))
