@@ -100,7 +100,8 @@ class LossConfig:
 
 
 # The loss's keys in [trainer] and in the trainer's JSON -> the LossConfig field each sets.
-LOSS_KEYS = {key_name(f): f.name for f in dataclasses.fields(LossConfig)}
+LOSS_FIELDS = {key_name(f): f for f in dataclasses.fields(LossConfig)}
+LOSS_KEYS = {key: f.name for key, f in LOSS_FIELDS.items()}
 
 
 @dataclass(frozen=True)
@@ -202,9 +203,9 @@ class TrainConfig:
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ValueError(f"{source}: key {key!r} must be {want.__name__}, got {value!r}")
             if key in LOSS_KEYS:
-                if key == "loss_weighting" and value not in LOSS_WEIGHTINGS:
-                    raise ValueError(f"{source}: key 'loss_weighting' must be one of {', '.join(LOSS_WEIGHTINGS)}, "
-                                     f"got {value!r}")
+                choices = LOSS_FIELDS[key].metadata["choices"]  # as the loss declares them (LOSS_WEIGHTINGS)
+                if choices and value not in choices:
+                    raise ValueError(f"{source}: key {key!r} must be one of {', '.join(choices)}, got {value!r}")
                 loss[LOSS_KEYS[key]] = value
             else:
                 values[key] = value
