@@ -140,6 +140,14 @@ class EngineHttp:
 
     # -- closing -----------------------------------------------------------------------------------
 
+    async def aclose(self) -> None:
+        """:meth:`close` from a coroutine: this loop's connections are closed when it returns."""
+        with self._lock:
+            mine = self._sessions.pop(asyncio.get_running_loop(), None)
+        if mine is not None:
+            await mine.close()
+        _close_sessions(self._sessions, self._lock)
+
     def close(self) -> None:
         """Close every connection, on the loop that holds it (a later call opens new ones). From a
         thread other than those loops' (a server's shutdown), or on one of them (the close of that
