@@ -15,7 +15,6 @@ reads them to tell a sandbox that ran into its own limits from one that was kill
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import time
 from dataclasses import dataclass
@@ -174,11 +173,6 @@ class Cgroup:
     @property
     def procs_files(self) -> list[str]:
         return [f"{p}/cgroup.procs" for p in self.paths]
-
-    def wrap(self, argv: list[str]) -> list[str]:
-        """``argv`` preceded by a shell that moves itself into the cgroup, then becomes ``argv``."""
-        files = " ".join(shlex.quote(f) for f in self.procs_files)
-        return ["/bin/sh", "-c", f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"', "sh", *argv]
 
     def pids(self) -> list[int]:
         out = set()

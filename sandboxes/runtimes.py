@@ -20,7 +20,8 @@ What a sandbox of a dead harness left behind is removed by :mod:`sandboxes.reapi
 bubblewrap: ``bwrap --unshare-all`` (no network but a private loopback, own PID/IPC/UTS/user
 namespaces, no further user namespaces), the root is read-only except ``/workspace``, ``/tmp`` and
 ``$HOME``. When the harness is root, bwrap itself runs as the sandbox user (uid 1000, no
-capabilities, via ``setpriv``), so the sandbox's processes are an unprivileged host user even
+capabilities, no supplementary groups: :mod:`sandboxes.launcher`, which also puts it in the
+sandbox's cgroups before it makes the namespaces), so the sandbox's processes are an unprivileged host user even
 outside their namespaces; their run folders live under ``/tmp/posttrain-sandboxes`` (mode 0711)
 and a toolchain folder that user cannot reach (a Python under ``/root``) is bind-mounted read-only
 there once. The task layer's files belong to uid 1000, so the workspace is the sandbox user's own.
@@ -102,6 +103,7 @@ from sandboxes.cache import LayerCache, Lease, cache_budget_bytes, node_cache
 from sandboxes.cgroups import Cgroup, LimitEvents, remove_empty_cgroups
 from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
 from sandboxes.errors import SandboxError
+from sandboxes.launcher import launch_argv
 from sandboxes.images import SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, build_image, image_name
 from sandboxes.reaping import reap_stale_sandboxes
 from sandboxes.rootfs import Rootfs, make_run_dir, run_base, run_root
@@ -292,11 +294,11 @@ class BwrapRuntime:
     name = "bwrap"
 
     def command(self, sb: "Sandbox") -> list[str]:
-        if shutil.which("bwrap") is None:
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
             raise SandboxError("bwrap is not installed (Debian package 'bubblewrap'; scripts/setup.sh installs it)")
-        as_root = os.geteuid() == 0
         root = sb.rootfs.merged
-        argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        argv = [os.path.abspath(bwrap), "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                 "--hostname", "sandbox", "--new-session", "--disable-userns",
                 # pxd is the PID namespace's init: no bwrap process inside holds its pipes, and no
                 # signal sent from inside reaches it
@@ -323,13 +325,7 @@ class BwrapRuntime:
         argv += ["--clearenv"]
         for key, value in sb.env.items():
             argv += ["--setenv", key, value]
-        argv += ["--chdir", WORKDIR, "--", *pxd_argv(SANDBOX_PYTHON)]
-        if as_root:
-            # bwrap runs as the sandbox user, so the sandbox's processes are an unprivileged host
-            # user too (uid 1000 inside maps to uid 1000 outside), not root without capabilities
-            argv = ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups",
-                    "--inh-caps=-all", "--bounding-set=-all", "--", *argv]
-        return argv
+        return [*argv, "--chdir", WORKDIR, "--", *pxd_argv(SANDBOX_PYTHON)]
 
     def stop(self, sb: "Sandbox") -> None:
         pass  # the cgroup kill ends every process of the sandbox
@@ -512,7 +508,11 @@ class Sandbox:
                                      pids=limits.pids + GVISOR_PIDS_HEADROOM)
             else:
                 self.cgroup = Cgroup(self.id, cpus=limits.cpus, memory_mib=limits.memory_mib, pids=limits.pids)
-                argv = self.cgroup.wrap(argv)
+                # started in its cgroups and, bwrap under a root harness, as the sandbox user with no
+                # capabilities: so the sandbox's processes are an unprivileged host user too (uid 1000
+                # inside maps to uid 1000 outside), not root without capabilities (sandboxes.launcher)
+                user = (SANDBOX_UID, SANDBOX_UID) if runtime == "bwrap" and os.geteuid() == 0 else None
+                argv = launch_argv(argv, self.cgroup.procs_files, user)
             self._step("cgroup")
             # bwrap stays in the sandbox as its pid 1, whose /proc/1/environ the sandbox can read:
             # start it with the sandbox's variables only, never the host's (tokens, keys).
