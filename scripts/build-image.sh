@@ -40,6 +40,9 @@ what=build-image
 # shellcheck source=scripts/image-common.sh
 source "$repo/scripts/image-common.sh"
 prepare_work "$work" POSTTRAIN_IMAGE_WORK
+# the root file system (4.7 GiB), its zstd archive (1.1 GiB) and containerd's unpacked copy: 8.1 GB
+# at most above the start in the node tests that build both images (docs/benchmarks.md)
+require_free "$work" 9
 
 # 1. The Debian base, kept between builds (keyed by its package list).
 base=$(debian_base "$work" "$base_packages")

@@ -21,6 +21,15 @@ prepare_work() {
     flock -n "$lock" || die "another build uses $1"
 }
 
+# require_free WORK GIB: fail at once, saying so, when WORK's file system has less than GIB GiB free
+# (POSTTRAIN_IMAGE_MIN_FREE_GIB overrides GIB): a build that runs the disk full half way breaks
+# whatever else writes there (a test plane's etcd, SQLite) with errors that name neither.
+require_free() {
+    local need=${POSTTRAIN_IMAGE_MIN_FREE_GIB:-$2} free
+    free=$(df --output=avail -B1G "$1" | tail -1 | tr -d ' ')
+    ((free >= need)) || die "needs about $need GiB free on the file system of $1 (the root file system, the archive and its import); $free GiB free (POSTTRAIN_IMAGE_MIN_FREE_GIB overrides)"
+}
+
 # debian_base WORK PACKAGES: prints the folder of `debootstrap --variant=minbase bookworm` with
 # PACKAGES (comma-separated), made once and kept (keyed by the package list)
 debian_base() {

@@ -112,3 +112,16 @@ def test_pack_image_replaces_the_archive_when_whole(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "index.json" in read_archive(archive)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "image.oci.tar", "root"]
+
+
+def test_a_build_without_the_disk_it_needs_stops_before_it_starts_and_says_so(tmp_path):
+    """scripts/image-common.sh's require_free, which scripts/build-image.sh calls before it writes anything."""
+    repo = SCRIPT.parents[1]
+    done = subprocess.run(["bash", "-c", f"what=build-image repo={repo}; source {repo}/scripts/image-common.sh; "
+                           f"require_free {tmp_path} 9"], capture_output=True, text=True,
+                          env={**os.environ, "POSTTRAIN_IMAGE_MIN_FREE_GIB": str(1 << 40)})
+    assert done.returncode != 0
+    assert f"needs about {1 << 40} GiB free on the file system of {tmp_path}" in done.stderr, done.stderr
+    ok = subprocess.run(["bash", "-c", f"what=build-image repo={repo}; source {repo}/scripts/image-common.sh; "
+                         f"require_free {tmp_path} 0"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
