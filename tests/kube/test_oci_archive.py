@@ -36,6 +36,13 @@ def pack(tmp_path: Path, layer: bytes, *flags: str, tag: str = "posttrain.local/
                           input=layer, capture_output=True)
 
 
+def image_common(call: str, **env: str) -> subprocess.CompletedProcess:
+    """CALL, a function of scripts/image-common.sh, in bash with the file sourced as the build scripts do."""
+    repo = SCRIPT.parents[1]
+    return subprocess.run(["bash", "-c", f"what=build-image repo={repo}; source {repo}/scripts/image-common.sh; {call}"],
+                          capture_output=True, text=True, env={**os.environ, **env})
+
+
 def read_archive(path: Path) -> dict[str, bytes]:
     with tarfile.open(path) as tar:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
@@ -87,28 +94,22 @@ def test_an_empty_layer_is_refused_and_leaves_no_archive(tmp_path):
 def test_a_failed_pack_keeps_the_archive_there_and_leaves_no_part(tmp_path):
     """scripts/image-common.sh's pack_image: tar failing (here: no root) fails the build, and the
     archive of the last good build is kept, not replaced by a truncated one."""
-    repo = SCRIPT.parents[1]
     archive = tmp_path / "image.oci.tar"
     archive.write_bytes(b"the last good archive")
     (tmp_path / "config.json").write_text("{}")
-    done = subprocess.run(["bash", "-c", f'what=test repo={repo}; source {repo}/scripts/image-common.sh; '
-                           f'pack_image t:1 {tmp_path}/no-such-root {archive} {tmp_path}/config.json'],
-                          capture_output=True, text=True)
+    done = image_common(f"pack_image t:1 {tmp_path}/no-such-root {archive} {tmp_path}/config.json")
     assert done.returncode != 0 and f"could not pack {tmp_path}/no-such-root" in done.stderr, done.stderr
     assert archive.read_bytes() == b"the last good archive"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "image.oci.tar"]
 
 
 def test_pack_image_replaces_the_archive_when_whole(tmp_path):
-    repo = SCRIPT.parents[1]
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "f").write_text("x")
     archive = tmp_path / "image.oci.tar"
     archive.write_bytes(b"an older build")
     (tmp_path / "config.json").write_text("{}")
-    done = subprocess.run(["bash", "-c", f'what=test repo={repo}; source {repo}/scripts/image-common.sh; '
-                           f'pack_image t:1 {tmp_path}/root {archive} {tmp_path}/config.json'],
-                          capture_output=True, text=True)
+    done = image_common(f"pack_image t:1 {tmp_path}/root {archive} {tmp_path}/config.json")
     assert done.returncode == 0, done.stderr
     assert "index.json" in read_archive(archive)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "image.oci.tar", "root"]
@@ -116,12 +117,8 @@ def test_pack_image_replaces_the_archive_when_whole(tmp_path):
 
 def test_a_build_without_the_disk_it_needs_stops_before_it_starts_and_says_so(tmp_path):
     """scripts/image-common.sh's require_free, which scripts/build-image.sh calls before it writes anything."""
-    repo = SCRIPT.parents[1]
-    done = subprocess.run(["bash", "-c", f"what=build-image repo={repo}; source {repo}/scripts/image-common.sh; "
-                           f"require_free {tmp_path} 9"], capture_output=True, text=True,
-                          env={**os.environ, "POSTTRAIN_IMAGE_MIN_FREE_GIB": str(1 << 40)})
+    done = image_common(f"require_free {tmp_path} 9", POSTTRAIN_IMAGE_MIN_FREE_GIB=str(1 << 40))
     assert done.returncode != 0
     assert f"needs about {1 << 40} GiB free on the file system of {tmp_path}" in done.stderr, done.stderr
-    ok = subprocess.run(["bash", "-c", f"what=build-image repo={repo}; source {repo}/scripts/image-common.sh; "
-                         f"require_free {tmp_path} 0"], capture_output=True, text=True)
+    ok = image_common(f"require_free {tmp_path} 0")
     assert ok.returncode == 0, ok.stderr
