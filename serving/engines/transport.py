@@ -14,12 +14,16 @@ Why awaited: the capture front (:mod:`serving.capture`) answers on uvicorn's eve
 the engine's whole service time; awaited on the loop, it pays neither (``bench/http_server.py``,
 docs/benchmarks.md, "Issue 53: the capture front awaits the engine").
 
-How: one ``aiohttp.ClientSession`` (its connection pool, unbounded as the blocking pool was) per
-event loop that calls, made on that loop at its first call; in a capture front that is the
-server's loop, one per process. A blocking call (:meth:`EngineHttp.run`: the replica polling its
-engine's health before it serves, a test, a tool) runs the same coroutine on the process's loop
-for blocking calls, in a thread of its own, so a blocking caller and an awaiting one share the
-code, not the connections. ``aiohttp`` comes with the base install (the ``kubernetes`` client and LiteLLM need it).
+How: a pool of kept-alive connections (as many as calls in flight, as the blocking pool had) per
+event loop that calls, opened on that loop at its first call; in a capture front that is the
+server's loop, one pool per process. Each connection is an asyncio protocol whose answers are
+parsed by httptools, the parser of the project's own servers (:mod:`sandboxes.httpserver`): a call
+costs the loop a write, a parse and a wake-up. aiohttp (installed beside LiteLLM) did the same
+with about 0.2 ms more of the loop's time per call, which cost the front a fifth of its requests/s
+(docs/benchmarks.md). A blocking call (:meth:`EngineHttp.run`: the replica polling its engine's
+health before it serves, a test, a tool) runs the same coroutine on the process's loop for
+blocking calls, in a thread of its own, so a blocking caller and an awaiting one share the code,
+not the connections.
 
 Failures are those of the blocking pool it replaced (:class:`serving.client.HttpPool`), so the
 front answers an engine failure with the same status and ``{"error": ...}`` as before:
@@ -39,8 +43,9 @@ import os
 import threading
 import weakref
 from typing import Any, Awaitable, TypeVar
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 
 from serving.client import EngineError, error_message
 
@@ -55,6 +60,122 @@ def _as_socket_error(exc: OSError) -> OSError:
     return exc
 
 
+class _Dropped(Exception):
+    """A connection that ended, or sent what is not HTTP, before its answer was whole."""
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection to an engine server: sends a request, parses its answer with
+    httptools (the parser the project's servers use), and wakes the caller when it is whole."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float):
+        self.loop, self.timeout_s = loop, timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.open = False
+        self.used = False  # has answered a request: it may have been closed by the server since
+        self._answer: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._body: list[bytes] = []
+        self._type = ""
+        self._keep_alive = False
+
+    # asyncio's protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport, self.open = transport, True  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._answer is None or self._answer.done():
+            self._drop(_Dropped(f"{len(data)} bytes sent with no request waiting"))
+            return
+        self._arm()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._drop(_Dropped(f"the answer is not HTTP: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self._disarm()
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(_Dropped(f"connection closed before the answer was whole ({exc!r})"))
+
+    # httptools' callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self._type = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self._keep_alive = self.parser.should_keep_alive()  # read here: llhttp resets it once the answer ends
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result((self.parser.get_status_code(), b"".join(self._body), self._type))
+
+    # the caller's side
+    async def exchange(self, head: bytes, body: bytes | None) -> tuple[int, bytes, str]:
+        self._answer, self._body, self._type, self._keep_alive = self.loop.create_future(), [], "", False
+        self.transport.write(head + body if body else head)  # type: ignore[union-attr]
+        self._arm()
+        try:
+            answer = await self._answer
+        finally:
+            self._disarm()
+            self._answer = None
+        self.used = True
+        if not self._keep_alive:  # "Connection: close", or HTTP/1.0
+            self.close()
+        return answer
+
+    def _arm(self) -> None:
+        """(Re)start the wait for the next bytes of the answer: a socket timeout's meaning."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(self.timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(TimeoutError("timed out"))
+        self.close()
+
+    def _drop(self, exc: Exception) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(exc)
+        self.close()
+
+    def close(self) -> None:
+        self.open = False
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Pool:
+    """The connections of one event loop: idle ones per ``host:port`` (reused last-in first-out)
+    and every open one (closed together)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.idle: dict[tuple[str, int], list[_Connection]] = {}
+        self.every: set[_Connection] = set()
+
+    def close(self) -> None:
+        """On the pool's loop: close every connection (a call in flight on one fails)."""
+        for conn in list(self.every):
+            conn.close()
+        self.every.clear()
+        self.idle.clear()
+
+
 class EngineHttp:
     """Keep-alive HTTP/1.1 to engine servers: ``timeout_s`` bounds each wait for the connection or
     for the next bytes of an answer (not the whole call: a long generation keeps sending nothing
@@ -65,49 +186,81 @@ class EngineHttp:
     def __init__(self, timeout_s: float = 600.0, *, headers: dict[str, str] | None = None):
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._pools: dict[asyncio.AbstractEventLoop, _Pool] = {}
         self._lock = threading.Lock()
-        weakref.finalize(self, _close_sessions, self._sessions, self._lock)
+        weakref.finalize(self, _close_pools, self._pools, self._lock)
 
     # -- awaited -----------------------------------------------------------------------------------
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _pool(self) -> _Pool:
         loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None or session.closed:
-            session = aiohttp.ClientSession(
-                # limit=0: as many connections as calls in flight, as the blocking pool had; the engine
-                # batches what arrives together
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s),
-                auto_decompress=False, skip_auto_headers=("User-Agent",))
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = _Pool(loop)
             with self._lock:
-                for gone in [other for other in self._sessions if other.is_closed()]:
-                    del self._sessions[gone]  # a loop that ended (asyncio.run): its connections went with it
-                self._sessions[loop] = session
-        return session
+                for gone in [other for other in self._pools if other.is_closed()]:
+                    del self._pools[gone]  # a loop that ended (asyncio.run): its connections went with it
+                self._pools[loop] = pool
+        return pool
+
+    async def _connect(self, pool: _Pool, host: str, port: int) -> _Connection:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                _, conn = await pool.loop.create_connection(lambda: _Connection(pool.loop, self.timeout_s), host, port)
+        except TimeoutError:
+            raise TimeoutError("timed out") from None
+        except OSError as exc:
+            raise _as_socket_error(exc) from None
+        pool.every.add(conn)
+        return conn
 
     async def request(self, method: str, url: str, body: bytes | None = None,
                       headers: dict[str, str] | None = None) -> tuple[int, bytes, str]:
         """Send one request; returns (status, body, content type). Raises ``OSError`` when the
         server cannot be reached or does not answer in time (see the module docstring)."""
-        hdrs = {"Content-Type": "application/json"} if body is not None else {}
-        hdrs.update(self.headers)
-        hdrs.update(headers or {})
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        fields = {"Content-Type": "application/json"} if body is not None else {}
+        fields.update(self.headers)
+        fields.update(headers or {})
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
+        lines += [f"{name}: {value}" for name, value in fields.items()]
+        if body is not None or method in ("POST", "PUT"):
+            lines.append(f"Content-Length: {len(body or b'')}")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        pool = self._pool()
+        key = (host, port)
         for attempt in (0, 1):
+            conn = None
+            idle = pool.idle.get(key)
+            while idle and attempt == 0:  # the retry takes a new connection: the idle ones may be as stale
+                candidate = idle.pop()
+                if candidate.open:
+                    conn = candidate
+                    break
+                pool.every.discard(candidate)
+            if conn is None:
+                conn = await self._connect(pool, host, port)
             try:
-                async with self._session().request(method, url, data=body, headers=hdrs) as resp:
-                    data = await resp.read()
-                    return resp.status, data, resp.headers.get("Content-Type", "")
-            except TimeoutError:  # aiohttp's connect and read timeouts are TimeoutErrors
-                raise TimeoutError("timed out") from None
-            except aiohttp.ClientConnectorError as exc:  # never connected: nothing was sent
-                raise _as_socket_error(exc.os_error) from exc
-            except aiohttp.ClientError as exc:
+                answer = await conn.exchange(head, body)
+            except _Dropped as exc:
                 # A kept-alive connection the server closed, or an answer cut or garbled: once more on
-                # another connection. A request that reached a dead server fails the same way twice.
+                # a new connection. A request that reached a dead server fails the same way twice.
+                pool.every.discard(conn)
+                conn.close()
                 if attempt == 1:
-                    raise ConnectionError(f"{url}: {exc!r}") from exc
+                    raise ConnectionError(f"{url}: {exc}") from None
+                continue
+            except BaseException:  # a timeout, or the caller cancelled: the connection's state is unknown
+                pool.every.discard(conn)
+                conn.close()
+                raise
+            if conn.open:
+                pool.idle.setdefault(key, []).append(conn)
+            else:
+                pool.every.discard(conn)
+            return answer
         raise AssertionError("unreachable")
 
     async def ajson(self, method: str, url: str, payload: Any = None, headers: dict[str, str] | None = None) -> Any:
@@ -141,18 +294,13 @@ class EngineHttp:
     # -- closing -----------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """:meth:`close` from a coroutine: this loop's connections are closed when it returns."""
-        with self._lock:
-            mine = self._sessions.pop(asyncio.get_running_loop(), None)
-        if mine is not None:
-            await mine.close()
-        _close_sessions(self._sessions, self._lock)
+        """:meth:`close` from a coroutine on one of the loops."""
+        _close_pools(self._pools, self._lock)
 
     def close(self) -> None:
-        """Close every connection, on the loop that holds it (a later call opens new ones). From a
-        thread other than those loops' (a server's shutdown), or on one of them (the close of that
-        loop's connections is then scheduled there)."""
-        _close_sessions(self._sessions, self._lock)
+        """Close every connection, on the loop that holds it (a later call opens new ones); a call
+        in flight on one fails. From any thread, or on one of those loops."""
+        _close_pools(self._pools, self._lock)
 
 
 _BLOCKING: list[asyncio.AbstractEventLoop] = []  # the process's loop for blocking calls, once started
@@ -169,27 +317,29 @@ def _blocking_loop() -> asyncio.AbstractEventLoop:
         return _BLOCKING[0]
 
 
-def _close_sessions(sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession], lock: threading.Lock) -> None:
-    """Close each of ``sessions`` on its loop and forget them (a client's close, its collection, or exit)."""
+def _close_pools(pools: dict[asyncio.AbstractEventLoop, _Pool], lock: threading.Lock) -> None:
+    """Close each pool's connections on its loop and forget them (a client's close, its
+    collection, or the process's exit)."""
     with lock:
-        items = list(sessions.items())
-        sessions.clear()
+        items = list(pools.items())
+        pools.clear()
     try:
         current = asyncio.get_running_loop()
     except RuntimeError:
         current = None
-    for loop, session in items:
-        if session.closed or loop.is_closed():
-            continue  # a loop that ended took its connections' sockets with it
-        if loop is current:
-            loop.create_task(session.close())
+    for loop, pool in items:
+        if loop is current or (not loop.is_running() and not loop.is_closed()):
+            pool.close()
         elif loop.is_running():
             try:
-                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout=5)
+                asyncio.run_coroutine_threadsafe(_closed(pool), loop).result(timeout=5)
             except (TimeoutError, RuntimeError):  # the loop ended meanwhile
                 pass
-        else:
-            loop.run_until_complete(session.close())
+        # a loop that ended took its connections' sockets with it
+
+
+async def _closed(pool: _Pool) -> None:
+    pool.close()
 
 
 async def answers_health(http: EngineHttp, url: str) -> bool:

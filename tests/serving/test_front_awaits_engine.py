@@ -110,11 +110,14 @@ def test_a_batch_is_in_the_engine_at_once_and_answered_in_order():
         engine.shutdown()
 
 
-def test_the_front_closes_its_connections_to_the_engine_on_shutdown():
+def test_the_front_keeps_its_engine_connections_alive_and_closes_them_on_shutdown():
     engine = serve(HeldEngine(1))
     front = serve_sidecar(engine.url)
     client = EngineClient(front.url)
     try:
+        for i in range(5):  # one after another: one kept-alive connection to the engine, reused
+            client.generate([1, 2, i], {"max_new_tokens": 1})
+        assert engine.open_connections() == 1
         threads = [threading.Thread(target=client.generate, args=([1, 2, i], {"max_new_tokens": 1})) for i in range(3)]
         for t in threads:
             t.start()
