@@ -73,8 +73,12 @@ def _compile(folder: Path, path: Path) -> Path | None:
     tmp = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
     errors = []
     for static in (["-static"], []):  # static: no dynamic loader at each start
-        done = subprocess.run([compiler, "-O2", *static, "-o", str(tmp), str(LAUNCH_SOURCE)],
-                              capture_output=True, text=True, timeout=120)
+        try:
+            done = subprocess.run([compiler, "-O2", *static, "-o", str(tmp), str(LAUNCH_SOURCE)],
+                                  capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
         if done.returncode == 0:
             os.chmod(tmp, 0o755)
             os.replace(tmp, path)
