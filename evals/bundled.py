@@ -31,7 +31,7 @@ module.
 
 :func:`build_suite` writes ``OUT/suite.json`` and ``OUT/tasks/<id>/{repo/, task.json}``. Each task is
 validated by running its tests in a sandbox (the base fails every target test and passes every
-existing test; the reference solution, committed and graded through :func:`evals.grading.grade_patch`,
+existing test; the reference solution, its patch graded through :func:`evals.grading.grade_patch`,
 scores reward 1); an invalid task fails the build with its id. The failing test output seen at base
 is stored with the task (``metadata.failing_output``) and shown to the agent in its instruction.
 The build writes under a temporary name and renames, and :func:`ensure_suite` reuses a complete
@@ -48,6 +48,7 @@ the RL run's size or seed.
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import hashlib
 import json
@@ -65,7 +66,7 @@ from sandboxes.home import default_suite_dir
 from evals import safe_ast
 from evals.actions import apply_edits, content_edits, failing_summary
 from evals.call_checks import answer_hidden_in, call_checks
-from evals.grading import GRADED, Status, committed_patch, grade_patch, parse_junit_bytes
+from evals.grading import GRADED, Status, grade_patch, parse_junit_bytes
 from evals.quicktest import RUNNER_FILE
 from evals.sandbox import GIT_ENV, SandboxFactory, platform_sandbox_factory
 from evals.tasks import Task, load_bundled, task_from_json
@@ -430,7 +431,11 @@ def _write_repo(gen: GeneratedTask, repo: Path) -> str:
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", f"{gen.module}: base of task {gen.id}")
-    return _git(repo, "rev-parse", "HEAD")
+    # the branch's loose ref, as the commit just wrote it: no git process to ask (a new task paid four)
+    head = (repo / ".git" / "refs" / "heads" / "main").read_text().strip()
+    if len(head) not in (40, 64) or any(c not in "0123456789abcdef" for c in head):
+        raise SuiteBuildError(f"{repo}: .git/refs/heads/main holds {head[:80]!r}, not a commit id")
+    return head
 
 
 def _task_json(gen: GeneratedTask, base_commit: str) -> dict[str, Any]:
@@ -467,7 +472,7 @@ def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
     """Check ``task`` by running its tests for real; return the failing output at base.
 
     Raises :class:`SuiteBuildError` naming the task when the base passes a target test, fails an
-    existing test, or the committed reference solution does not score reward 1.
+    existing test, or the reference solution's patch (:func:`reference_patch`) does not score reward 1.
     """
     with sandbox_factory(task) as sandbox:
         run = sandbox.exec(task.test_command, timeout_s=task.limits.test_timeout_s)
@@ -481,21 +486,36 @@ def validate_task(task: Task, sandbox_factory: SandboxFactory) -> str:
         broken = [t for t in task.existing_tests if statuses.get(t) is not Status.PASSED]
         if broken:
             raise SuiteBuildError(f"task {task.id}: existing tests fail at the base commit: {broken}")
-        module = task.metadata["module_file"]
         # the grading below needs the hidden inputs answered: here, where only the task's own tests
         # ran, instead of in a sandbox of their own
         answer_hidden_in(sandbox, task, sandbox_factory)
-        edits = [(line, text) for _, line, text in task.metadata["reference_edits"]]
-        sandbox.write_file(module, apply_edits(sandbox.read_file(module).decode(), edits).encode())
-        commit = sandbox.exec(f"git add {module} && git commit -q -m 'reference solution'", timeout_s=30)
-        if commit.exit_code != 0:
-            raise SuiteBuildError(f"task {task.id}: committing the reference solution failed: {commit.output}")
-        patch = committed_patch(sandbox, task.base_commit)
-    result = grade_patch(task, patch, sandbox_factory)
+    result = grade_patch(task, reference_patch(task), sandbox_factory)
     if result.status != GRADED or result.scores is None or result.scores.reward != 1.0:
         raise SuiteBuildError(f"task {task.id}: the reference solution does not pass ({result.status}: "
                               f"{result.scores}; {result.detail}; {result.test_output[-800:]})")
     return failing_summary(run.output)
+
+
+def reference_patch(task: Task) -> str:
+    """The reference solution of a task this module wrote, as the patch an agent's commit of it
+    gives (``git diff`` of the module, what :func:`evals.grading.committed_patch` reads), made on the
+    host from the module the generator wrote into the repository (data, never run here) and
+    ``metadata.reference_edits``.
+
+    Validation used to commit the solution in the sandbox of the base run and read the patch back:
+    three commands (``git commit``, then the grader's ``true`` and ``git diff`` script), 24 ms of CPU
+    of a new task's ~330 (docs/benchmarks.md, "Issue 55: where an attempt's CPU goes"), for a patch
+    known here. ``git apply`` reads a unified diff with ``a/``/``b/`` names; a side that does not
+    end in a newline is marked as git marks it."""
+    module = task.metadata["module_file"]
+    base = (Path(task.repo_path) / module).read_text()
+    edits = [(int(line), text) for _, line, text in task.metadata["reference_edits"]]
+    fixed = apply_edits(base, edits)
+    lines = [f"diff --git a/{module} b/{module}\n"]
+    for line in difflib.unified_diff(base.splitlines(keepends=True), fixed.splitlines(keepends=True),
+                                     f"a/{module}", f"b/{module}"):
+        lines.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(lines)
 
 
 def suite_fingerprint(seed: int = 0, per_level: int = TASKS_PER_LEVEL, rl_per_level: int | None = None,

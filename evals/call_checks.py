@@ -271,7 +271,13 @@ def _compute_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int
 def _answers_in(sandbox, task, line_edits, calls, restore: bool = False) -> tuple[dict[int, Any], dict[int, Any]]:
     """The reference solution's and the base module's answers in ``sandbox``, whose work tree holds
     the base module; its module file is left with the reference edits applied, or as it was with
-    ``restore``."""
+    ``restore``.
+
+    One command does it all: it writes the probe and both its specs, runs it on the base module,
+    writes the reference solution over the module (the shell's own ``printf``), runs it again and,
+    with ``restore``, writes the base module back; the two runs' streams follow each other on the
+    results pipe (:func:`_two_streams`). That was four commands and two file writes: two probe
+    installs, each a round trip to the sandbox's daemon and a shell."""
     module_file = f"{module_name(task)}.py"
     probe_calls = [CallCheck(test_id, function, args, None) for test_id, function, args in calls]
     base_source = sandbox.read_file(module_file).decode()
@@ -279,12 +285,41 @@ def _answers_in(sandbox, task, line_edits, calls, restore: bool = False) -> tupl
         fixed = apply_edits(base_source, list(line_edits))
     except ValueError as exc:
         raise ValueError(f"task {task.id}: metadata.reference_edits do not fit {module_file}: {exc}") from exc
-    unfixed = _answers_of(sandbox, task, probe_calls)
-    sandbox.write_file(module_file, fixed.encode())
-    reference = _answers_of(sandbox, task, probe_calls)
+    spec = probe_spec(module_name(task), probe_calls, 5.0, one_process=True)
+    install, (unfixed_run, reference_run) = probe_install(GRADER_DIR, spec, runs=2)
+    steps = ["set -e", install, unfixed_run, _write_command(module_file, fixed.encode()), reference_run]
     if restore:
-        sandbox.write_file(module_file, base_source.encode())
+        steps.append(_write_command(module_file, base_source.encode()))
+    timeout_s = 2 * max(60.0, task.limits.test_timeout_s)
+    run = sandbox.exec("; ".join(steps), timeout_s=timeout_s, output_cap_bytes=1 << 16,
+                       env={"POSTTRAIN_RESULTS_FD": str(RESULTS_FD)}, results_fd=RESULTS_FD, kill_others=True)
+    if run.timed_out or run.results is None:
+        raise InfraError(f"the probe did not finish: {run.output[-300:]}")
+    unfixed, reference = _two_streams(run.results, run.output)
     return reference, unfixed
+
+
+def _two_streams(data: bytes, output: str) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The answers (by call number, as the probe encoded them; calls that raised left out) of each of
+    two probe runs whose streams follow each other in ``data``; :class:`InfraError` unless both
+    started and finished (the probe is the grader's own and so are both modules: anything else is
+    the machinery failing)."""
+    runs: list[dict[int, Any]] = []
+    finished = 0
+    for line in data.splitlines():
+        record = json.loads(line)
+        event = record.get("event")
+        if event == "start":
+            runs.append({})
+        elif event == "finish":
+            finished += 1
+        elif event == "value" and runs:
+            decode(record["value"])  # refused here, not when read back
+            runs[-1][int(record["check"])] = record["value"]
+    if len(runs) != 2 or finished != 2:
+        raise InfraError(f"the probe did not finish both runs ({len(runs)} started, {finished} finished): "
+                         f"{output[-300:]}")
+    return runs[0], runs[1]
 
 
 def answer_hidden_in(sandbox, task, sandbox_factory, seed: int = 0) -> None:
@@ -342,24 +377,6 @@ def _choose(calls: Sequence[tuple[str, str, str]], reference: Mapping[int, Any],
                    for i in picked]
     order = list(dict.fromkeys(t for t, _, _ in calls))
     return tuple(sorted(chosen, key=lambda c: order.index(c.test_id)))
-
-
-def _answers_of(sandbox, task, calls: Sequence[CallCheck]) -> dict[int, Any]:
-    """What the module in ``sandbox``'s work tree returns for each call (by position), as the probe
-    encoded it (:func:`decode` checks it); calls that raise are left out. Runs the probe as grading
-    does; :class:`InfraError` when it cannot."""
-    command = install_probe(sandbox, GRADER_DIR, probe_spec(module_name(task), calls, 5.0, one_process=True))
-    run = sandbox.exec(command, timeout_s=max(60.0, task.limits.test_timeout_s), output_cap_bytes=1 << 16,
-                       env={"POSTTRAIN_RESULTS_FD": str(RESULTS_FD)}, results_fd=RESULTS_FD, kill_others=True)
-    if run.timed_out or run.results is None:
-        raise InfraError(f"the probe did not finish: {run.output[-300:]}")
-    answers = {}
-    for line in run.results.splitlines():
-        record = json.loads(line)
-        if record.get("event") == "value":
-            decode(record["value"])  # refused here, not when read back
-            answers[int(record["check"])] = record["value"]
-    return answers
 
 
 @functools.lru_cache(maxsize=4096)
@@ -427,8 +444,14 @@ def _write_command(path: str, data: bytes) -> str:
     return f"printf '{_printf_format(data)}' > {path}"
 
 
+# each byte's text in a printf format: itself where plain, ``%%`` for ``%``, else an octal escape
+_PRINTF_TABLE = {b: chr(b) if b in _PRINTF_PLAIN else "%%" if b == 0x25 else f"\\{b:03o}" for b in range(256)}
+
+
 def _printf_format(data: bytes) -> str:
-    return "".join(chr(b) if b in _PRINTF_PLAIN else "%%" if b == 0x25 else f"\\{b:03o}" for b in data)
+    # latin-1 maps each byte to the code point of its value; translate then looks each up (in C: a
+    # grading's spec is made at every grading, and a loop over its bytes in Python cost ~1 ms)
+    return data.decode("latin-1").translate(_PRINTF_TABLE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -438,26 +461,21 @@ def _probe_write_format() -> str:
     return _printf_format(PROBE_SOURCE.read_bytes())
 
 
-def probe_install(grader_dir: str, spec: bytes) -> tuple[str, str]:
+def probe_install(grader_dir: str, spec: bytes, runs: int = 1) -> tuple[str, Any]:
     """The shell commands that write the probe and its spec under ``grader_dir`` (a fresh random name,
     owner-only files, the shell's own ``printf``: ``mkdir`` is their one process), and the command
     that then runs it. The grader runs the two in one exec where it can (:func:`evals.grading`):
-    each exec is a round trip to the sandbox's daemon and a shell."""
+    each exec is a round trip to the sandbox's daemon and a shell. With ``runs`` > 1 the spec is
+    written that many times (the probe deletes the spec it read) and the commands are a tuple, one
+    a run."""
     name = f"_posttrain_probe_{os.urandom(8).hex()}"
-    script = (f"printf '{_probe_write_format()}' > {grader_dir}/{name}.py && "
-              + _write_command(f"{grader_dir}/{name}.json", spec))
+    specs = [f"{grader_dir}/{name}.json" if n == 0 else f"{grader_dir}/{name}-{n}.json" for n in range(runs)]
+    script = " && ".join([f"printf '{_probe_write_format()}' > {grader_dir}/{name}.py",
+                          *(_write_command(path, spec) for path in specs)])
     # a subshell (a fork, no exec) keeps the umask to the grader's files
-    return (f"(umask 077 && mkdir -p {grader_dir} && {script})",
-            f"python3 -I -S {grader_dir}/{name}.py {grader_dir}/{name}.json")
-
-
-def install_probe(sandbox, grader_dir: str, spec: bytes) -> str:
-    """Write the probe and its spec under ``grader_dir`` in the sandbox; return the command that runs it."""
-    install, command = probe_install(grader_dir, spec)
-    made = sandbox.exec(f"set -e; {install}", timeout_s=30)
-    if made.timed_out or made.exit_code != 0:
-        raise InfraError(f"writing the call probe to {grader_dir} failed: {made.output[-300:]}")
-    return command
+    install = f"(umask 077 && mkdir -p {grader_dir} && {script})"
+    commands = tuple(f"python3 -I -S {grader_dir}/{name}.py {path}" for path in specs)
+    return install, commands[0] if runs == 1 else commands
 
 
 def decode(value: Any) -> Any:
