@@ -228,7 +228,7 @@ def _wait_eof(stream, timeout_s: float) -> None:
             return
 
 
-_pxd_images: dict[str, bytes] = {}
+_pxd_images: dict[tuple[str, str], bytes] = {}  # by pxd.py's digest and the interpreter's tag
 
 
 def _install_pxd(root: Path) -> None:
@@ -238,10 +238,11 @@ def _install_pxd(root: Path) -> None:
     tmpfs in place of a bind mount: one mount less for bwrap, one gofer mount less for gVisor
     (docs/benchmarks.md, "Issue 55, third session"). Each folder on the way is opened without
     following a symbolic link: the image's tree is not the host's to write through."""
-    path = compiled_pxd()
-    data = _pxd_images.get(str(path))
+    # the bytes are kept once read: the file is not looked at again while pxd.py stays the same
+    key = (_source_digest(), _cache_tag(SANDBOX_PYTHON))
+    data = _pxd_images.get(key)
     if data is None:
-        data = _pxd_images[str(path)] = path.read_bytes()
+        data = _pxd_images[key] = compiled_pxd().read_bytes()
     fds = []
     try:
         fds.append(os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
@@ -290,15 +291,31 @@ class Runtime(Protocol):
     def stop(self, sb: "Sandbox") -> None: ...
 
 
+_found: dict[tuple[str, str | None], str] = {}
+
+
+def _which(program: str) -> str | None:
+    """``shutil.which(program)`` as an absolute path, kept once found for this ``$PATH`` (every start
+    asks; one missing is looked for again)."""
+    key = (program, os.environ.get("PATH"))
+    path = _found.get(key)
+    if path is None:
+        path = shutil.which(program)
+        if path is None:
+            return None
+        path = _found[key] = os.path.abspath(path)
+    return path
+
+
 class BwrapRuntime:
     name = "bwrap"
 
     def command(self, sb: "Sandbox") -> list[str]:
-        bwrap = shutil.which("bwrap")
+        bwrap = _which("bwrap")
         if bwrap is None:
             raise SandboxError("bwrap is not installed (Debian package 'bubblewrap'; scripts/setup.sh installs it)")
         root = sb.rootfs.merged
-        argv = [os.path.abspath(bwrap), "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        argv = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                 "--hostname", "sandbox", "--new-session", "--disable-userns",
                 # pxd is the PID namespace's init: no bwrap process inside holds its pipes, and no
                 # signal sent from inside reaches it
