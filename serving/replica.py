@@ -262,7 +262,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         if front is not None:
-            front.shutdown()
+            front.shutdown()  # closes the engine client's connections too
+        else:
+            child.engine.close()  # the health polls' connection, when the front never started
         child.stop()
 
 
