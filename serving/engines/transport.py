@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 import weakref
 from typing import Any, Awaitable, TypeVar
@@ -50,6 +51,7 @@ import httptools
 from serving.client import EngineError, error_message
 
 T = TypeVar("T")
+_BREAKS_HEAD = re.compile(r"[\r\n\0]")
 
 
 def _as_socket_error(exc: OSError) -> OSError:
@@ -73,7 +75,6 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.open = False
-        self.used = False  # has answered a request: it may have been closed by the server since
         self._answer: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
@@ -126,7 +127,6 @@ class _Connection(asyncio.Protocol):
         finally:
             self._disarm()
             self._answer = None
-        self.used = True
         if not self._keep_alive:  # "Connection: close", or HTTP/1.0
             self.close()
         return answer
@@ -225,7 +225,10 @@ class EngineHttp:
         fields.update(self.headers)
         fields.update(headers or {})
         lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
-        lines += [f"{name}: {value}" for name, value in fields.items()]
+        for name, value in fields.items():
+            if _BREAKS_HEAD.search(f"{name}{value}"):
+                raise ValueError(f"header {name!r}: a line break or NUL in a header would end the request's head")
+            lines.append(f"{name}: {value}")
         if body is not None or method in ("POST", "PUT"):
             lines.append(f"Content-Length: {len(body or b'')}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
