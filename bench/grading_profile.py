@@ -31,7 +31,6 @@ grading, and the hidden answers of a task for a factory that has none.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -162,7 +161,7 @@ def run_steps(home: Path, tasks_n: int, reps: int, show_commands: bool) -> dict:
     task and process: what an evaluation in a process of its own pays per task)."""
     from evals import call_checks, grading
     from evals.actions import demonstration
-    from evals.harness import run_episode
+    from evals.harness import grade_key, run_episode
     from evals.sandbox import platform_sandbox_factory
     from evals.tasks import load_bundled
     from serving.tiny import build_tiny_tokenizer
@@ -180,7 +179,7 @@ def run_steps(home: Path, tasks_n: int, reps: int, show_commands: bool) -> dict:
         _, answer = demonstration(task)
         edits = answer.rsplit("commit", 1)[0]
         # its grading taken from a cache of this episode's own (measured apart, below)
-        cache = {(task.id, hashlib.sha256(patches[task.id].encode()).hexdigest()): graded[task.id]} if task.id in graded else None
+        cache = {grade_key(task, patches[task.id]): graded[task.id]} if task.id in graded else None
         traj = run_episode(task, _Scripted(tokenizer, ["test\n", edits + "test\n", "commit\n"]), tokenizer,
                            factory, max_turns=5, grade_cache=cache)
         assert traj.committed and traj.reward == 1.0, (task.id, traj.stop_reason, traj.error)

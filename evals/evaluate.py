@@ -36,7 +36,8 @@ from evals.attempts import (
     INFRA_ERROR, ROW_COLUMNS, SCORE_FIELDS, AgentRun, AttemptRow, attempt_row, attempt_seed, run_attempts, write_rows,
 )
 from evals.bundled import read_suite
-from evals.harness import HttpClient, ModelClient, Tokenizer, Trajectory, episode_context, run_episode
+from evals.harness import (HttpClient, ModelClient, Tokenizer, Trajectory, episode_context, run_episode,
+                           shared_grade_cache)
 from evals.sandbox import SandboxFactory
 from evals.tasks import Task, load_tasks
 from serving.adapters import merge_adapter
@@ -116,7 +117,9 @@ class BundledVerifier:
 
     With ``reuse_grading`` an attempt whose committed patch is identical to an earlier attempt's on
     the same task takes that grading instead of running the tests again (tiny models often commit
-    the same patch, or nothing); leave it off for tasks with nondeterministic tests."""
+    the same patch, or nothing), an earlier attempt of any evaluation in this process with the same
+    sandbox factory included (:func:`evals.harness.shared_grade_cache`); leave it off for tasks with
+    nondeterministic tests."""
 
     model: ModelClient
     tokenizer: Tokenizer
@@ -129,7 +132,8 @@ class BundledVerifier:
     episode: dict[str, Any] = field(default_factory=dict)  # run_episode's other keywords (max_turns, ...)
 
     def __post_init__(self) -> None:
-        self._grade_cache: dict | None = {} if self.reuse_grading else None
+        # shared by the evaluations of one factory in this process (evals.harness.shared_grade_cache)
+        self._grade_cache: dict | None = shared_grade_cache(self.sandbox_factory) if self.reuse_grading else None
 
     def attempt(self, task: Task, task_index: int, attempt: int) -> AttemptRow:
         for retry in range(self.infra_retries + 1):

@@ -64,6 +64,7 @@ import difflib
 import hashlib
 import json
 import posixpath
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -458,7 +459,7 @@ def run_episode(
                     s0 = time.monotonic()
                     test_key = None
                     if action.tool == "test" and grade_cache is not None and written is not None:
-                        test_key = ("test", task.id, _tree_digest(written))
+                        test_key = ("test", task_fingerprint(task), _tree_digest(written))
                     if test_key is not None and test_key in grade_cache:
                         obs, committed = grade_cache[test_key], False
                     else:
@@ -522,12 +523,65 @@ def grade_committed(traj: Trajectory, task: Task, grader_factory: SandboxFactory
     sandbox into ``traj.grade``; with ``grade_cache``, an identical patch of the task is graded once.
     Every scaffold's episode is graded here, the built-in one's included."""
     g0 = time.monotonic()
-    key = (task.id, hashlib.sha256(traj.patch.encode()).hexdigest())
+    key = grade_key(task, traj.patch) if grade_cache is not None else None
     cached = grade_cache.get(key) if grade_cache is not None else None
     traj.grade = cached or grade_patch(task, traj.patch, grader_factory)
     if grade_cache is not None and traj.grade.status != INFRA_ERROR:
         grade_cache[key] = traj.grade
     traj.grade_s = time.monotonic() - g0
+
+
+def task_fingerprint(task: Task) -> str:
+    """What decides a grading of ``task`` and its tests' output, as a digest: every field of the task
+    (its id, base commit, folder, tests, commands, paths, limits and metadata). A grading cache keyed
+    by it and the patch (:func:`grade_key`) holds for whatever task set a process loads: two tasks
+    of one id from different suites never share a grade."""
+    return hashlib.sha256(json.dumps(asdict(task), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def grade_key(task: Task, patch: str) -> tuple[str, str, str]:
+    """The key of ``patch``'s grading of ``task`` in a ``grade_cache``."""
+    return ("grade", task_fingerprint(task), hashlib.sha256(patch.encode()).hexdigest())
+
+
+class GradeCache(dict):
+    """A ``grade_cache`` (:func:`run_episode`) of at most ``limit`` entries, the oldest dropped first;
+    safe to share between threads."""
+
+    def __init__(self, limit: int = 8192) -> None:
+        super().__init__()
+        self.limit = limit
+        self._lock = threading.Lock()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        with self._lock:
+            super().__setitem__(key, value)
+            while len(self) > self.limit:
+                super().__delitem__(next(iter(self)))
+
+
+_shared_caches: "dict[int, tuple[SandboxFactory, GradeCache]]" = {}
+_shared_caches_lock = threading.Lock()
+_SHARED_FACTORIES = 4
+
+
+def shared_grade_cache(grader_factory: SandboxFactory) -> GradeCache:
+    """The grading cache of the evaluations that ``grader_factory`` grades in this process: each of
+    them used to keep its own, so the demo's evaluations of the base model and of the final
+    checkpoint graded again every patch both made (the reference fix of a task both solve, the empty
+    patch of an attempt that never commits) and ran the unchanged tree's tests again. A bundled
+    task's grading is a function of the task and the patch (the hidden inputs of seed 0, the tests
+    deterministic), computed in a fresh sandbox no agent reached; the cache holds its result, never
+    anything of a sandbox. Kept per factory (the factory object held with it, so its id is not
+    reused while it is kept), for the last few factories."""
+    with _shared_caches_lock:
+        kept = _shared_caches.get(id(grader_factory))
+        if kept is None or kept[0] is not grader_factory:
+            kept = (grader_factory, GradeCache())
+            _shared_caches[id(grader_factory)] = kept
+            while len(_shared_caches) > _SHARED_FACTORIES:
+                del _shared_caches[next(iter(_shared_caches))]
+        return kept[1]
 
 
 def fail_attempt(traj: Trajectory, task: Task, detail: str) -> None:
