@@ -59,8 +59,10 @@ did not start (found in /proc), never stealing the exit status of its own comman
 
 This file uses only the standard library: it runs under whatever ``python3`` the sandbox has. Two
 sandboxes start per episode, so its start-up is kept short: its imports are the interpreter's
-built-in modules (``_thread``, ``_signal``, ``select``, ``_json`` for the JSON codec, ``_ctypes``
-for ``prctl``), not ``subprocess``, ``threading``, ``selectors``, ``signal``, ``json`` or ``ctypes``,
+built-in modules (``posix`` for the system calls, ``_thread``, ``_signal``, ``select``, ``_json`` for
+the JSON codec, ``_ctypes`` for ``prctl``), not ``os`` (whose collection ABCs cost about 1 ms of CPU a
+start: the few ``os.path`` functions pxd needs are its own, ``_realpath`` and ``_normpath``),
+``subprocess``, ``threading``, ``selectors``, ``signal``, ``json`` or ``ctypes``,
 which pull in ``enum``, ``re``, ``locale``, ``struct`` and ``collections`` (about 10 ms of CPU a start on the host, more
 under gVisor: docs/benchmarks.md, "pxd on built-in modules"). A command starts with
 ``posix_spawn``, or ``fork`` and ``execve`` where it runs in another folder or as another user
@@ -71,15 +73,101 @@ malformed body's error, and never OpenSSL (through ``hashlib``).
 
 from __future__ import annotations
 
+import _io
 import _thread
 import binascii
 import errno
 import fcntl
-import os
+import posix as os  # the C module: the os module imports _collections_abc and posixpath (see _realpath)
 import select
 import stat
 import sys
 import time
+
+NULL_DEVICE = "/dev/null"  # os.devnull
+DEFAULT_PATH = "/bin:/usr/bin"  # os.defpath: the folders searched for a command when env has no PATH
+
+
+def _realpath(path: str) -> str:
+    """``os.path.realpath(path)``: absolute, every symbolic link on the way resolved, ``.`` and
+    ``..`` taken out after them; a component that does not exist is kept as it is. pxd runs on
+    ``posix``, the C half of ``os`` (whose own start costs about 1 ms of CPU a sandbox: it makes
+    the collection ABCs for ``os.environ``), so the few ``os.path`` functions it needs are here."""
+    parts = (path if path.startswith("/") else os.getcwd() + "/" + path).split("/")
+    parts.reverse()
+    done, links = "", 0
+    while parts:
+        part = parts.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            done = done.rsplit("/", 1)[0]
+            continue
+        candidate = f"{done}/{part}"
+        try:
+            is_link = stat.S_ISLNK(os.lstat(candidate).st_mode)
+        except OSError:
+            is_link = False
+        if not is_link:
+            done = candidate
+            continue
+        links += 1
+        if links > 40:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        target = os.readlink(candidate)
+        if target.startswith("/"):
+            done = ""
+        parts.extend(reversed(target.split("/")))
+    return done or "/"
+
+
+def _normpath(path: str) -> str:
+    """``os.path.normpath(path)`` (posixpath's, as it is): ``.``, empty components and ``x/..``
+    pairs taken out, without looking at the file system."""
+    if not path:
+        return "."
+    slashes = 2 if path.startswith("//") and not path.startswith("///") else 1 if path.startswith("/") else 0
+    parts = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part != ".." or (not slashes and not parts) or (parts and parts[-1] == ".."):
+            parts.append(part)
+        elif parts:
+            parts.pop()
+    return "/" * slashes + "/".join(parts) or "."
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _isdir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _environ() -> dict:
+    """``dict(os.environ)``: the environment decoded as ``os`` decodes it."""
+    encoding = sys.getfilesystemencoding()
+    return {k.decode(encoding, "surrogateescape"): v.decode(encoding, "surrogateescape")
+            for k, v in os.environ.items()}
+
+
+def _exec_paths(name: str, env: dict) -> list:
+    """Where a command ``name`` is looked for, in order, as ``os.execvpe`` and ``subprocess`` look:
+    ``name`` itself when it has a slash, else each folder of ``env``'s ``PATH`` (``os.get_exec_path``)."""
+    if "/" in name:
+        return [name]
+    return [f"{d}/{name}" if d and not d.endswith("/") else d + name
+            for d in env.get("PATH", DEFAULT_PATH).split(":")]
+
 
 try:
     import _signal as signal  # the C module: the signal module wraps its numbers in enums (enum, re)
@@ -344,15 +432,15 @@ def _kill_group(pgid: int) -> None:
 
 class Daemon:
     def __init__(self, workspace: str, *, max_file_bytes: int = 8 * 1024 * 1024, shell: str = "/bin/bash"):
-        self.workspace = os.path.realpath(workspace)
-        if not os.path.isdir(self.workspace):
+        self.workspace = _realpath(workspace)
+        if not _isdir(self.workspace):
             raise SystemExit(f"pxd: workspace {workspace!r} is not a folder")
         self.max_file_bytes = max_file_bytes
-        self.shell = shell if os.path.exists(shell) else "/bin/sh"
+        self.shell = shell if _exists(shell) else "/bin/sh"
         self.started = time.monotonic()
         self.sessions: dict[str, Session] = {}
         self.lock = _thread.allocate_lock()
-        self.base_env = dict(os.environ)
+        self.base_env = _environ()
         self.base_env.setdefault("HOME", self.workspace)
 
     # -- routing --------------------------------------------------------------------------------
@@ -388,11 +476,12 @@ class Daemon:
             raise RequestError(f"field {field!r} must be a non-empty string")
         if "\x00" in path:
             raise RequestError(f"field {field!r} contains a NUL byte")
-        if os.path.isabs(path):
-            norm = os.path.normpath(path)
-            if norm != self.workspace and not norm.startswith(self.workspace + os.sep):
+        if path.startswith("/"):
+            norm = _normpath(path)
+            inside = self.workspace.rstrip("/") + "/"
+            if norm != self.workspace and not norm.startswith(inside):
                 raise RequestError(f"{field} {path!r} is outside the workspace {self.workspace}")
-            path = os.path.relpath(norm, self.workspace)
+            path = norm[len(inside):] if norm != self.workspace else "."
         parts = [p for p in path.split("/") if p not in ("", ".")]
         if ".." in parts:
             raise RequestError(f"{field} {path!r} has a '..' component; paths stay inside the workspace")
@@ -436,7 +525,7 @@ class Daemon:
             return self.workspace
         parts = self._relparts(path, field)
         os.close(self._open_dir(parts, field))
-        return os.path.join(self.workspace, *parts)
+        return "/".join((self.workspace.rstrip("/"), *parts)) if parts else self.workspace
 
     # -- exec -----------------------------------------------------------------------------------
 
@@ -537,7 +626,7 @@ class Daemon:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise RequestError(f"path {'/'.join(parts)!r} is not a regular file")
-        with os.fdopen(fd, "rb") as f:
+        with _io.open(fd, "rb") as f:
             data = f.read(max_bytes + 1)
         truncated = len(data) > max_bytes
         data = data[:max_bytes]
@@ -583,7 +672,7 @@ class Daemon:
             tmp = f".pxd-{os.urandom(6).hex()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dfd)
             try:
-                with os.fdopen(fd, "wb") as f:
+                with _io.open(fd, "wb") as f:
                     f.write(data)
                     if COMMAND_IDS is not None:
                         os.fchown(f.fileno(), *COMMAND_IDS)
@@ -965,7 +1054,7 @@ class _Child:
                 in_r, in_w = os.pipe()
                 own_ends.append(in_w)
             else:
-                in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
+                in_r, in_w = os.open(NULL_DEVICE, os.O_RDONLY | os.O_CLOEXEC), None
             child_ends.append(in_r)
             out_r, out_w = os.pipe()
             child_ends.append(out_w)
@@ -1057,7 +1146,7 @@ def _spawn(argv: list, env: dict, actions: list) -> int:
     as ``subprocess`` looks it up (each folder in turn; an error other than a missing file is the
     one raised if no folder has it)."""
     name = argv[0]
-    paths = [name] if "/" in name else [os.path.join(d, name) for d in os.get_exec_path(env)]
+    paths = _exec_paths(name, env)
     missing = (FileNotFoundError, NotADirectoryError)
     first_other = last = None
     for path in paths:
@@ -1094,13 +1183,28 @@ def _exec_child(argv, cwd, env, stdin_fd, stdout_fd, stderr_fd, fail_fd, keep_fd
         for number in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(number, signal.SIG_DFL)
         where = argv[0]
-        os.execvpe(argv[0], argv, env)  # PATH searched as env's PATH says, as subprocess does
+        _execvpe(argv, env)
     except BaseException as exc:
         number = getattr(exc, "errno", None) or errno.EINVAL
         try:
             os.write(fail_fd, f"{number}:{where}".encode(errors="replace"))
         finally:
             os._exit(127)
+
+
+def _execvpe(argv: list, env: dict) -> None:
+    """``os.execvpe(argv[0], argv, env)``: each place :func:`_exec_paths` names in turn; when none
+    runs, the first error other than a missing file, else the last."""
+    missing = (FileNotFoundError, NotADirectoryError)
+    first_other = last = None
+    for path in _exec_paths(argv[0], env):
+        try:
+            os.execve(path, argv, env)
+        except OSError as exc:
+            last = exc
+            if first_other is None and not isinstance(exc, missing):
+                first_other = exc
+    raise first_other or last or FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
 
 
 _children_lock = _thread.allocate_lock()
@@ -1255,7 +1359,7 @@ def close_inherited_fds() -> None:
 def reserve_results_fds() -> None:
     """Hold descriptors 3..9 with close-on-exec placeholders, so that no pipe pxd makes (nor
     a _Child's own failure pipe) lands there and a command's ``results_fd`` replaces only a placeholder."""
-    placeholder = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    placeholder = os.open(NULL_DEVICE, os.O_RDONLY | os.O_CLOEXEC)
     for fd in range(3, 10):
         if fd != placeholder:
             os.dup2(placeholder, fd, inheritable=False)
@@ -1299,7 +1403,7 @@ def listen_unix(path: str):
     import socket
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(path):
+    if _exists(path):
         os.unlink(path)
     server.bind(path)
     server.listen(64)
@@ -1398,8 +1502,8 @@ def main(argv=None) -> int:
                 return 2
             # commands must never write into the protocol stream: move stdout away from fd 1, above
             # the descriptors a command may ask for as its results_fd
-            proto_out = os.fdopen(fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 10), "wb")
-            devnull = os.open(os.devnull, os.O_WRONLY)
+            proto_out = _io.open(fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 10), "wb")
+            devnull = os.open(NULL_DEVICE, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.close(devnull)
             write_ready(proto_out)

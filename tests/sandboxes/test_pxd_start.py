@@ -40,6 +40,54 @@ def test_pxd_start_imports_no_slow_module(tmp_path):
     assert not loaded & SLOW_MODULES, sorted(loaded & SLOW_MODULES)
 
 
+def test_pxd_start_runs_on_posix_not_os(tmp_path):
+    """18f84c2's pxd imported ``os``, whose ``_collections_abc`` and ``posixpath`` were about 1 ms of
+    CPU of every start (issue 55, fifth session): the daemon runs on ``posix`` through its ready
+    line, a command and a file written and read."""
+    proc = subprocess.Popen([SANDBOX_PYTHON, "-I", "-S", "-X", "importtime", str(compiled_pxd()), "--workspace",
+                             str(tmp_path), "--stdio"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    bodies = [b'{"argv": ["true"]}', b'{"path": "a.txt", "content": "hi"}', b'{"path": "a.txt"}']
+    requests = b"".join(b"POST %s HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (route, len(body), body)
+                        for route, body in zip((b"/exec", b"/file/write", b"/file/read"), bodies))
+    out, err = proc.communicate(b"PXD-KEY " + b"ab" * 32 + b"\n" + requests, timeout=60)
+    assert out.startswith(b"PXD-READY 1\n") and out.count(b"HTTP/1.1 200") == 3, (out, err[-2000:])
+    assert (tmp_path / "a.txt").read_text() == "hi"
+    loaded = {line.rsplit("|", 1)[1].strip() for line in err.decode().splitlines() if line.startswith("import time:")}
+    assert "_json" in loaded  # the listing is read right
+    assert not loaded & {"os", "posixpath", "genericpath", "_collections_abc"}, sorted(loaded)
+
+
+def test_pxd_paths_on_posix_are_os_paths(tmp_path):
+    """What pxd does with paths on ``posix`` is what it did with ``os.path``: a workspace named
+    through a symbolic link and ``..`` is its real folder, a command runs there with its variables,
+    an absolute path inside it is taken, one outside (or leaving it by ``..``) refused."""
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    proc = subprocess.Popen([SANDBOX_PYTHON, "-I", "-S", str(compiled_pxd()), "--workspace",
+                             str(tmp_path / "link" / "." / "sub" / ".."), "--stdio"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    client = sandboxes.PxdClient.over_fds(proc.stdout.fileno(), proc.stdin.fileno())
+    try:
+        client.wait_ready(30)
+        assert client.health()["workspace"] == str(real)
+        assert client.run(["sh", "-c", "pwd; echo $PT_V"], env={"PT_V": "v"}, timeout_s=30).output.split() == [
+            str(real), "v"]
+        client.write_file(f"{real}/sub/../a.txt", "hi")
+        assert client.read_file("a.txt") == b"hi" and (real / "a.txt").read_text() == "hi"
+        for outside in (f"{tmp_path}/x", f"{real}/../x", f"/{real}/a.txt"):
+            with pytest.raises(sandboxes.PxdError, match="outside the workspace"):
+                client.read_file(outside)
+    finally:
+        client.close()
+        try:
+            proc.stdin.close()  # pxd sees EOF and exits
+        except OSError:
+            pass
+        proc.wait(timeout=30)
+
+
 def test_the_json_codec_is_the_json_packages():
     """pxd's codec on ``_json`` answers as ``json.loads`` / ``json.dumps(separators=(",", ":"))`` on
     what requests and answers hold, and refuses what json refuses with a ValueError."""
