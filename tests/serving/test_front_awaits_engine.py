@@ -197,3 +197,12 @@ def test_the_blocking_call_runs_the_awaited_one_and_is_refused_on_a_loop():
     finally:
         client.close()
         engine.shutdown()
+
+
+def test_a_header_value_that_would_end_the_head_is_refused_naming_it():
+    from serving.engines.transport import EngineHttp
+
+    http = EngineHttp(headers={"X-Session-Key": "abc\r\nAuthorization: Bearer forged"})
+    with pytest.raises(ValueError, match="header 'X-Session-Key': a line break or NUL"):
+        http.json("GET", "http://127.0.0.1:9/health")
+    http.close()
