@@ -31,6 +31,7 @@ grading, and the hidden answers of a task for a factory that has none.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -161,7 +162,12 @@ def run_steps(home: Path, tasks_n: int, reps: int, show_commands: bool) -> dict:
     task and process: what an evaluation in a process of its own pays per task)."""
     from evals import call_checks, grading
     from evals.actions import demonstration
-    from evals.harness import grade_key, run_episode
+    from evals.harness import run_episode
+    try:
+        from evals.harness import grade_key
+    except ImportError:  # a baseline before issue 55: its grade_cache was keyed by the task's id
+        def grade_key(task, patch: str):
+            return (task.id, hashlib.sha256(patch.encode()).hexdigest())
     from evals.sandbox import platform_sandbox_factory
     from evals.tasks import load_bundled
     from serving.tiny import build_tiny_tokenizer
