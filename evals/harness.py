@@ -536,7 +536,9 @@ def task_fingerprint(task: Task) -> str:
     (its id, base commit, folder, tests, commands, paths, limits and metadata). A grading cache keyed
     by it and the patch (:func:`grade_key`) holds for whatever task set a process loads: two tasks
     of one id from different suites never share a grade."""
-    return hashlib.sha256(json.dumps(asdict(task), sort_keys=True, default=str).encode()).hexdigest()
+    # each field as JSON, anything else (the limits, a metadata value) by its repr: no deep copy
+    fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def grade_key(task: Task, patch: str) -> tuple[str, str, str]:
