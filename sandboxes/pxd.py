@@ -160,15 +160,6 @@ def _environ() -> dict:
             for k, v in os.environ.items()}
 
 
-def _exec_paths(name: str, env: dict) -> list:
-    """Where a command ``name`` is looked for, in order, as ``os.execvpe`` and ``subprocess`` look:
-    ``name`` itself when it has a slash, else each folder of ``env``'s ``PATH`` (``os.get_exec_path``)."""
-    if "/" in name:
-        return [name]
-    return [f"{d}/{name}" if d and not d.endswith("/") else d + name
-            for d in env.get("PATH", DEFAULT_PATH).split(":")]
-
-
 try:
     import _signal as signal  # the C module: the signal module wraps its numbers in enums (enum, re)
 except ImportError:  # pragma: no cover - an interpreter without it
@@ -1140,24 +1131,31 @@ class _Child:
             self.returncode = os.waitstatus_to_exitcode(status)
 
 
-def _spawn(argv: list, env: dict, actions: list) -> int:
-    """``posix_spawn`` ``argv`` in a session of its own with SIGPIPE and SIGXFSZ at their defaults,
-    its descriptors as ``actions`` make them; a name without a slash is looked up in ``env``'s PATH
-    as ``subprocess`` looks it up (each folder in turn; an error other than a missing file is the
-    one raised if no folder has it)."""
+def _first_found(argv: list, env: dict, run):
+    """``run(path)`` for the command ``argv[0]`` at each place it is looked for, as ``os.execvpe``
+    and ``subprocess`` look: ``argv[0]`` itself when it has a slash, else in each folder of
+    ``env``'s ``PATH`` in turn (``os.get_exec_path``); the first call that does not raise answers.
+    When none runs, the first error other than a missing file is raised, else the last."""
     name = argv[0]
-    paths = _exec_paths(name, env)
+    paths = [name] if "/" in name else [f"{d}/{name}" if d and not d.endswith("/") else d + name
+                                        for d in env.get("PATH", DEFAULT_PATH).split(":")]
     missing = (FileNotFoundError, NotADirectoryError)
     first_other = last = None
     for path in paths:
         try:
-            return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
-                                  setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+            return run(path)
         except OSError as exc:
             last = exc
             if first_other is None and not isinstance(exc, missing):
                 first_other = exc
     raise first_other or last or FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+
+
+def _spawn(argv: list, env: dict, actions: list) -> int:
+    """``posix_spawn`` ``argv`` in a session of its own with SIGPIPE and SIGXFSZ at their defaults,
+    its descriptors as ``actions`` make them, found as :func:`_first_found` finds it."""
+    return _first_found(argv, env, lambda path: os.posix_spawn(
+        path, argv, env, file_actions=actions, setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ)))
 
 
 def _exec_child(argv, cwd, env, stdin_fd, stdout_fd, stderr_fd, fail_fd, keep_fd) -> None:
@@ -1183,28 +1181,13 @@ def _exec_child(argv, cwd, env, stdin_fd, stdout_fd, stderr_fd, fail_fd, keep_fd
         for number in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(number, signal.SIG_DFL)
         where = argv[0]
-        _execvpe(argv, env)
+        _first_found(argv, env, lambda path: os.execve(path, argv, env))  # PATH as env's, as subprocess
     except BaseException as exc:
         number = getattr(exc, "errno", None) or errno.EINVAL
         try:
             os.write(fail_fd, f"{number}:{where}".encode(errors="replace"))
         finally:
             os._exit(127)
-
-
-def _execvpe(argv: list, env: dict) -> None:
-    """``os.execvpe(argv[0], argv, env)``: each place :func:`_exec_paths` names in turn; when none
-    runs, the first error other than a missing file, else the last."""
-    missing = (FileNotFoundError, NotADirectoryError)
-    first_other = last = None
-    for path in _exec_paths(argv[0], env):
-        try:
-            os.execve(path, argv, env)
-        except OSError as exc:
-            last = exc
-            if first_other is None and not isinstance(exc, missing):
-                first_other = exc
-    raise first_other or last or FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
 
 
 _children_lock = _thread.allocate_lock()
