@@ -24,6 +24,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import threading
 import warnings
@@ -33,31 +34,36 @@ from sandboxes.rootfs import run_base
 
 LAUNCH_SOURCE = Path(__file__).with_name("launch.c")
 _lock = threading.Lock()
-_built: dict[tuple[int, int, int], Path | None] = {}  # by the source's inode, size and time
+# by the source's inode, size and time and the run base: the path, or None where none can be built
+_built: dict[tuple[int, int, int, str], str | None] = {}
 
 
-def _usable(path: Path) -> bool:
-    """A launcher this user wrote and no one else may change."""
+def _usable(path: str) -> bool:
+    """A launcher this user wrote and no one else may change (a regular file, not a link)."""
     try:
-        st = path.lstat()
-    except FileNotFoundError:
+        st = os.lstat(path)
+    except OSError:
         return False
-    return path.is_file() and not path.is_symlink() and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def launcher() -> Path | None:
+def launcher() -> str | None:
     """The compiled ``launch.c`` (named by its source's hash), built on first use; None where no C
     compiler builds it (then :func:`launch_argv` falls back to a shell and ``setpriv``)."""
     st = os.stat(LAUNCH_SOURCE)
-    key = (st.st_ino, st.st_size, st.st_mtime_ns)
-    if key in _built:  # every start asks
-        return _built[key]
-    with _lock:
-        if key not in _built:
-            folder = run_base() / "pxd"
-            path = folder / f"launch-{hashlib.sha256(LAUNCH_SOURCE.read_bytes()).hexdigest()[:16]}"
-            _built[key] = path if _usable(path) else _compile(folder, path)
-        return _built[key]
+    base = run_base()
+    key = (st.st_ino, st.st_size, st.st_mtime_ns, str(base))
+    path = _built.get(key)
+    if (path is not None and _usable(path)) or (key in _built and path is None):  # every start asks
+        return path
+    with _lock:  # first use, or the file went (a cleaner of /tmp): built again
+        folder = base / "pxd"
+        path = f"{folder}/launch-{hashlib.sha256(LAUNCH_SOURCE.read_bytes()).hexdigest()[:16]}"
+        if not _usable(path):
+            built = _compile(folder, Path(path))
+            path = str(built) if built is not None else None
+        _built[key] = path
+        return path
 
 
 def _compile(folder: Path, path: Path) -> Path | None:
@@ -96,7 +102,7 @@ def launch_argv(argv: list[str], procs_files: list[str], user: tuple[int, int] |
     path = launcher()
     if path is not None:
         ids = ["-u", str(user[0]), "-g", str(user[1])] if user is not None else []
-        return [str(path), *ids, *procs_files, "--", *argv]
+        return [path, *ids, *procs_files, "--", *argv]
     if user is not None:
         argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--", *argv]

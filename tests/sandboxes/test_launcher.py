@@ -75,6 +75,17 @@ def test_a_launcher_that_cannot_join_its_cgroup_stops_before_the_program(tmp_pat
     assert done.returncode == 125 and "not a number: x1000" in done.stderr and not marker.exists()
 
 
+def test_a_launcher_removed_from_the_run_folder_is_built_again(tmp_path, monkeypatch):
+    """A cleaner of /tmp that removes the compiled launcher does not break the next start; each
+    run folder has its own (a run folder of this test's: others' sandboxes use the default one)."""
+    monkeypatch.setenv("POSTTRAIN_SANDBOX_RUN_DIR", str(tmp_path / "run"))
+    path = launcher.launcher()
+    assert path.startswith(f"{tmp_path}/run/pxd/launch-") and os.access(path, os.X_OK)
+    os.unlink(path)
+    again = launcher.launcher()
+    assert again == path and os.access(again, os.X_OK)
+
+
 def test_without_a_launcher_a_sandbox_starts_through_sh_and_setpriv(repo, store, cache, monkeypatch):
     """A host whose compiler cannot build the launcher keeps the shell and setpriv: the same user,
     the same cgroups, the cgroup namespace rooted there."""
