@@ -3,6 +3,8 @@ its tests), and the path of the DeepSWE v1.1 copy."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,37 @@ def tokenizer():
     from serving.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
+
+
+class CountingFactory:
+    """A bwrap sandbox factory that counts the sandboxes it starts."""
+
+    def __init__(self):
+        from evals.sandbox import platform_sandbox_factory
+
+        self.base = platform_sandbox_factory("bwrap")
+        self.starts = 0
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, task):
+        with self.lock:
+            self.starts += 1
+        with self.base(task) as box:
+            yield box
+
+
+@pytest.fixture
+def commands(monkeypatch):
+    """The commands run in sandboxes (``PlatformSandbox.exec``, wrapped only to record them), in order."""
+    from evals.sandbox import PlatformSandbox
+
+    real = PlatformSandbox.exec
+    seen: list[str] = []
+
+    def recording(self, command, **kwargs):
+        seen.append(command)
+        return real(self, command, **kwargs)
+
+    monkeypatch.setattr(PlatformSandbox, "exec", recording)
+    return seen

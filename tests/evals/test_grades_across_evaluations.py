@@ -8,32 +8,16 @@ Real bubblewrap sandboxes; the factory below only counts the sandboxes it starts
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 
 import pytest
 
 from evals.actions import demonstration
 from evals.evaluate import evaluate
-from evals.sandbox import platform_sandbox_factory
+from tests.evals.conftest import CountingFactory
 from tests.sandboxes.conftest import installed
 
 pytestmark = pytest.mark.skipif(not installed("bwrap"), reason="bubblewrap is not installed")
-
-
-class CountingFactory:
-    def __init__(self):
-        self.base = platform_sandbox_factory("bwrap")
-        self.starts = 0
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def __call__(self, task):
-        with self.lock:
-            self.starts += 1
-        with self.base(task) as box:
-            yield box
 
 
 class Answers:

@@ -16,23 +16,10 @@ from evals import call_probe
 from evals.attempts import APPLY_FAILED, GRADED
 from evals.call_checks import PROBE_SOURCE
 from evals.grading import committed_patch, grade_patch
-from evals.sandbox import PlatformSandbox, platform_sandbox_factory
+from evals.sandbox import platform_sandbox_factory
 from tests.sandboxes.conftest import installed
 
 needs_bwrap = pytest.mark.skipif(not installed("bwrap"), reason="bubblewrap is not installed")
-
-
-@pytest.fixture
-def commands(monkeypatch):
-    real = PlatformSandbox.exec
-    seen: list[str] = []
-
-    def recording(self, command, **kwargs):
-        seen.append(command)
-        return real(self, command, **kwargs)
-
-    monkeypatch.setattr(PlatformSandbox, "exec", recording)
-    return seen
 
 
 def _reference_patch(task, factory) -> str:

@@ -2,11 +2,10 @@
 what decides them: the task stream validates a task in a folder it then renames, and gradings of
 one task that start together (a group's episodes) used to start a sandbox each for them.
 
-Real bubblewrap sandboxes; the factory below only counts the sandboxes it starts."""
+Real bubblewrap sandboxes; the factory (tests/evals/conftest.py) only counts the sandboxes it starts."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import threading
 
@@ -15,23 +14,7 @@ import pytest
 from evals import call_checks
 from evals.bundled import build_task, stream_task
 from evals.grading import grade_patch
-from evals.sandbox import platform_sandbox_factory
-
-
-class CountingFactory:
-    """A bwrap sandbox factory that counts the sandboxes it starts."""
-
-    def __init__(self):
-        self.base = platform_sandbox_factory("bwrap")
-        self.starts = 0
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def __call__(self, task):
-        with self.lock:
-            self.starts += 1
-        with self.base(task) as box:
-            yield box
+from tests.evals.conftest import CountingFactory
 
 
 @pytest.fixture(autouse=True)

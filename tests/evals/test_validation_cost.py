@@ -19,23 +19,10 @@ from evals import call_checks
 from evals.actions import apply_edits
 from evals.bundled import build_task, stream_task
 from evals.grading import GRADED, grade_patch
-from evals.sandbox import PlatformSandbox, platform_sandbox_factory
+from evals.sandbox import platform_sandbox_factory
 from tests.sandboxes.conftest import installed
 
 pytestmark = pytest.mark.skipif(not installed("bwrap"), reason="bubblewrap is not installed")
-
-
-@pytest.fixture
-def commands(monkeypatch):
-    real = PlatformSandbox.exec
-    seen: list[str] = []
-
-    def recording(self, command, **kwargs):
-        seen.append(command)
-        return real(self, command, **kwargs)
-
-    monkeypatch.setattr(PlatformSandbox, "exec", recording)
-    return seen
 
 
 def test_a_new_task_is_validated_in_four_commands(tmp_path, commands):
