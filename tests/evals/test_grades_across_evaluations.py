@@ -4,7 +4,7 @@ sandbox, every patch the other had graded (a task both solve with the same fix; 
 never commits). The grade of a bundled task is a function of the task and the patch, so the second
 evaluation takes it; a task of the same id with other content (another suite's) does not.
 
-Real bubblewrap sandboxes; the factory below only counts the sandboxes it starts."""
+Real bubblewrap sandboxes; the factory (tests/evals/conftest.py) only counts the sandboxes it starts."""
 
 from __future__ import annotations
 
