@@ -69,7 +69,20 @@ class CountingFactory:
 
 
 @pytest.fixture
-def commands(monkeypatch):
+def no_kept_answers(monkeypatch):
+    """The hidden answers this process keeps (``evals.call_checks``, per task content and factory,
+    and ``platform_sandbox_factory`` of a runtime is one per process) emptied for one test: a test
+    that counts sandboxes or commands must not find the answers another test in its worker kept for
+    the same task."""
+    from collections import OrderedDict
+
+    from evals import call_checks
+
+    monkeypatch.setattr(call_checks, "_answers", OrderedDict())
+
+
+@pytest.fixture
+def commands(monkeypatch, no_kept_answers):
     """The commands run in sandboxes (``PlatformSandbox.exec``, wrapped only to record them), in order."""
     from evals.sandbox import PlatformSandbox
 

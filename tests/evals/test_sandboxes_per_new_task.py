@@ -7,7 +7,6 @@ Real bubblewrap sandboxes; ``sandboxes.start`` is wrapped only to count the sand
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
@@ -16,12 +15,13 @@ import sandboxes
 from evals.bundled import build_task, stream_task
 from evals.grading import grade_patch
 from evals.sandbox import platform_sandbox_factory
+from tests.sandboxes.conftest import installed
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+pytestmark = pytest.mark.skipif(not installed("bwrap"), reason="bubblewrap is not installed")
 
 
 @pytest.fixture
-def starts(monkeypatch):
+def starts(monkeypatch, no_kept_answers):
     """The tasks (by id) each started sandbox was for, counted at ``sandboxes.start``."""
     real = sandboxes.start
     started = []
