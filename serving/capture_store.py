@@ -2,9 +2,10 @@
 may read them.
 
 An engine server (:class:`serving.http.EngineServer`, in front of the local and simulated engines)
-and the capture front (:mod:`serving.capture`) both record each ``/generate`` call here through
-:func:`capture_generate` (chat calls: :mod:`serving.chat`); ``GET /sessions/{id}`` serves a
-session's calls in order (:func:`serving.http.session_routes`).
+records each ``/generate`` call here through :func:`acapture_generate` (awaited on its event loop;
+:func:`capture_generate` is its blocking form, for an engine whose call blocks), the capture front
+(:mod:`serving.capture`) with the engine's request ids beside them, chat calls :mod:`serving.chat`;
+``GET /sessions/{id}`` serves a session's calls in order (:func:`serving.http.session_routes`).
 
 **A session belongs to its caller.** The RL policy is an adversary: its code runs in sandboxes and
 may reach the replicas and the router on loopback. A session's calls become its episode's training
@@ -42,7 +43,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from sandboxes.httpserver.auth import (CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, MIN_CREDENTIAL_CHARS,  # noqa: F401 (serving's names for them)
                              Credential, process_credential, require_given)
@@ -228,17 +229,36 @@ def sessions_of(requests: Iterable[GenerateRequest]) -> list[str]:
     return list(dict.fromkeys(r.rid for r in requests if r.rid is not None))
 
 
-def capture_generate(generate, request: GenerateRequest, store: CaptureStore, replica: str) -> dict[str, Any]:
-    """Run ``generate`` with logprobs forced on, record the call, and answer as asked."""
+async def acapture_generate(agenerate: Callable[[GenerateRequest], Awaitable[dict[str, Any]]], request: GenerateRequest,
+                            store: CaptureStore, replica: str) -> dict[str, Any]:
+    """Await ``agenerate`` with logprobs forced on, record the call, and answer as asked."""
     asked = request.return_logprob
     request.return_logprob = True
     started_at = time.time()
     t0 = time.perf_counter()
     try:
-        response = generate(request)
+        response = await agenerate(request)
     finally:
         request.return_logprob = asked
     store.record(capture_record(request, response, started_at=started_at, latency_s=time.perf_counter() - t0, replica=replica))
     if not asked:
         response.get("meta_info", {}).pop("output_token_logprobs", None)
     return response
+
+
+def capture_generate(generate: Callable[[GenerateRequest], dict[str, Any]], request: GenerateRequest,
+                     store: CaptureStore, replica: str) -> dict[str, Any]:
+    """:func:`acapture_generate` for a blocking ``generate`` (an engine call on a worker thread). The
+    coroutine never suspends (nothing in it is awaited but ``generate``'s answer, already there), so
+    it runs to its end here, with no event loop."""
+
+    async def answered(req: GenerateRequest) -> dict[str, Any]:
+        return generate(req)
+
+    coroutine = acapture_generate(answered, request, store, replica)
+    try:
+        coroutine.send(None)
+    except StopIteration as end:
+        return end.value
+    coroutine.close()
+    raise RuntimeError("acapture_generate suspended without an event loop")  # cannot happen: nothing awaits there

@@ -31,6 +31,7 @@ are :mod:`sandboxes.httpserver`'s, the same for every server of the project.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +40,9 @@ from typing import Any, Callable
 from sandboxes.httpserver import (MAX_BODY_BYTES, Bearer, Endpoint, HttpError, HttpLimits, HttpServer, Reply, Request, Route, Stream,
                         Text, needs_bearer, stop_as_interrupt)
 from serving.adapters import ShardAssembler
-from serving.capture_store import CaptureStore, capture_generate, refusal, sessions_of
-from serving.protocol import BadRequest, InProcessEngine, parse_adapter_load, parse_adapter_name, parse_generate, render_metrics
+from serving.capture_store import CaptureStore, acapture_generate, capture_generate, refusal, sessions_of
+from serving.protocol import (BadRequest, InProcessEngine, awaited_generate, parse_adapter_load, parse_adapter_name,
+                              parse_generate, render_metrics)
 
 __all__ = ["EngineServer", "HttpError", "HttpLimits", "JsonServer", "MAX_BODY_BYTES", "Reply", "Request", "Route",
            "SessionAccess", "Stream", "Text", "check_session_access", "serve", "session_routes", "stop_as_interrupt",
@@ -152,7 +154,12 @@ def session_routes(capture: CaptureStore) -> dict[tuple[str, str], Endpoint]:
 
 
 class EngineServer(JsonServer):
-    """An ``InProcessEngine`` behind SGLang's native API, capturing every call in ``self.capture``."""
+    """An ``InProcessEngine`` behind SGLang's native API, capturing every call in ``self.capture``.
+
+    ``/generate`` awaits the engine's ``agenerate`` on the server's event loop (the engine's own
+    thread does the work and wakes the loop): a call takes no worker thread and no hop to one. An
+    engine whose call blocks (no ``agenerate``, or a ``generate`` of its own that the awaitable call
+    would skip: :func:`serving.protocol.awaited_generate`) is called on a worker thread instead."""
 
     def __init__(self, engine: InProcessEngine, host: str = "127.0.0.1", port: int = 0, *, staging_dir=None,
                  model_name: str = "posttrain", limits: HttpLimits | None = None):
@@ -160,7 +167,10 @@ class EngineServer(JsonServer):
         self.capture = CaptureStore()
         self.shards = ShardAssembler(staging_dir)
         self.model_name = model_name
-        self._batch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batch")
+        self._agenerate = awaited_generate(engine)
+        self._batch_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="batch") if self._agenerate is None else None
+        # the route's handler (an ``async def`` one runs on the loop: sandboxes.httpserver.Endpoint)
+        self._generate = self._generate_awaited if self._agenerate is not None else self._generate_blocking
         routes: dict[tuple[str, str], Route | Endpoint] = {
             **generate_and_adapter_routes(self, self.capture),
             # answered on the event loop: a health check is never queued behind calls that hold every worker
@@ -173,10 +183,22 @@ class EngineServer(JsonServer):
         }
         super().__init__(routes, host, port, limits=limits)
 
-    def _generate(self, req: Request) -> Any:
-        body = req.json()
+    async def _generate_awaited(self, req: Request) -> Any:
         requests = parsed_generate(req)
-        if not isinstance(body["input_ids"][0], list):
+        if not isinstance(req.json()["input_ids"][0], list):
+            return await acapture_generate(self._agenerate, requests[0], self.capture, self.url)
+        # A batch: its calls in the engine at once; every call ends before the answer, and the first
+        # failure in the batch's order is the answer (as the worker threads' map answered it).
+        answers = await asyncio.gather(*(acapture_generate(self._agenerate, r, self.capture, self.url) for r in requests),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return answers
+
+    def _generate_blocking(self, req: Request) -> Any:
+        requests = parsed_generate(req)
+        if not isinstance(req.json()["input_ids"][0], list):
             return capture_generate(self.engine.generate, requests[0], self.capture, self.url)
         return list(self._batch_pool.map(
             lambda r: capture_generate(self.engine.generate, r, self.capture, self.url), requests))
@@ -212,7 +234,8 @@ class EngineServer(JsonServer):
 
     def shutdown(self) -> None:
         super().shutdown()
-        self._batch_pool.shutdown(wait=False)
+        if self._batch_pool is not None:
+            self._batch_pool.shutdown(wait=False)
         self.engine.close()
 
 

@@ -7,10 +7,12 @@ back as HTTP 400.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 BASE_WEIGHT_VERSION = "base"
 
@@ -221,15 +223,88 @@ class InProcessEngine(Protocol):
     API: the local engine (:class:`serving.local_engine.LocalEngine`) and the simulated engine
     (:class:`serving.sim.SimEngine`) implement it. Not to be confused with
     :class:`serving.engines.base.UpstreamEngine`, the client of an engine running in its own process,
-    which a replica's capture front calls."""
+    which a replica's capture front calls.
+
+    A call is answered twice over, from one implementation: ``agenerate`` is awaited on the
+    server's event loop (what :class:`serving.http.EngineServer` calls: no worker thread, no thread
+    hop), ``generate`` blocks its caller (a test, a tool, a thread). The engine does its own work
+    off the loop: both engines here hand a call to their scheduler thread and wait on its
+    :class:`Completion`, which that thread sets and the loop awaits."""
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]: ...
+    async def agenerate(self, request: GenerateRequest) -> dict[str, Any]: ...
     def load_lora_adapter(self, name: str, path: str) -> None: ...
     def unload_lora_adapter(self, name: str) -> None: ...
     def adapters(self) -> list[str]: ...
     def server_info(self) -> dict[str, Any]: ...
     def metrics(self) -> dict[str, float]: ...
     def close(self) -> None: ...
+
+
+def awaited_generate(engine: Any) -> Callable[[GenerateRequest], Awaitable[dict[str, Any]]] | None:
+    """``engine.agenerate`` where it is the engine's call, else None (run ``engine.generate`` on a
+    worker thread). An engine with no ``agenerate``, or a subclass that overrides ``generate`` below
+    the class that defines ``agenerate`` (a test's engine that waits or fails in its own
+    ``generate``), has a blocking call that the awaitable one would skip."""
+    mro = type(engine).__mro__
+    owners = {name: next((i for i, cls in enumerate(mro) if name in vars(cls)), None) for name in ("generate", "agenerate")}
+    if owners["agenerate"] is None or (owners["generate"] is not None and owners["generate"] < owners["agenerate"]):
+        return None
+    return engine.agenerate
+
+
+class Completion:
+    """The end of one engine call, set once by the engine's scheduler thread and waited for by the
+    call's caller: blocking (:meth:`wait`, a thread) or awaited (``await completion``, on an event
+    loop, which the setting thread wakes with ``call_soon_threadsafe``). A drop-in for the
+    ``threading.Event`` the engines used (``set``, ``is_set``, ``wait``)."""
+
+    __slots__ = ("_lock", "_set", "_event", "_futures")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._event: threading.Event | None = None  # made for a blocking waiter only
+        self._futures: list[asyncio.Future] = []
+
+    def set(self) -> None:
+        with self._lock:
+            if self._set:
+                return
+            self._set = True
+            event, futures, self._futures = self._event, self._futures, []
+        if event is not None:
+            event.set()
+        for future in futures:
+            try:
+                future.get_loop().call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # that loop has closed: no one waits there any more
+                pass
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._set:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+    def __await__(self):
+        with self._lock:
+            if self._set:
+                return
+            future = asyncio.get_running_loop().create_future()
+            self._futures.append(future)
+        yield from future.__await__()
+
+
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():  # cancelled meanwhile (the caller's connection was cut)
+        future.set_result(None)
 
 
 # --- Prometheus metrics with SGLang's names -------------------------------------------------------

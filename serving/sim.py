@@ -27,7 +27,7 @@ from typing import Any
 
 from serving.http import serve
 from serving.prefix_cache import Block, PrefixCache
-from serving.protocol import BadRequest, GenerateRequest, finish_reason
+from serving.protocol import BadRequest, Completion, GenerateRequest, finish_reason
 from serving.scheduler import KvScheduler
 
 
@@ -49,7 +49,7 @@ class _SimReq:
     locked: list[Block] = field(default_factory=list)
     cached_tokens: int = 0
     admitted_before: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Completion = field(default_factory=Completion)
     arrived_s: float = field(default_factory=time.perf_counter)
 
     # What the scheduler reads (serving.scheduler.Scheduled): the prompt's cached KV is reused; the
@@ -87,6 +87,17 @@ class SimEngine:
     # --- the InProcessEngine protocol -------------------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        req = self._submit(request)
+        req.done.wait()
+        return self._answer(req)
+
+    async def agenerate(self, request: GenerateRequest) -> dict[str, Any]:
+        """:meth:`generate` awaited on the caller's event loop: the scheduler thread wakes it."""
+        req = self._submit(request)
+        await req.done
+        return self._answer(req)
+
+    def _submit(self, request: GenerateRequest) -> _SimReq:
         if request.lora_path is not None and request.lora_path not in self._adapters:
             raise BadRequest(f"lora_path {request.lora_path!r} is not loaded (loaded: {sorted(self._adapters)})")
         need = len(request.input_ids) + request.sampling_params.max_new_tokens
@@ -99,7 +110,12 @@ class SimEngine:
             req = _SimReq(request, self.scheduler.next_order(), len(request.input_ids), output_ids)
             self.scheduler.submit(req)
             self._wake.notify()
-        req.done.wait()
+        return req
+
+    @staticmethod
+    def _answer(req: _SimReq) -> dict[str, Any]:
+        request, output_ids = req.request, req.output_ids
+        n = len(output_ids)
         meta = {
             "id": request.rid, "prompt_tokens": len(request.input_ids), "completion_tokens": n,
             "cached_tokens": req.cached_tokens, "finish_reason": finish_reason("length", n),

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.prefix_cache import Block, PrefixCache
-from serving.protocol import BASE_WEIGHT_VERSION, BadRequest, GenerateRequest, finish_reason
+from serving.protocol import BASE_WEIGHT_VERSION, BadRequest, Completion, GenerateRequest, finish_reason
 from serving.scheduler import KvScheduler
 
 
@@ -45,7 +45,7 @@ class _Req:
     generator: Any = None
     finish: dict[str, Any] | None = None
     error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Completion = field(default_factory=Completion)
     arrived_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     admitted_before: bool = False
@@ -135,6 +135,19 @@ class LocalEngine:
     # --- the InProcessEngine protocol -------------------------------------------------------------
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        req = self._submit(request)
+        req.done.wait()
+        return self._answer(req)
+
+    async def agenerate(self, request: GenerateRequest) -> dict[str, Any]:
+        """:meth:`generate` awaited on the caller's event loop: the model runs on the scheduler
+        thread, which wakes the loop when the call ends (:class:`serving.protocol.Completion`)."""
+        req = self._submit(request)
+        await req.done
+        return self._answer(req)
+
+    def _submit(self, request: GenerateRequest) -> _Req:
+        """Check ``request`` and queue it for the scheduler thread."""
         for tok in request.input_ids:
             if tok >= self.vocab_size:
                 raise BadRequest(f"input_ids holds token id {tok}, outside the vocabulary (size {self.vocab_size})")
@@ -152,9 +165,13 @@ class LocalEngine:
                 req.generator = self._torch.Generator().manual_seed(request.sampling_params.seed)
             self.scheduler.submit(req)
             self._wake.notify()
-        req.done.wait()
+        return req
+
+    def _answer(self, req: _Req) -> dict[str, Any]:
+        """The finished call's answer in SGLang's ``/generate`` shape."""
         if req.error is not None:
             raise RuntimeError(req.error)
+        request = req.request
         now = time.perf_counter()
         output_ids = req.seq[req.prompt_len:]
         meta: dict[str, Any] = {
