@@ -103,8 +103,3 @@ class BlockingCalls:
     def close(self) -> None:
         """Close the client's connections (a later call opens new ones)."""
         self.http.close()
-
-    @property
-    def pool(self) -> EngineHttp:
-        """``http``, by the name the blocking pool had (``engine.pool.json(...)``: a raw call to the engine)."""
-        return self.http

@@ -338,7 +338,7 @@ def test_sglang_errors_come_back_with_sglangs_message(fake, tmp_path, adapter_di
     with pytest.raises(BadRequest, match="requested LoRA adapters are not loaded: v000009"):  # {"error": {"message"}}
         engine.generate([1, 2], SamplingParams(max_new_tokens=1), adapter="v000009", request_id="r")
     with pytest.raises(EngineError) as err:  # {"error": "..."}: the API contract
-        engine.pool.json("POST", f"{fake.url}/generate", {"input_ids": [1], "sampling_params": {"seed": 3}})
+        engine.http.json("POST", f"{fake.url}/generate", {"input_ids": [1], "sampling_params": {"seed": 3}})
     assert err.value.status == 400 and "unknown field `seed`" in str(err.value)
     with pytest.raises(EngineError) as err:  # FastAPI's {"detail": "Not Found"}
         SglangEngine(fake.url + "/nowhere").loaded_adapters()
