@@ -86,14 +86,60 @@ if [[ -n $vllm_due ]]; then
     vllm_installed=1
 fi
 
-# Byte-compile what was installed, on every core: without the .pyc files each process compiles every
-# module it imports, every time where PYTHONDONTWRITEBYTECODE is set. -qq: a third-party file that
-# does not compile (a template, a Python 2 example) is skipped silently, as pip's own compile does.
-if [[ -n ${installed:-} ]]; then
-    echo "setup: [${SECONDS} s] byte-compiling .venv"
-    .venv/bin/python -m compileall -qq -j 0 .venv/lib/python3*/site-packages >/dev/null || true
-    echo "$want" >"$stamp"
+# Byte-compile what the project's processes import, on every core: without the .pyc files each
+# process compiles every module it imports, every time where PYTHONDONTWRITEBYTECODE is set. Not the
+# whole .venv: its 33,000 files took 62 s of a fresh demo's 133 s set-up, and the processes import
+# about a fifth of them (docs/benchmarks.md, "Set-up: byte-compile what is imported"). Each kind of
+# process the project starts is imported once, side by side, with bytecode written (importing is
+# compiling); then every module in a folder one of them imported is compiled, on every core, so a
+# module imported later in a run (a model class, a lazily imported sibling) is compiled too.
+# A third-party file that does not compile (a template, a Python 2 example) is skipped silently,
+# as pip's own compile does. Done once per install (the stamp below).
+compile_stamp=.venv/.posttrain-compiled
+compile_want=$(echo "$want $vllm_want" | sha256sum | cut -d' ' -f1)
+if [[ -n ${installed:-} || ! -f $compile_stamp || $(cat "$compile_stamp") != "$compile_want" ]]; then
+    echo "setup: [${SECONDS} s] byte-compiling what the project's processes import"
+    env -u PYTHONDONTWRITEBYTECODE .venv/bin/python - <<'EOF'
+import compileall, concurrent.futures, functools, os, subprocess, sys, sysconfig
+
+# What each process the project starts imports first: the CLI and Dagster's code location (with the
+# modules its assets import when they run), the vLLM server (its engine core, the embedded default's
+# Qwen2 model and LoRA layers), the trainer. A module missing here is compiled by the process that
+# imports it, every time.
+PROCESSES = {
+    "posttrain": ["dagster_project.cli", "dagster_project.definitions", "dagster_project.demo", "evals.bundled",
+                  "evals.report", "training.base_model", "training.curriculum", "viewer"],
+    "vllm": ["serving.engines.vllm_server", "serving.replica", "vllm.entrypoints.openai.api_server",
+             "vllm.v1.engine.core", "vllm.model_executor.models.qwen2", "vllm.lora.punica_wrapper.punica_cpu",
+             "transformers.models.qwen2"],
+    "trainer": ["training.__main__", "peft"],
+}
+LIST = """
+import importlib, sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # not installed here, or broken: the set-up goes on without its .pyc files
+        print(f"setup: not compiled ahead: import {name} failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+for module in list(sys.modules.values()):
+    path = getattr(module, "__file__", None)
+    if isinstance(path, str) and path.endswith(".py"):
+        print(path)
+"""
+children = [subprocess.Popen([sys.executable, "-c", LIST, *modules], stdout=subprocess.PIPE, text=True)
+            for modules in PROCESSES.values()]
+imported = {line for child in children for line in child.communicate()[0].splitlines()}
+site = os.path.realpath(sysconfig.get_paths()["purelib"])
+folders = {os.path.dirname(os.path.realpath(p)) for p in imported}
+files = sorted(os.path.join(d, f) for d in folders if d.startswith(site + os.sep) or d == site
+               for f in os.listdir(d) if f.endswith(".py"))
+with concurrent.futures.ProcessPoolExecutor() as pool:
+    list(pool.map(functools.partial(compileall.compile_file, quiet=2), files, chunksize=32))
+print(f"setup: {len(imported)} modules imported, {len(files)} files of their folders compiled")
+EOF
+    echo "$compile_want" >"$compile_stamp"
 fi
+[[ -z ${installed:-} ]] || echo "$want" >"$stamp"
 # The project's own modules too (cheap when they are compiled already).
 .venv/bin/python -m compileall -qq -j 0 assets dagster_project evals sandboxes serving training viewer >/dev/null || true
 if [[ -n ${vllm_installed:-} ]]; then
