@@ -36,7 +36,7 @@ from evals.report import (
     report_rows, run_summary, signal_counts, spread_markdown,
 )
 from evals.sandbox import platform_sandbox_factory
-from evals.settings import POD_KEYS, EvalSection, parse_eval_table
+from evals.settings import EVAL_DEFAULTS, POD_KEYS, EvalSection, parse_eval_table
 from sandboxes.k8s import LABEL_PREFIX, label_value
 from sandboxes.settings import SettingsError, as_table, key_name
 from training.checkpoint import checkpoint_policy, metrics_dir
@@ -46,9 +46,6 @@ from viewer import links
 from viewer.data import checkpoint_tasks
 
 EVAL_POOL = "eval"  # the instance lets two ops of this pool run at once (dagster_project/instance.py)
-
-
-EVAL_DEFAULTS = EvalSection()  # the run file's [eval] defaults
 
 
 def dagster_config(section: type, name: str, doc: str) -> type[dg.Config]:
@@ -181,10 +178,10 @@ def deepswe_eval(
         adapter_version = policy.adapter_version
         engine_log = rows_path.with_suffix(".engine.log")
         tasks = eval_tasks(section, storage)
-        rows = evaluate_checkpoint(  # how each task is run: the section's own list (EvalSection.run_settings)
-            tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), checkpoint=key,
+        rows = evaluate_checkpoint(  # how each task is run: the section's run keys, read where they act
+            tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), section, checkpoint=key,
             adapter=policy.adapter, adapter_version=policy.adapter_version, log=context.log.info,
-            engine_log=engine_log, **section.run_settings(),
+            engine_log=engine_log,
         )
     path = rows_path if on_fleet else write_rows(rows, rows_path)  # the eval pod wrote its own
 

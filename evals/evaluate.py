@@ -4,8 +4,8 @@
 without Dagster: :func:`evals.attempts.run_attempts` with a :class:`BundledVerifier`, which runs an
 episode of the built-in harness and grades its committed work (:func:`evals.grading.grade_patch`)::
 
-    rows = evaluate(tasks, model, tokenizer, sandbox_factory, checkpoint="demo-step_000004",
-                    adapter_version="step_000004", attempts=8)
+    rows = evaluate(tasks, model, tokenizer, sandbox_factory, EvalSection(attempts=8),
+                    checkpoint="demo-step_000004", adapter_version="step_000004")
 
 Each row holds the task, the attempt index, the grading status (``graded`` / ``apply_failed`` /
 ``agent_fault`` / ``infra_error``), the DeepSWE score fields, how the episode went, and ``signals``:
@@ -39,6 +39,7 @@ from evals.bundled import read_suite
 from evals.harness import (HttpClient, ModelClient, Tokenizer, Trajectory, episode_context, run_episode,
                            shared_grade_cache)
 from evals.sandbox import SandboxFactory
+from evals.settings import EVAL_DEFAULTS, EvalSection
 from evals.tasks import Task, load_tasks
 from serving.adapters import merge_adapter
 from serving.client import EngineClient
@@ -125,8 +126,8 @@ class BundledVerifier:
     tokenizer: Tokenizer
     sandbox_factory: SandboxFactory
     checkpoint: str
+    seed: int  # the [eval] seed (evals.settings.EvalSection, where its default is)
     adapter_version: str | None = None
-    seed: int = 0
     infra_retries: int = 2
     reuse_grading: bool = True
     episode: dict[str, Any] = field(default_factory=dict)  # run_episode's other keywords (max_turns, ...)
@@ -153,28 +154,31 @@ def evaluate(
     model: ModelClient,
     tokenizer: Tokenizer,
     sandbox_factory: SandboxFactory,
+    settings: EvalSection = EVAL_DEFAULTS,
     *,
     checkpoint: str,
     adapter_version: str | None = None,
-    attempts: int = 8,
     action_format: str = "compact",
-    max_turns: int = 4,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    seed: int = 0,
-    workers: int = 2,
     infra_retries: int = 2,
     reuse_grading: bool = True,
     **episode_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """Run ``attempts`` episodes of every task and return one row per attempt, in task order:
-    :func:`evals.attempts.run_attempts` with a :class:`BundledVerifier`, its rows as dicts."""
+    """Run ``settings.attempts`` episodes of every task and return one row per attempt, in task
+    order: :func:`evals.attempts.run_attempts` with a :class:`BundledVerifier`, its rows as dicts.
+
+    ``settings`` is the run's ``[eval]`` section (:class:`evals.settings.EvalSection`), handed over
+    whole: its :data:`~evals.settings.RUN` keys (attempts, max_turns, max_new_tokens, temperature,
+    seed, workers) say how each task is run, and their defaults are the section's. A run key named
+    loose among the keywords (``attempts=2``) is set on the section
+    (:meth:`~evals.settings.EvalSection.with_run_keywords`); the other keywords go to every episode
+    (:func:`evals.harness.run_episode`: ``stop_token_ids``, ``max_context_tokens``, ...)."""
+    settings = settings.with_run_keywords(episode_kwargs)
     verifier = BundledVerifier(
-        model, tokenizer, sandbox_factory, checkpoint, adapter_version, seed=seed, infra_retries=infra_retries,
+        model, tokenizer, sandbox_factory, checkpoint, settings.seed, adapter_version, infra_retries=infra_retries,
         reuse_grading=reuse_grading,
-        episode=dict(action_format=action_format, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                     temperature=temperature, **episode_kwargs))
-    return [row.to_row() for row in run_attempts(tasks, verifier, attempts=attempts, workers=workers)]
+        episode=dict(action_format=action_format, max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
+                     temperature=settings.temperature, **episode_kwargs))
+    return [row.to_row() for row in run_attempts(tasks, verifier, attempts=settings.attempts, workers=settings.workers)]
 
 
 def eval_split(split: str) -> str:
@@ -209,39 +213,46 @@ def evaluate_checkpoint(
     tasks: Sequence[Task],
     base_model: str | Path,
     sandbox_factory: SandboxFactory,
+    settings: EvalSection = EVAL_DEFAULTS,
     *,
     checkpoint: str,
     adapter: str | Path | None = None,
     adapter_version: str | None = None,
-    attempts: int = 8,
     log: Callable[[str], None] | None = None,
     engine_log: str | Path | None = None,
     merge: bool = True,
     evaluate_served: Callable[..., list[dict[str, Any]]] | None = None,
-    **settings: Any,
+    **episode_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Evaluate a checkpoint: ``base_model`` (a Hugging Face folder) with the peft folder ``adapter``
     served as ``adapter_version`` (none: the base model alone), by an engine replica process
     (:func:`serving.fleet.start_engine`: vLLM unless ``POSTTRAIN_ENGINE`` says otherwise; its output
     in ``engine_log``, else a temporary file) for the length of the call.
 
+    ``settings`` is the ``[eval]`` section (:class:`evals.settings.EvalSection`) whose run keys say
+    how each task is run; a run key named loose among the keywords (``attempts=3``) is set on it
+    (:meth:`~evals.settings.EvalSection.with_run_keywords`).
     ``evaluate_served`` runs the attempts on the served model: :func:`evaluate` (the default: bundled,
-    SWE-bench and suite tasks, graded by posttrain's grader) or :func:`evals.harbor.evaluate_harbor`
-    (Harbor tasks, DeepSWE v1.1's verifier flow, with the built-in agent loop). It is called with the
-    tasks, ``model`` (a client of the replica), ``tokenizer``, ``sandbox_factory``, ``checkpoint``,
-    ``adapter_version`` (None without an adapter), ``attempts`` and ``settings`` (``max_turns``,
-    ``seed``, ``workers``, ...); the model's end-of-sequence tokens stop each turn, and its context
-    bounds each episode's. ``merge``: see :func:`served_checkpoint` (the adapter merged into the
-    weights, the default, or LoRA at run time)."""
-    evaluate_served = evaluate_served or evaluate
+    SWE-bench and suite tasks, graded by posttrain's grader), handed ``settings`` whole, or
+    :func:`evals.harbor.evaluate_harbor` (Harbor tasks, DeepSWE v1.1's verifier flow, with the
+    built-in agent loop), handed its run keys loose (:meth:`~evals.settings.EvalSection.run_settings`).
+    Either is called with the tasks, ``model`` (a client of the replica), ``tokenizer``,
+    ``sandbox_factory``, ``checkpoint``, ``adapter_version`` (None without an adapter) and the other
+    keywords; the model's end-of-sequence tokens stop each turn, and its context bounds each
+    episode's. ``merge``: see :func:`served_checkpoint` (the adapter merged into the weights, the
+    default, or LoRA at run time)."""
+    settings = settings.with_run_keywords(episode_kwargs)
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
                            adapter_version=adapter_version, merge=merge) as (url, tokenizer, eos_ids):
         if log is not None:
             log(f"evaluating {checkpoint} (adapter {adapter_version or 'none'}) on {len(tasks)} tasks x "
-                f"{attempts} attempts, served on {url}")
-        return evaluate_served(tasks, model=HttpClient(url), tokenizer=tokenizer, sandbox_factory=sandbox_factory,
-                               checkpoint=checkpoint, adapter_version=adapter_version if adapter is not None else None,
-                               attempts=attempts, stop_token_ids=eos_ids, **{**episode_context(base_model), **settings})
+                f"{settings.attempts} attempts, served on {url}")
+        served = dict(model=HttpClient(url), tokenizer=tokenizer, sandbox_factory=sandbox_factory, checkpoint=checkpoint,
+                      adapter_version=adapter_version if adapter is not None else None, stop_token_ids=eos_ids,
+                      **{**episode_context(base_model), **episode_kwargs})
+        if evaluate_served is None:
+            return evaluate(tasks, settings=settings, **served)
+        return evaluate_served(tasks, **served, **settings.run_settings())
 
 
 @contextlib.contextmanager

@@ -9,15 +9,16 @@ written in this file only. The vocabulary (constraints, choices, the validation)
 ``sandboxes.settings``'s.
 
 Each key also says which part of an evaluation it is (``part`` in its metadata): :data:`TASKS`
-picks the tasks, :data:`RUN` says how each task is run and is handed to the evaluation as its
-keyword arguments (:meth:`EvalSection.run_settings`: ``evals.evaluate.evaluate``, on a local
-engine or in a Kubernetes run's eval pod); the rest are the asset's (sources, sandbox runtime,
-network, checks). The eval pod is given :data:`POD_KEYS`, the two parts, read from here.
+picks the tasks, :data:`RUN` says how each task is run; the evaluation (``evals.evaluate.evaluate``,
+on a local engine or in a Kubernetes run's eval pod, ``training.fleet_eval``) is handed the section
+whole and reads the :data:`RUN` keys from it, so their defaults are written here only; the rest
+are the asset's (sources, sandbox runtime, network, checks). The eval pod is given
+:data:`POD_KEYS`, the two parts, read from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, parse_table, setting
@@ -61,10 +62,20 @@ class EvalSection:
         "share of attempts lost to the infrastructure above which the eval's check fails")))
 
     def run_settings(self) -> dict[str, Any]:
-        """How each task is run (the :data:`RUN` keys), as the keyword arguments of the evaluation
-        (``evals.evaluate.evaluate``, and ``evaluate_checkpoint``, which passes them on): the asset
-        and the eval pod hand the section's values over by this one list."""
+        """How each task is run (the :data:`RUN` keys), as keyword arguments: for an evaluation that
+        takes them loose (``evals.harbor.evaluate_harbor``, whose agents are not only the model's)."""
         return {key: getattr(self, key) for key in RUN_KEYS}
+
+    def with_run_keywords(self, keywords: dict[str, Any]) -> "EvalSection":
+        """This section with the :data:`RUN` keys found in ``keywords`` taken out of it (``keywords``
+        is changed) and set here: the one way a caller that names a run key loose (``attempts=2``,
+        as ``training.curriculum`` and the benchmarks do) reaches ``evals.evaluate.evaluate``, which
+        reads every run key from the section, so a key left out takes the section's default."""
+        run = {key: keywords.pop(key) for key in RUN_KEYS if key in keywords}
+        return replace(self, **run) if run else self
+
+
+EVAL_DEFAULTS = EvalSection()  # the run file's [eval] when it has none
 
 
 def _keys_of(part: str) -> tuple[str, ...]:

@@ -16,11 +16,13 @@ the key reference (``docs/run-file.md``) is written from the same fields (:func:
 It lives here, in the lowest package, so that a section can be declared in any package (a lower
 package cannot import a higher one: ``tests/test_layering.py``); it holds no sandbox logic and
 imports nothing of posttrain (as ``sandboxes.home`` decides the home folder for every package).
+The sandboxes' own section, ``[sandbox]`` (:class:`SandboxSection`), is declared at its end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import math
 import types
 import typing
@@ -184,3 +186,17 @@ def markdown_table(cls: type, defaults: Any = None) -> str:
         doc = str(meta.get("doc") or "").replace("|", "\\|")
         lines.append(f"| `{key_name(f)}` | {_type_name(hints[f.name])} | {default} | {allowed} | {doc} |")
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class SandboxSection:
+    """``[sandbox]``: one sandbox per episode."""
+
+    runtime: str = field(default="auto", metadata=setting(choices=("auto", "runsc", "bwrap", "k8s")))
+    cpus: float = field(default=1.0, metadata=setting(POSITIVE, doc="CPUs per sandbox"))
+    memory_gib: float = field(default=2.0, metadata=setting(POSITIVE, doc="memory per sandbox"))
+    max_sandboxes: int | None = field(default=None, metadata=setting(POSITIVE, doc="default: the producer budget"))
+    command_timeout_s: float = field(default=120.0, metadata=setting(POSITIVE))
+    image: str | None = field(default=None, metadata=setting(doc=(
+        "on Kubernetes, the sandbox pod image of a task that is a folder (the bundled suite, the task stream): "
+        "python3, git, tar, pxd at /opt/pxd/pxd.py; its repository is copied in at start")))

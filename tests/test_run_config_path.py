@@ -2,10 +2,12 @@
 composed by the planner, and handed on by its own lists rather than copies of its keys.
 
 ``training.planner.schema`` composes the run file and declares no section of its own: ``[eval]`` is
-``evals.settings.EvalSection``, the planner's own sections are ``training.planner.sections``'s, and
-``[trainer]`` is made from ``training.config``. ``[eval]`` says which of its keys pick the tasks and
-which run them; the eval pod (``training.planner.k8s.EVAL_SETTINGS``) and the evaluation
-(``EvalSection.run_settings``) take those lists from it, so no module spells them again.
+``evals.settings.EvalSection``, ``[inference]`` ``serving.settings.InferenceSection``, ``[sandbox]``
+``sandboxes.settings.SandboxSection``, the planner's own sections are ``training.planner.sections``'s,
+and ``[trainer]`` is made from ``training.config``. ``[eval]`` says which of its keys pick the tasks
+and which run them; the eval pod (``evals.settings.POD_KEYS``) and the evaluation (handed the
+section whole) take those lists from it, so no module spells them again, and no function on the
+path gives a run key a default of its own.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def test_schema_composes_the_sections_and_declares_none_of_them() -> None:
     from training.planner.schema import SECTIONS, TRAINER_POD_KEYS, TrainerSection, trainer_keys
 
     where = {name: cls.__module__ for name, cls in SECTIONS.items() if name != "trainer"}
-    assert where == {"eval": "evals.settings", **{name: "training.planner.sections" for name in
-                     ("run", "model", "inference", "async", "sandbox", "curriculum", "kubernetes")}}
+    assert where == {"eval": "evals.settings", "inference": "serving.settings", "sandbox": "sandboxes.settings",
+                     **{name: "training.planner.sections" for name in ("run", "model", "async", "curriculum", "kubernetes")}}
     tree = ast.parse((ROOT / "training/planner/schema.py").read_text())
     assert [node.name for node in tree.body if isinstance(node, ast.ClassDef)] == ["RunFile"]
     composed = {f.name for f in dataclasses.fields(TrainerSection)}
@@ -37,21 +39,31 @@ def test_schema_composes_the_sections_and_declares_none_of_them() -> None:
 
 def test_the_eval_pod_and_the_evaluation_take_the_eval_keys_from_the_eval_section() -> None:
     """Which ``[eval]`` keys pick the tasks and which run them is said once, on the section's
-    fields; the eval pod's settings and the trainer-side pod module read those lists, and every key
-    that runs a task is a keyword argument of the evaluation that receives it."""
-    from evals.evaluate import evaluate
-    from evals.settings import POD_KEYS, RUN_KEYS, TASK_KEYS, EvalSection
-    from training import fleet_eval
+    fields; the eval pod's module reads the section itself (no alias of the list in the planner),
+    and the evaluation is handed the section whole: no run key is a parameter of ``evaluate`` or
+    ``evaluate_checkpoint`` with a default of its own (``evaluate``'s ``max_new_tokens`` was 64
+    while ``[eval]``'s is 48)."""
+    from evals.evaluate import evaluate, evaluate_checkpoint
+    from evals.settings import EVAL_DEFAULTS, POD_KEYS, RUN_KEYS, TASK_KEYS, EvalSection
     from training.planner import k8s
 
     assert set(TASK_KEYS) == {"dataset", "split", "task_ids"}
     assert set(RUN_KEYS) == {"attempts", "max_turns", "max_new_tokens", "temperature", "seed", "workers"}
-    assert k8s.EVAL_SETTINGS == POD_KEYS == TASK_KEYS + RUN_KEYS
-    assert fleet_eval.RUN_SETTINGS == RUN_KEYS
-    keywords = inspect.signature(evaluate).parameters
-    assert all(keywords[key].kind is inspect.Parameter.KEYWORD_ONLY for key in RUN_KEYS)
+    assert POD_KEYS == TASK_KEYS + RUN_KEYS
+    assert not hasattr(k8s, "EVAL_SETTINGS")
+    for function in (evaluate, evaluate_checkpoint):
+        parameters = inspect.signature(function).parameters
+        assert not set(RUN_KEYS) & set(parameters), f"{function.__name__} declares [eval] run keys again"
+        assert parameters["settings"].default is EVAL_DEFAULTS == EvalSection()
     assert EvalSection(attempts=3, seed=5).run_settings() == {
         "attempts": 3, "max_turns": 4, "max_new_tokens": 48, "temperature": 1.0, "seed": 5, "workers": 2}
+    loose = {"attempts": 2, "stop_token_ids": (0,)}
+    assert EvalSection(seed=5).with_run_keywords(loose) == EvalSection(seed=5, attempts=2)
+    assert loose == {"stop_token_ids": (0,)}
+    # the eval pod's module takes the keys from the evals package, not from the planner's manifests
+    tree = ast.parse((ROOT / "training/fleet_eval.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m and m.startswith("training.planner")}
     # no module of the planner spells a list of the eval's keys again
     for path in sorted((ROOT / "training/planner").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -60,10 +72,44 @@ def test_the_eval_pod_and_the_evaluation_take_the_eval_keys_from_the_eval_sectio
                 assert len(names & set(POD_KEYS)) < 3, f"{path.name}:{node.lineno} lists [eval] keys"
 
 
+def test_each_section_key_is_declared_once() -> None:
+    """Every key of ``[eval]``, ``[inference]`` and ``[sandbox]`` is a field of one dataclass, in
+    the module of the package that acts on it, and no other module of the planner, the eval path or
+    the Dagster layer declares a dataclass or config class field of that name with a default (a
+    field that defaults to ``None``, "not given", as ``Preset.gpus_per_engine``, gives none):
+    ``DeepSWEEvalConfig`` is generated from ``EvalSection``, ``training.planner.sections`` holds
+    neither the inference nor the sandbox section."""
+    import dataclasses as dc
+
+    from sandboxes.settings import SandboxSection
+    from serving.settings import InferenceSection
+
+    from evals.settings import EvalSection
+
+    declared = {"evals/settings.py": EvalSection, "serving/settings.py": InferenceSection,
+                "sandboxes/settings.py": SandboxSection}
+    others = [*sorted((ROOT / "training/planner").glob("*.py")), ROOT / "training/fleet_eval.py",
+              ROOT / "evals/evaluate.py", ROOT / "assets/evals.py", ROOT / "dagster_project/sensors.py",
+              ROOT / "dagster_project/model_eval.py"]
+    for home, cls in declared.items():
+        keys = {f.name for f in dc.fields(cls)} - {"image"}  # [kubernetes] image is another key of that name
+        for path in others:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    fields = {t.target.id for t in node.body if isinstance(t, ast.AnnAssign)
+                              and isinstance(t.target, ast.Name) and t.value is not None and not _is_none(t.value)}
+                    assert not fields & keys, f"{path.relative_to(ROOT)}: {node.name} declares {home}'s keys " \
+                                              f"{sorted(fields & keys)} again"
+
+
+def _is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
 def test_an_eval_run_setting_goes_from_the_run_file_to_the_evaluation_as_the_section_says(tmp_path) -> None:
     """``[eval] attempts`` and the other run settings from a run file, through the plan on disk, the
-    checkpoint sensor's run request and deepswe_eval's config, are the keywords the evaluation is
-    called with: ``evaluate`` takes them (here on no task, so nothing is served)."""
+    checkpoint sensor's run request and deepswe_eval's config, are the section the evaluation is
+    handed: ``evaluate`` takes it whole (here on no task, so nothing is served)."""
     from assets.evals import DeepSWEEvalConfig
     from assets.resources import PosttrainStorage
     from dagster_project.sensors import eval_request
@@ -79,6 +125,5 @@ def test_an_eval_run_setting_goes_from_the_run_file_to_the_evaluation_as_the_sec
     config = eval_request(storage, "r-step_000004", "r-step_000004").run_config["ops"]["deepswe_eval"]["config"]
     section = parse_eval_table(DeepSWEEvalConfig(**config).model_dump(), source="deepswe_eval config")
     assert section.run_settings() == table
-    rows = evaluate([], None, None, platform_sandbox_factory("bwrap"), checkpoint="r-step_000004",
-                    **section.run_settings())
+    rows = evaluate([], None, None, platform_sandbox_factory("bwrap"), section, checkpoint="r-step_000004")
     assert rows == []

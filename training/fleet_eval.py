@@ -11,7 +11,8 @@ call names that version, so the engines may go on serving the trainer's newer ve
 The attempt rows are written to ``--rows`` on the run volume, where the asset reads them. It sits
 in ``training`` (above ``evals``) because the run's fleet and checkpoints are training's.
 
-The method is :func:`evals.evaluate.evaluate`'s, unchanged: the same tasks, attempts, turns, seed
+The method is :func:`evals.evaluate.evaluate`'s, unchanged, handed the ``[eval]`` section that
+``--settings`` carries (``evals.settings.POD_KEYS``) whole: the same tasks, attempts, turns, seed
 and grading (only committed work graded; hidden inputs answered in sandboxes of the grader's own).
 What differs from a local evaluation is the engine: LoRA applied at run time on a shared replica
 rather than merged weights on a replica of its own (the same outputs up to floating-point order).
@@ -35,10 +36,7 @@ from evals.sandbox import platform_sandbox_factory
 from evals.settings import parse_eval_table
 from training.checkpoint import checkpoint_policy
 from training.loop import AdapterRef
-from training.planner.k8s import EVAL_SETTINGS
 from training.remote_fleet import ROUTER_URL_VARIABLE, RemoteFleet
-
-RUN_SETTINGS = EVAL_SETTINGS[3:]  # of the settings --settings carries, how the tasks are run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,9 +77,9 @@ def run(args: argparse.Namespace, log=print) -> Path:
     tokenizer, eos_ids = model_tokens(policy.base_model, what=f"checkpoint {args.checkpoint}")
     log(f"evaluating {args.checkpoint} (adapter {version or 'none: the base model'}) on {len(tasks)} tasks x "
         f"{section.attempts} attempts through {router}")
-    rows = evaluate(tasks, HttpClient(router), tokenizer, platform_sandbox_factory("k8s"), checkpoint=args.checkpoint,
-                    adapter_version=version, stop_token_ids=eos_ids,
-                    **{**episode_context(policy.base_model), **{k: getattr(section, k) for k in RUN_SETTINGS}})
+    rows = evaluate(tasks, HttpClient(router), tokenizer, platform_sandbox_factory("k8s"), section,
+                    checkpoint=args.checkpoint, adapter_version=version, stop_token_ids=eos_ids,
+                    **episode_context(policy.base_model))
     path = write_rows(rows, Path(args.rows))
     log(f"{len(rows)} attempt rows written to {path}")
     return path

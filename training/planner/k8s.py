@@ -49,7 +49,6 @@ import json
 import re
 from typing import Any
 
-from evals.settings import POD_KEYS
 from sandboxes.k8s import LABEL_PREFIX, RUNTIME_CLASSES, SANDBOX_POD_SECURITY_POLICY, label_value, sandbox_selector
 from serving import sglang
 from serving.capture_store import CREDENTIAL_ENV
@@ -81,9 +80,6 @@ ROUTER_CLIENTS = ("trainer", "eval", "engine")
 POOL_CLIENTS = ("trainer", "eval")
 ENGINE_CLIENTS = ("router", "trainer")  # the pods that may call the engines (their capture front)
 EVAL_MODULE = "training.fleet_eval"  # a checkpoint's deepswe_eval as a pod of the run (eval_pod)
-# the eval settings the pod is given (deepswe_eval's config keys): which tasks, then how they are run,
-# as the eval section declares them (evals.settings; the planner names no [eval] key)
-EVAL_SETTINGS = POD_KEYS
 
 # a vLLM CPU replica's startup probe: 10 s apart, this many failures (30 minutes) before a restart
 START_PROBE_FAILURES = 180

@@ -2,11 +2,12 @@
 
 This module composes the run file from its sections and declares none of its keys: each section
 is declared once, in the package that acts on it, and composed here. ``[eval]`` is
-``evals.settings.EvalSection``; ``[trainer]`` is made from the trainer's config
+``evals.settings.EvalSection``, ``[inference]`` ``serving.settings.InferenceSection``, ``[sandbox]``
+``sandboxes.settings.SandboxSection``; ``[trainer]`` is made from the trainer's config
 (``training.config.TrainConfig`` and its ``LossConfig``), each key optional, with the one key of the
 planner's own (``gpus``, the trainer pod's size); the sections the planner alone reads (``[run]``,
-``[model]``, ``[inference]``, ``[async]``, ``[sandbox]``, ``[curriculum]``, ``[kubernetes]``) are
-declared in :mod:`training.planner.sections`. One vocabulary (``sandboxes.settings``) validates every
+``[model]``, ``[async]``, ``[curriculum]``, ``[kubernetes]``) are declared in
+:mod:`training.planner.sections`. One vocabulary (``sandboxes.settings``) validates every
 section: parsing collects every problem in the file before raising, and each message names the
 file, the section and the key, and says what was expected. ``docs/run-file.md`` is written from
 the declarations (:func:`run_file_reference`).
@@ -35,9 +36,9 @@ from evals.settings import EvalSection, parse_eval_table  # noqa: F401 (parse_ev
 from sandboxes.files import read_regular_bytes
 from sandboxes.settings import NON_NEGATIVE, SettingsError, key_name, markdown_table, parse_section, setting
 from training.config import TrainConfig
-from training.planner.sections import (
-    AsyncSection, CurriculumSection, InferenceSection, KubernetesSection, ModelSection, RunSection, SandboxSection,
-)
+from sandboxes.settings import SandboxSection
+from serving.settings import InferenceSection
+from training.planner.sections import AsyncSection, CurriculumSection, KubernetesSection, ModelSection, RunSection
 
 # The run planner's name for settings that do not validate (and for a run file that cannot be
 # planned): one class, so that a caller catching PlanError also catches an [eval] table's errors.
