@@ -69,7 +69,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
 from evals.grading import AGENT_FAULT, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
@@ -460,13 +460,13 @@ def run_episode(
                     test_key = None
                     if action.tool == "test" and grade_cache is not None and written is not None:
                         test_key = ("test", task_fingerprint(task), _tree_digest(written))
-                    if test_key is not None and test_key in grade_cache:
-                        obs, committed = grade_cache[test_key], False
-                    else:
+
+                    def act() -> tuple[str, bool]:
+                        nonlocal agent_ran
                         box = sandbox()
                         agent_ran = agent_ran or action.tool in AGENT_COMMANDS
                         try:
-                            obs, committed = execute(action, task, box, written=written)
+                            return execute(action, task, box, written=written)
                         except InfraError as exc:
                             ended = _agent_ended(box, exc, agent_ran)
                             if ended is None:
@@ -474,8 +474,11 @@ def run_episode(
                             traj.steps.append(Step(turn, asdict(action), f"the sandbox failed: {ended}",
                                                    time.monotonic() - s0))
                             raise ended from exc
-                        if test_key is not None:
-                            grade_cache[test_key] = obs
+
+                    if test_key is not None:  # one run of these tests on this tree, whoever asks first
+                        obs, committed = cached_once(grade_cache, test_key, lambda: act()[0]), False
+                    else:
+                        obs, committed = act()
                     if action.tool == "bash":
                         written = None  # the work tree is no longer known from the edits alone
                     traj.steps.append(Step(turn, asdict(action), obs, time.monotonic() - s0))
@@ -523,12 +526,51 @@ def grade_committed(traj: Trajectory, task: Task, grader_factory: SandboxFactory
     sandbox into ``traj.grade``; with ``grade_cache``, an identical patch of the task is graded once.
     Every scaffold's episode is graded here, the built-in one's included."""
     g0 = time.monotonic()
-    key = grade_key(task, traj.patch) if grade_cache is not None else None
-    cached = grade_cache.get(key) if grade_cache is not None else None
-    traj.grade = cached or grade_patch(task, traj.patch, grader_factory)
-    if grade_cache is not None and traj.grade.status != INFRA_ERROR:
-        grade_cache[key] = traj.grade
+    if grade_cache is None:
+        traj.grade = grade_patch(task, traj.patch, grader_factory)
+    else:
+        traj.grade = cached_once(grade_cache, grade_key(task, traj.patch),
+                                 lambda: grade_patch(task, traj.patch, grader_factory),
+                                 keep=lambda grade: grade.status != INFRA_ERROR)
     traj.grade_s = time.monotonic() - g0
+
+
+_in_flight: dict[tuple[int, Any], threading.Event] = {}
+_in_flight_lock = threading.Lock()
+_MISSING = object()
+
+
+def cached_once(cache: dict, key: Any, compute: Callable[[], Any], keep: Callable[[Any], bool] = lambda _: True) -> Any:
+    """``cache[key]``, computed by ``compute()`` and stored when ``keep`` allows it, with one
+    computation at a time per cache and key: a caller that finds ``key`` being computed by another
+    thread waits for that result instead of computing it too.
+
+    A group's episodes run at once on the same task, and many commit the same patch (the fix they
+    all learned, the empty patch of those that never commit) at about the same moment: with a
+    plain look-up each of them missed the cache and graded the same patch in a sandbox of its own
+    (and ran the same tree's tests). Nothing is shared but the computed value, as before: each
+    computation still runs in a sandbox of its own. A computation that raises, or whose value is not
+    kept (an infrastructure error), leaves the key free: the next waiter computes it itself."""
+    flight = (id(cache), key)
+    while True:
+        with _in_flight_lock:
+            value = cache.get(key, _MISSING)  # one look-up: a GradeCache may drop its oldest meanwhile
+            if value is not _MISSING:
+                return value
+            done = _in_flight.get(flight)
+            if done is None:
+                done = _in_flight[flight] = threading.Event()
+                break
+        done.wait()
+    try:
+        value = compute()
+        if keep(value):
+            cache[key] = value
+        return value
+    finally:
+        with _in_flight_lock:
+            del _in_flight[flight]
+        done.set()
 
 
 def task_fingerprint(task: Task) -> str:
