@@ -25,8 +25,8 @@ What the front adds to the engine:
   credential (403 otherwise), since a version loaded is what later calls sample.
 
 The chat route (``POST /v1/chat/completions``) is served by :mod:`serving.chat` when that module
-is installed: ``serving.chat.chat_completions(front, request)`` gets this front (its ``engine``,
-``capture`` and ``adapters``) and the HTTP request.
+is installed: ``serving.chat.chat_completions(front, request)``, awaited on the loop as the routes
+below are, gets this front (its ``engine``, ``capture`` and ``adapters``) and the HTTP request.
 
 The routes that call the engine are ``async def`` handlers, run on the server's event loop
 (:mod:`sandboxes.httpserver`), awaiting the engine client's calls (``agenerate``, ``aload_adapter``,
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import importlib.util
 import itertools
@@ -95,7 +96,8 @@ class CaptureFront(JsonServer):
         }
         if importlib.util.find_spec("serving.chat") is not None:  # the OpenAI chat route, where installed
             chat = importlib.import_module("serving.chat")
-            routes[("POST", "/v1/chat/completions")] = Endpoint(lambda r: chat.chat_completions(self, r),
+            # an ``async def`` handler: run on the loop, awaiting the engine (sandboxes.httpserver.Endpoint)
+            routes[("POST", "/v1/chat/completions")] = Endpoint(functools.partial(chat.chat_completions, self),
                                                                 chat.front_chat_access(self.capture))
         super().__init__(routes, host, port, limits=limits)
 

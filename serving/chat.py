@@ -35,7 +35,10 @@ it. ``model`` is the adapter version to sample from (``step_000012``), or
 ``base`` (also: empty, or the engine's own name for its base model).
 
 Answers are OpenAI's, streamed as server-sent events when ``stream`` is true (the engine's events
-passed on as they come, with the token ids this front asked for removed). The engine is asked for
+passed on as they come, with the token ids this front asked for removed). The route is an ``async
+def`` handler on the server's event loop: the engine's answer, whole or streamed, is awaited on
+its connections (:class:`serving.engines.transport.EngineHttp`), so a call holds no worker thread
+while the engine works; only the first call's loading of the tokenizer runs on one. The engine is asked for
 token ids and log-probabilities on every call; the caller gets log-probabilities only when it asked.
 Fields this front does not know (``user``, ``metadata``, penalties) are not forwarded; those that would
 make the captured call differ from the answer (``n`` > 1, ``echo``, a caller's own ``chat_template``)
@@ -45,7 +48,8 @@ field (``messages[2].tool_calls[0].function.arguments``), which the HTTP layer a
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import functools
 import json
 import math
 import re
@@ -53,17 +57,15 @@ import threading
 import time
 import uuid
 import weakref
-import functools
 from dataclasses import dataclass
-from typing import Any, Iterator
-from urllib.parse import urlsplit
+from typing import Any, AsyncIterator
 
 from jinja2 import TemplateError
 
 from serving.capture_store import (SESSION_HEADER, SESSION_KEY_HEADER, CaptureStore, engine_headers, new_session_id,
                                    session_key)
 from serving.chat_template import render_chat
-from serving.client import HttpPool
+from serving.engines.transport import EngineHttp, Streamed
 from serving.http import HttpError, Reply, Request, SessionAccess, Stream, check_session_access
 from serving.protocol import BadRequest, engine_adapter
 
@@ -392,7 +394,7 @@ class ChatCompletions:
     ``merged_version`` is an adapter version merged into that base model's weights, asked for by name."""
 
     def __init__(self, engine_url: str, capture: CaptureStore, replica: str, *, engine_model: str | None = None,
-                 tokenizer: Any = None, timeout_s: float = 600.0, pool: HttpPool | None = None,
+                 tokenizer: Any = None, timeout_s: float = 600.0, http: EngineHttp | None = None,
                  merged_version: str | None = None):
         self.engine_url = engine_url.rstrip("/")
         self.merged_version = merged_version  # served by the engine's base model (the front's merged_version)
@@ -400,14 +402,14 @@ class ChatCompletions:
         self.replica = replica
         self.timeout_s = timeout_s
         # vLLM started by the project refuses its /v1 routes without this key (serving.engines.vllm)
-        self._engine_auth = engine_headers()
-        self.pool = pool or HttpPool(timeout_s, headers=self._engine_auth)
+        self.http = http or EngineHttp(timeout_s, headers=engine_headers())
         self._engine_model = engine_model
         self._tokenizer = tokenizer
-        self._lock = threading.Lock()
+        self._loading = threading.Lock()  # one load of the model card and the tokenizer, on a worker thread
 
     def _base_model_card(self) -> dict[str, Any]:
-        status, data, _ = self.pool.request("GET", f"{self.engine_url}/v1/models")
+        """The engine's base model in its ``/v1/models`` (blocking: called on a worker thread)."""
+        status, data, _ = self.http.run(self.http.request("GET", f"{self.engine_url}/v1/models"))
         if status != 200:
             raise HttpError(502, f"engine {self.engine_url}: /v1/models answered {status}")
         base = [m for m in json.loads(data).get("data", []) if not m.get("parent")]
@@ -416,7 +418,7 @@ class ChatCompletions:
         return base[0]
 
     def engine_model(self) -> str:
-        with self._lock:
+        with self._loading:
             if self._engine_model is None:
                 self._engine_model = self._base_model_card()["id"]
             return self._engine_model
@@ -424,7 +426,7 @@ class ChatCompletions:
     def tokenizer(self) -> Any:
         """The tokenizer that renders every prompt (:func:`serving.chat_template.render_chat`), loaded
         once from the model folder the engine serves."""
-        with self._lock:
+        with self._loading:
             if self._tokenizer is None:
                 folder = self._base_model_card().get("root")
                 if not folder:
@@ -443,10 +445,18 @@ class ChatCompletions:
                 self._tokenizer = tokenizer
             return self._tokenizer
 
+    async def _loaded(self, adapter: str | None) -> str:
+        """The engine's name for the model to sample (``adapter``, or its base model); the first call
+        loads the model card and the tokenizer (seconds) on a worker thread, never on the loop."""
+        if self._tokenizer is None or (adapter is None and self._engine_model is None):
+            await asyncio.to_thread(lambda: (self.tokenizer(), self.engine_model() if adapter is None else None))
+        return self._engine_model if adapter is None else adapter  # type: ignore[return-value]
+
     def render(self, chat: ChatRequest) -> tuple[list[int], str]:
         """The call's prompt as token ids and as text (:func:`serving.chat_template.render_chat`)."""
+        tokenizer = self._tokenizer if self._tokenizer is not None else self.tokenizer()  # loaded: no lock on the loop
         try:
-            return render_chat(self.tokenizer(), chat.messages, chat.tools)
+            return render_chat(tokenizer, chat.messages, chat.tools)
         except TemplateError as exc:
             raise BadRequest(f"messages: the model's chat template refused them: {exc}") from None
 
@@ -456,12 +466,16 @@ class ChatCompletions:
                                  f"{len(prompt_ids)} token ids the front rendered (an engine that re-renders the chat "
                                  "as text would let message contents become control tokens)")
 
-    def __call__(self, req: Request) -> Reply | Stream:
+    async def __call__(self, req: Request) -> Reply | Stream:
+        """The route's handler, on the server's event loop: the engine's answer (or its stream) is
+        awaited on its connections (:class:`serving.engines.transport.EngineHttp`), no worker
+        thread held while the engine works. Rendering the prompt (the front's own work, as parsing
+        the body is) runs there too."""
         body = req.json()
         chat = parse_chat_request(body, req.headers)
         session_id, headers = self.open_session(chat.session_id, req.headers)
         adapter = engine_adapter(chat.adapter, self.merged_version, "model")
-        engine_model = self.engine_model() if adapter is None else adapter
+        engine_model = await self._loaded(adapter)
         request_id = f"{session_id}-{uuid.uuid4().hex[:12]}"  # unique per call: engines require it
         prompt_ids, prompt_text = self.render(chat)
         payload = json.dumps(chat.engine_body(engine_model, request_id, prompt_ids)).encode()
@@ -472,10 +486,10 @@ class ChatCompletions:
             "started_at": time.time(), "replica": self.replica, "prompt_text": prompt_text,
         }
         if chat.stream:
-            return Stream(self._stream(chat, payload, record, prompt_ids), headers=headers)
+            return Stream(await self._stream(chat, payload, record, prompt_ids), headers=headers)
         t0 = time.perf_counter()
         try:
-            status, data, _ = self.pool.request("POST", f"{self.engine_url}/v1/chat/completions", payload)
+            status, data, _ = await self.http.request("POST", f"{self.engine_url}/v1/chat/completions", payload)
         except OSError as exc:
             raise HttpError(502, f"engine {self.engine_url} unreachable: {exc}") from exc
         if status >= 300:
@@ -528,26 +542,27 @@ class ChatCompletions:
         answer["choices"] = choices
         return answer
 
-    def _stream(self, chat: ChatRequest, payload: bytes, record: dict[str, Any], sent_ids: list[int]) -> Iterator[bytes]:
-        """Pass the engine's server-sent events on as they come, collecting the call's tokens."""
-        parts = urlsplit(self.engine_url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=self.timeout_s)
+    async def _stream(self, chat: ChatRequest, payload: bytes, record: dict[str, Any],
+                      sent_ids: list[int]) -> AsyncIterator[bytes]:
+        """Open the engine's stream; its server-sent events are passed on as they come (:meth:`_relay`),
+        collecting the call's tokens. A refusal or an engine out of reach is this call's error answer."""
         t0 = time.perf_counter()
         try:
-            conn.request("POST", "/v1/chat/completions", body=payload,
-                         headers={"Content-Type": "application/json", **self._engine_auth})
-            resp = conn.getresponse()
+            answer = await self.http.stream("POST", f"{self.engine_url}/v1/chat/completions", payload)
         except OSError as exc:
-            conn.close()
             raise HttpError(502, f"engine {self.engine_url} unreachable: {exc}") from exc
-        if resp.status >= 300:
-            data = resp.read()
-            conn.close()
-            raise _engine_error(resp.status, data, self.engine_url)
-        return self._relay(conn, resp, chat, record, t0, sent_ids)
+        if answer.status >= 300:
+            try:
+                data = await answer.read()
+            except OSError as exc:
+                raise HttpError(502, f"engine {self.engine_url}: its refusal (HTTP {answer.status}) was cut: {exc}") from exc
+            finally:
+                answer.close()
+            raise _engine_error(answer.status, data, self.engine_url)
+        return self._relay(answer, chat, record, t0, sent_ids)
 
-    def _relay(self, conn, resp, chat: ChatRequest, record: dict[str, Any], t0: float,
-               sent_ids: list[int]) -> Iterator[bytes]:
+    async def _relay(self, answer: Streamed, chat: ChatRequest, record: dict[str, Any], t0: float,
+                     sent_ids: list[int]) -> AsyncIterator[bytes]:
         prompt_ids: list[int] = []
         output_ids: list[int] = []
         lp_ids: list[int | None] = []
@@ -556,10 +571,7 @@ class ChatCompletions:
         calls: dict[int, dict[str, Any]] = {}
         finish_reason, usage, first_token_s, done = None, None, None, False
         try:
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
+            async for line in _lines(answer.pieces()):
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
@@ -609,13 +621,25 @@ class ChatCompletions:
                     event.pop("usage", None)
                 yield b"data: " + json.dumps(event).encode() + b"\n\n"
         finally:
-            conn.close()
+            answer.close()
             message = {"content": "".join(content) or None, "tool_calls": [calls[i] for i in sorted(calls)]}
             record.update(self._outcome(prompt_ids, output_ids, lp_ids, lps, message, finish_reason, usage))
             record["latency_s"] = time.perf_counter() - t0
             record["first_token_s"] = first_token_s
             record["complete"] = done  # a stream cut short is kept for inspection, never trained on
             self.capture.record(record)
+
+
+async def _lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of a body that arrives in pieces, each with its ``\\n`` (the last one without, if unended)."""
+    rest = b""
+    async for piece in pieces:
+        rest += piece
+        *lines, rest = rest.split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
 
 
 _HANDLERS: "weakref.WeakKeyDictionary[Any, ChatCompletions]" = weakref.WeakKeyDictionary()
@@ -640,7 +664,7 @@ def front_chat_access(capture: CaptureStore) -> SessionAccess:
     return chat_access(functools.partial(check_session_access, capture, appending=True))
 
 
-def chat_completions(front: Any, req: Request) -> Reply | Stream:
+async def chat_completions(front: Any, req: Request) -> Reply | Stream:
     """The route as a replica's capture front mounts it: ``front.engine.url`` is the engine's own
     server, ``front.capture`` its capture store, ``front.url`` the replica's name in the records,
     ``front.merged_version`` the adapter version merged into the engine's weights (None: none)."""
@@ -649,4 +673,4 @@ def chat_completions(front: Any, req: Request) -> Reply | Stream:
         if handler is None:
             handler = _HANDLERS[front] = ChatCompletions(front.engine.url, front.capture, front.url,
                                                          merged_version=front.merged_version)
-    return handler(req)
+    return await handler(req)

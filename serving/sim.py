@@ -12,6 +12,8 @@ Time is spent by sleeping:
         decode_step_s + running_reqs * decode_s_per_req / size_gpus
 
 Output tokens are pseudo-random ids (a hash of the sequence), logprobs are 0.0: nothing is computed.
+A call is queued for the scheduler thread and either awaited (``agenerate``: the engine server's
+``/generate``, on its event loop) or waited for (``generate``); the thread wakes whichever waits.
 Run a fleet of them in one process:
 
     python -m serving.sim --replicas 56x1 --replicas 8x8 --max-total-tokens-per-gpu 16384

@@ -105,9 +105,11 @@ class Reply:
 
 class Stream:
     """An answer sent while it is produced (server-sent events): ``pieces`` yields bytes, each sent
-    as it comes (a chunk of ``Transfer-Encoding: chunked``). A handler checks everything that could
+    as it comes (a chunk of ``Transfer-Encoding: chunked``). A plain iterator is advanced on a
+    worker thread (it may block); an async one (an ``async def`` generator relaying an upstream
+    stream) is awaited on the event loop. A handler checks everything that could
     fail the call before returning one: once the head is sent, the status cannot change; an error
-    after that cuts the connection. ``pieces.close()`` is called when the answer ends or the client
+    after that cuts the connection. ``pieces.close()`` (``aclose()``) is called when the answer ends or the client
     goes away, so a generator can release what it holds (an upstream connection) in ``finally``."""
 
     def __init__(self, pieces: Any, content_type: str = "text/event-stream", headers: dict[str, str] | None = None):
@@ -523,7 +525,8 @@ class App:
         for HTTP/1.0). Each write has ``body_timeout_s`` to leave; a client that stops reading, or a
         source that fails, cuts the connection."""
         loop = asyncio.get_running_loop()
-        pieces = iter(stream.pieces)
+        awaited = hasattr(stream.pieces, "__anext__")
+        pieces = stream.pieces if awaited else iter(stream.pieces)
         gone = asyncio.ensure_future(_disconnected(receive))
         done = object()
         try:
@@ -535,7 +538,7 @@ class App:
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             while not gone.done():
                 try:
-                    piece = await self.pool.call(next, pieces, done)
+                    piece = await (anext(pieces, done) if awaited else self.pool.call(next, pieces, done))
                 except Exception as exc:
                     self.connections.abort(scope)
                     raise Cut(f"the stream's source failed: {type(exc).__name__}: {exc}") from exc
@@ -551,9 +554,17 @@ class App:
                         raise Cut(f"a streamed answer not read within {self.limits.body_timeout_s:g} s") from None
         finally:
             gone.cancel()
-            close = getattr(stream.pieces, "close", None)
-            if callable(close):
-                try:
-                    await loop.run_in_executor(self.pool, close)
-                except Exception:
-                    pass
+            if awaited:  # its generator's ``finally`` runs on the loop
+                aclose = getattr(stream.pieces, "aclose", None)
+                if callable(aclose):
+                    try:
+                        await aclose()
+                    except Exception:
+                        pass
+            else:
+                close = getattr(stream.pieces, "close", None)
+                if callable(close):
+                    try:
+                        await loop.run_in_executor(self.pool, close)
+                    except Exception:
+                        pass

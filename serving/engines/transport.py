@@ -6,6 +6,9 @@ few callers outside a loop.
     status, body, content_type = await http.request("POST", url + "/generate", payload)   # on a loop
     http.run(engine.ahealth())     # blocking, from a thread without a running loop
     http.json("GET", url + "/v1/models")                  # blocking, JSON in and out
+    answer = await http.stream("POST", url + "/v1/chat/completions", payload)   # read as it arrives:
+    async for piece in answer.pieces(): ...                                      # serving.chat's streams
+    answer.close()
     http.close()                   # on shutdown: every connection of every loop
 
 Why awaited: the capture front (:mod:`serving.capture`) answers on uvicorn's event loop
@@ -81,13 +84,14 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._type = ""
         self._keep_alive = False
+        self._pieces: asyncio.Queue | None = None  # a streamed answer's body pieces (then None: its end)
 
     # asyncio's protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport, self.open = transport, True  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self._answer is None or self._answer.done():
+        if (self._answer is None or self._answer.done()) and self._pieces is None:
             self._drop(_Dropped(f"{len(data)} bytes sent with no request waiting"))
             return
         self._arm()
@@ -99,8 +103,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
         self._disarm()
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_exception(_Dropped(f"connection closed before the answer was whole ({exc!r})"))
+        self._fail(_Dropped(f"connection closed before the answer was whole ({exc!r})"))
 
     # httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -109,11 +112,20 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._keep_alive = self.parser.should_keep_alive()  # read here: llhttp resets it once the answer ends
+        if self._pieces is not None and self._answer is not None and not self._answer.done():
+            self._answer.set_result((self.parser.get_status_code(), b"", self._type))  # the body follows
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
+        if self._pieces is not None:
+            self._pieces.put_nowait(body)
+        else:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._pieces is not None:
+            self._pieces.put_nowait(None)
+            self._disarm()
+            return
         self._disarm()
         if self._answer is not None and not self._answer.done():
             self._answer.set_result((self.parser.get_status_code(), b"".join(self._body), self._type))
@@ -132,6 +144,36 @@ class _Connection(asyncio.Protocol):
             self.close()
         return answer
 
+    async def start_streamed(self, head: bytes, body: bytes | None) -> tuple[int, str]:
+        """Send a request whose answer is read as it comes: returns (status, content type) once its
+        head is here; then :meth:`pieces` yields its body. The connection serves this one answer."""
+        self._answer, self._type, self._pieces = self.loop.create_future(), "", asyncio.Queue()
+        self.transport.write(head + body if body else head)  # type: ignore[union-attr]
+        self._arm()
+        try:
+            status, _, content_type = await self._answer
+        finally:
+            self._answer = None
+        return status, content_type
+
+    async def pieces(self):
+        """The streamed answer's body, piece by piece as it arrives (chunked framing removed); an
+        answer cut short, or no byte within ``timeout_s``, raises as :meth:`exchange` does."""
+        while True:
+            piece = await self._pieces.get()  # type: ignore[union-attr]
+            if piece is None:
+                return
+            if isinstance(piece, BaseException):
+                raise piece
+            yield piece
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the call waiting on this connection (its answer, or its stream's next piece) with ``exc``."""
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(exc)
+        elif self._pieces is not None:
+            self._pieces.put_nowait(exc)
+
     def _arm(self) -> None:
         """(Re)start the wait for the next bytes of the answer: a socket timeout's meaning."""
         if self._timer is not None:
@@ -145,13 +187,11 @@ class _Connection(asyncio.Protocol):
 
     def _timed_out(self) -> None:
         self._timer = None
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_exception(TimeoutError("timed out"))
+        self._fail(TimeoutError("timed out"))
         self.close()
 
     def _drop(self, exc: Exception) -> None:
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_exception(exc)
+        self._fail(exc)
         self.close()
 
     def close(self) -> None:
@@ -215,10 +255,8 @@ class EngineHttp:
         pool.every.add(conn)
         return conn
 
-    async def request(self, method: str, url: str, body: bytes | None = None,
-                      headers: dict[str, str] | None = None) -> tuple[int, bytes, str]:
-        """Send one request; returns (status, body, content type). Raises ``OSError`` when the
-        server cannot be reached or does not answer in time (see the module docstring)."""
+    def _head(self, method: str, url: str, body: bytes | None, headers: dict[str, str] | None) -> tuple[str, int, bytes]:
+        """``(host, port, the request's head)`` for ``method url``."""
         parts = urlsplit(url)
         host, port = parts.hostname or "127.0.0.1", parts.port or 80
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -232,7 +270,13 @@ class EngineHttp:
             lines.append(f"{name}: {value}")
         if body is not None or method in ("POST", "PUT"):
             lines.append(f"Content-Length: {len(body or b'')}")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return host, port, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def request(self, method: str, url: str, body: bytes | None = None,
+                      headers: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+        """Send one request; returns (status, body, content type). Raises ``OSError`` when the
+        server cannot be reached or does not answer in time (see the module docstring)."""
+        host, port, head = self._head(method, url, body, headers)
         pool = self._pool()
         key = (host, port)
         for attempt in (0, 1):
@@ -266,6 +310,27 @@ class EngineHttp:
                 pool.every.discard(conn)
             return answer
         raise AssertionError("unreachable")
+
+    async def stream(self, method: str, url: str, body: bytes | None = None,
+                     headers: dict[str, str] | None = None) -> "Streamed":
+        """Send one request on a connection of its own and return once the answer's head is here:
+        its status and content type, and its body as it comes (:class:`Streamed`: iterate
+        ``pieces()``, then ``close()``). Failures as :meth:`request`'s, without the retry (a stream
+        is not sent twice)."""
+        host, port, head = self._head(method, url, body, headers)
+        pool = self._pool()
+        conn = await self._connect(pool, host, port)
+        try:
+            status, content_type = await conn.start_streamed(head, body)
+        except _Dropped as exc:
+            pool.every.discard(conn)
+            conn.close()
+            raise ConnectionError(f"{url}: {exc}") from None
+        except BaseException:
+            pool.every.discard(conn)
+            conn.close()
+            raise
+        return Streamed(status, content_type, conn, pool)
 
     async def ajson(self, method: str, url: str, payload: Any = None, headers: dict[str, str] | None = None) -> Any:
         """``payload`` sent as JSON, the answer's JSON back; a non-2xx answer raises
@@ -305,6 +370,30 @@ class EngineHttp:
         """Close every connection, on the loop that holds it (a later call opens new ones); a call
         in flight on one fails. From any thread, or on one of those loops."""
         _close_pools(self._pools, self._lock)
+
+
+class Streamed:
+    """A streamed answer (:meth:`EngineHttp.stream`): ``status``, ``content_type``, ``pieces()``
+    (the body as it arrives; an answer cut short raises ``ConnectionError``) and ``close()``."""
+
+    def __init__(self, status: int, content_type: str, conn: _Connection, pool: _Pool):
+        self.status, self.content_type = status, content_type
+        self._conn, self._pool = conn, pool
+
+    async def pieces(self):
+        try:
+            async for piece in self._conn.pieces():
+                yield piece
+        except _Dropped as exc:
+            raise ConnectionError(str(exc)) from None
+
+    async def read(self) -> bytes:
+        """The whole body (an error answer's, say)."""
+        return b"".join([piece async for piece in self.pieces()])
+
+    def close(self) -> None:
+        self._pool.every.discard(self._conn)
+        self._conn.close()
 
 
 _BLOCKING: list[asyncio.AbstractEventLoop] = []  # the process's loop for blocking calls, once started
@@ -355,4 +444,4 @@ async def answers_health(http: EngineHttp, url: str) -> bool:
     return status == 200
 
 
-__all__ = ["EngineHttp", "answers_health"]
+__all__ = ["EngineHttp", "Streamed", "answers_health"]
