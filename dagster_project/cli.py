@@ -26,15 +26,16 @@ import training.planner.cli
 from dagster_project.instance import ensure_dagster_home
 from dagster_project.processes import Supervisor
 from evals.flawed import FlawedListError, ensure_flawed_lists, flawed_views, load_flawed_lists, views_markdown
+from evals.settings import EVAL_DEFAULTS as EVAL_SECTION_DEFAULTS, parse_eval_table
 from evals.tasks import TaskLoadError, load_harbor
 from sandboxes.files import NotARegularFile, open_regular_file
 from sandboxes.home import HOME_ENV, default_home
-from training.planner.schema import EvalSection, PlanError, load_run_file, parse_eval_table
+from training.planner.schema import PlanError, load_run_file
 from viewer.links import DEFAULT_PORT as VIEWER_PORT, URL_ENV as VIEWER_URL_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DOMAIN_CLIS = (evals.cli, sandboxes.cli, serving.cli, training.planner.cli, training.audit)
-EVAL_DEFAULTS = vars(EvalSection())  # the [eval] defaults, shown in the options' help
+EVAL_DEFAULTS = vars(EVAL_SECTION_DEFAULTS)  # the [eval] defaults (evals.settings), shown in the options' help
 
 
 def _add_home(parser: argparse.ArgumentParser) -> None:

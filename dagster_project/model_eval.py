@@ -37,13 +37,13 @@ from assets.resources import PosttrainStorage
 from dagster_project.definitions import defs
 from evals.attempts import INFRA_ERROR
 from evals.harbor import eval_split
+from evals.settings import EvalSection
 from evals.tasks import TaskSet
 from sandboxes.cache import node_cache
 from sandboxes.harbor import build_harbor_image, harbor_image_name
 from sandboxes.images import ImageStore
 from training.checkpoint import checkpoint_path, read_metadata, write_checkpoint
 from training.planner.runner import PLAN_FILENAME
-from training.planner.schema import EvalSection
 
 REGISTERED_KEY = "registered_model"  # metadata.json of a registered model's checkpoint
 

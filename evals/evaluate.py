@@ -25,6 +25,7 @@ engine replica process (vLLM by default) and evaluates it, with :func:`evaluate`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -39,7 +40,7 @@ from evals.bundled import read_suite
 from evals.harness import (HttpClient, ModelClient, Tokenizer, Trajectory, episode_context, run_episode,
                            shared_grade_cache)
 from evals.sandbox import SandboxFactory
-from evals.settings import EVAL_DEFAULTS, EvalSection
+from evals.settings import EVAL_DEFAULTS, RUN_KEYS, EvalSection
 from evals.tasks import Task, load_tasks
 from serving.adapters import merge_adapter
 from serving.client import EngineClient
@@ -170,9 +171,9 @@ def evaluate(
     whole: its :data:`~evals.settings.RUN` keys (attempts, max_turns, max_new_tokens, temperature,
     seed, workers) say how each task is run, and their defaults are the section's. A run key named
     loose among the keywords (``attempts=2``) is set on the section
-    (:meth:`~evals.settings.EvalSection.with_run_keywords`); the other keywords go to every episode
+    (:func:`_with_run_keywords`); the other keywords go to every episode
     (:func:`evals.harness.run_episode`: ``stop_token_ids``, ``max_context_tokens``, ...)."""
-    settings = settings.with_run_keywords(episode_kwargs)
+    settings = _with_run_keywords(settings, episode_kwargs)
     verifier = BundledVerifier(
         model, tokenizer, sandbox_factory, checkpoint, settings.seed, adapter_version, infra_retries=infra_retries,
         reuse_grading=reuse_grading,
@@ -230,8 +231,7 @@ def evaluate_checkpoint(
     in ``engine_log``, else a temporary file) for the length of the call.
 
     ``settings`` is the ``[eval]`` section (:class:`evals.settings.EvalSection`) whose run keys say
-    how each task is run; a run key named loose among the keywords (``attempts=3``) is set on it
-    (:meth:`~evals.settings.EvalSection.with_run_keywords`).
+    how each task is run; a run key named loose among the keywords (``attempts=3``) overrides it.
     ``evaluate_served`` runs the attempts on the served model: :func:`evaluate` (the default: bundled,
     SWE-bench and suite tasks, graded by posttrain's grader), handed ``settings`` whole, or
     :func:`evals.harbor.evaluate_harbor` (Harbor tasks, DeepSWE v1.1's verifier flow, with the
@@ -241,18 +241,26 @@ def evaluate_checkpoint(
     keywords; the model's end-of-sequence tokens stop each turn, and its context bounds each
     episode's. ``merge``: see :func:`served_checkpoint` (the adapter merged into the weights, the
     default, or LoRA at run time)."""
-    settings = settings.with_run_keywords(episode_kwargs)
     with served_checkpoint(base_model, engine_log, checkpoint=checkpoint, adapter=adapter,
                            adapter_version=adapter_version, merge=merge) as (url, tokenizer, eos_ids):
         if log is not None:
             log(f"evaluating {checkpoint} (adapter {adapter_version or 'none'}) on {len(tasks)} tasks x "
-                f"{settings.attempts} attempts, served on {url}")
+                f"{episode_kwargs.get('attempts', settings.attempts)} attempts, served on {url}")
         served = dict(model=HttpClient(url), tokenizer=tokenizer, sandbox_factory=sandbox_factory, checkpoint=checkpoint,
                       adapter_version=adapter_version if adapter is not None else None, stop_token_ids=eos_ids,
-                      **{**episode_context(base_model), **episode_kwargs})
-        if evaluate_served is None:
-            return evaluate(tasks, settings=settings, **served)
-        return evaluate_served(tasks, **served, **settings.run_settings())
+                      **episode_context(base_model))
+        if evaluate_served is None:  # it reads the run keys from the section (loose ones set on it)
+            return evaluate(tasks, settings=settings, **{**served, **episode_kwargs})
+        return evaluate_served(tasks, **{**served, **settings.run_settings(), **episode_kwargs})
+
+
+def _with_run_keywords(settings: EvalSection, keywords: dict[str, Any]) -> EvalSection:
+    """``settings`` with the :data:`~evals.settings.RUN` keys found in ``keywords`` taken out of it
+    (``keywords`` is changed) and set there: how a caller that names a run key loose
+    (``attempts=2``, as ``training.curriculum`` and the benchmarks do) reaches :func:`evaluate`,
+    which reads every run key from the section, so that a key left out takes the section's default."""
+    run = {key: keywords.pop(key) for key in RUN_KEYS if key in keywords}
+    return dataclasses.replace(settings, **run) if run else settings
 
 
 @contextlib.contextmanager

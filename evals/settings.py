@@ -18,7 +18,7 @@ are the asset's (sources, sandbox runtime, network, checks). The eval pod is giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, parse_table, setting
@@ -65,14 +65,6 @@ class EvalSection:
         """How each task is run (the :data:`RUN` keys), as keyword arguments: for an evaluation that
         takes them loose (``evals.harbor.evaluate_harbor``, whose agents are not only the model's)."""
         return {key: getattr(self, key) for key in RUN_KEYS}
-
-    def with_run_keywords(self, keywords: dict[str, Any]) -> "EvalSection":
-        """This section with the :data:`RUN` keys found in ``keywords`` taken out of it (``keywords``
-        is changed) and set here: the one way a caller that names a run key loose (``attempts=2``,
-        as ``training.curriculum`` and the benchmarks do) reaches ``evals.evaluate.evaluate``, which
-        reads every run key from the section, so a key left out takes the section's default."""
-        run = {key: keywords.pop(key) for key in RUN_KEYS if key in keywords}
-        return replace(self, **run) if run else self
 
 
 EVAL_DEFAULTS = EvalSection()  # the run file's [eval] when it has none

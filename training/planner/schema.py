@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from evals.settings import EvalSection, parse_eval_table  # noqa: F401 (parse_eval_table: the CLI imports it from here)
+from evals.settings import EvalSection
 from sandboxes.files import read_regular_bytes
 from sandboxes.settings import NON_NEGATIVE, SettingsError, key_name, markdown_table, parse_section, setting
 from training.config import TrainConfig
