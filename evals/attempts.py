@@ -199,9 +199,11 @@ def attempt_row(task: Task | IncompleteTask, attempt: int, run: AgentRun | None,
     )
 
 
-def run_attempts(tasks: Sequence[Task], verifier: Verifier, *, attempts: int = 8, workers: int = 2) -> list[AttemptRow]:
+def run_attempts(tasks: Sequence[Task], verifier: Verifier, *, attempts: int, workers: int) -> list[AttemptRow]:
     """``attempts`` attempts of every task through ``verifier``, ``workers`` at a time; one row per
-    attempt, in task order, then attempt order."""
+    attempt, in task order, then attempt order. Both have no default here: they are the ``[eval]``
+    section's (``evals.settings.EvalSection``), where their defaults are written, handed on by the
+    evaluation of each task format."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
 

@@ -43,6 +43,7 @@ def test_the_eval_pod_and_the_evaluation_take_the_eval_keys_from_the_eval_sectio
     and the evaluation is handed the section whole: no run key is a parameter of ``evaluate`` or
     ``evaluate_checkpoint`` with a default of its own (``evaluate``'s ``max_new_tokens`` was 64
     while ``[eval]``'s is 48)."""
+    from evals.attempts import run_attempts
     from evals.evaluate import evaluate, evaluate_checkpoint
     from evals.settings import EVAL_DEFAULTS, POD_KEYS, RUN_KEYS, TASK_KEYS, EvalSection
     from training.planner import k8s
@@ -55,6 +56,9 @@ def test_the_eval_pod_and_the_evaluation_take_the_eval_keys_from_the_eval_sectio
         parameters = inspect.signature(function).parameters
         assert not set(RUN_KEYS) & set(parameters), f"{function.__name__} declares [eval] run keys again"
         assert parameters["settings"].default is EVAL_DEFAULTS == EvalSection()
+    # where attempts and workers act, they have no default of their own either
+    acting = inspect.signature(run_attempts).parameters
+    assert acting["attempts"].default is acting["workers"].default is inspect.Parameter.empty
     assert EvalSection(attempts=3, seed=5).run_settings() == {
         "attempts": 3, "max_turns": 4, "max_new_tokens": 48, "temperature": 1.0, "seed": 5, "workers": 2}
     # the eval pod's module takes the keys from the evals package, not from the planner's manifests

@@ -44,4 +44,4 @@ def test_run_attempts_runs_every_attempt_of_every_task_through_the_verifier_in_o
     rows = run_attempts(tasks, Count(), attempts=2, workers=3)
     assert [(r.task_id, r.attempt, r.turns) for r in rows] == [(f"t{i}", a, i) for i in range(3) for a in range(2)]
     with pytest.raises(ValueError, match="attempts must be >= 1"):
-        run_attempts(tasks, Count(), attempts=0)
+        run_attempts(tasks, Count(), attempts=0, workers=1)
