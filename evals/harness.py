@@ -240,7 +240,9 @@ def execute(action: Action, task: Task, sandbox: EpisodeSandbox, *, timeout_s: f
             return "ok", False
         if action.tool == "commit":
             message = str(args.get("message") or "agent commit").replace("'", "")
-            res = sandbox.exec(f"git add -A && git commit -q -m '{message}'", timeout_s=60)
+            # no `git maintenance run --auto` process after the commit: an episode's repository is
+            # thrown away with its sandbox, and that process was one more start a commit
+            res = sandbox.exec(f"git add -A && git -c maintenance.auto=false commit -q -m '{message}'", timeout_s=60)
             if res.exit_code != 0 and "nothing to commit" in res.output:
                 return "nothing to commit", True
             return ("committed" if res.exit_code == 0 else f"commit failed: {res.output[-300:]}"), True
