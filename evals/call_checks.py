@@ -49,8 +49,9 @@ from evals.actions import apply_edits
 from evals.sandbox import InfraError
 from evals.signals import OVERFITS_TESTS
 from evals.tasks import MODULE_FILE
+from sandboxes.programs import shipped_digest, shipped_source
 
-PROBE_SOURCE = Path(__file__).with_name("call_probe.py")
+PROBE_SOURCE = Path(__file__).with_name("call_probe.py")  # shipped as sandboxes.programs.shipped_source makes it
 GRADER_DIR = "/tmp/.posttrain-grader"  # outside the repository: no patch can ship a file there
 RESULTS_FD = 3
 MAX_HIDDEN_PER_TEST = 6
@@ -223,7 +224,7 @@ def _answers_key(task, line_edits, calls) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _probe_digest() -> bytes:
-    return hashlib.sha256(PROBE_SOURCE.read_bytes()).digest()
+    return bytes.fromhex(shipped_digest(PROBE_SOURCE))  # the probe as shipped: standalone.py's text in it
 
 
 def _hidden_answers(task, sandbox_factory, line_edits, calls) -> tuple[dict[int, Any], dict[int, Any]]:
@@ -456,9 +457,10 @@ def _printf_format(data: bytes) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _probe_write_format() -> str:
-    """The probe's source as a ``printf`` format: the same every grading, made once (Python source
-    holds no NUL byte, which a format could not)."""
-    return _printf_format(PROBE_SOURCE.read_bytes())
+    """The probe's source as shipped (:func:`sandboxes.programs.shipped_source`: one file, nothing
+    imported from the project) as a ``printf`` format: the same every grading, made once (Python
+    source holds no NUL byte, which a format could not)."""
+    return _printf_format(shipped_source(PROBE_SOURCE))
 
 
 def probe_install(grader_dir: str, spec: bytes, runs: int = 1) -> tuple[str, Any]:

@@ -36,13 +36,16 @@ The parent writes to the results pipe, one JSON object a line:
   not plain data, or its process died, hung or answered garbage;
 - ``{"event": "finish"}`` last; then the parent ends at once (``os._exit``).
 
-The grader compares the values with the expected ones it keeps on the host. Stdlib only, one file,
-nothing imported from the project (it runs on the sandbox's own ``python3``).
+The grader compares the values with the expected ones it keeps on the host. Stdlib only, one file
+(it runs on the sandbox's own ``python3``): its one import from the project,
+:mod:`sandboxes.standalone` (the stand-ins it shares with pxd), is written into the copy the grader
+ships in place of the import line (:func:`sandboxes.programs.shipped_source`), so the sandbox's copy
+imports nothing of the project's tree.
 
 It starts on built-in modules where it can: the JSON codec from ``_json`` (the json package's C
-half; the package imports ``re``), ``prctl`` through ``_ctypes`` (the ctypes package's C half) and
-``SIGKILL`` from ``_signal`` (the signal module imports ``enum``): about half of its start's CPU,
-paid at every grading. Where a C half is missing or answers otherwise, the package.
+half; the package imports ``re``), ``prctl`` through ``_ctypes`` (the ctypes package's C half), both
+standalone's, and ``SIGKILL`` from ``_signal`` (the signal module imports ``enum``): about half of
+its start's CPU, paid at every grading. Where a C half is missing or answers otherwise, the package.
 """
 
 import fcntl
@@ -52,93 +55,21 @@ import stat
 import sys
 import time
 
+# where the probe is shipped, this line is sandboxes/standalone.py's text (sandboxes.programs.shipped_source)
+from sandboxes.standalone import json_codec, make_not_dumpable
+
 FD_ENV = "POSTTRAIN_RESULTS_FD"
 MAX_ITEMS = 10_000  # elements of one returned value; a larger one is not plain data for grading
 MAX_DEPTH = 32
 MAX_ANSWER_BYTES = 4 << 20  # a child's whole answer; more is garbage
 DEFAULT_CALL_TIMEOUT_S = 10.0
-PR_SET_DUMPABLE = 4
-PR_GET_DUMPABLE = 3
-_JSON_SPACE = " \t\n\r"
 try:
     from _signal import SIGKILL
 except ImportError:  # not CPython
     from signal import SIGKILL
 
 
-def _unserializable(obj):
-    raise TypeError(f"Object of type {obj.__class__.__name__} is not JSON serializable")
-
-
-def _json_codec():
-    """``(loads, dumps)``: ``json.loads`` of bytes and ``json.dumps`` (its default separators and
-    ``ensure_ascii``), made of ``_json`` as the json package sets it up; the package where ``_json``
-    is missing, refuses these arguments, or a sample does not come out as the package gives it."""
-    try:
-        import _json
-
-        class Context:  # what the C scanner reads of a json.JSONDecoder
-            strict = True
-            object_hook = None
-            object_pairs_hook = None
-            parse_float = float
-            parse_int = int
-            parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
-
-        scan = _json.make_scanner(Context)
-        encode = _json.make_encoder(None, _unserializable, _json.encode_basestring_ascii, None, ": ", ", ",
-                                    False, False, True)
-
-        def loads(data):
-            text = data.decode("utf-8", "surrogatepass") if isinstance(data, bytes) else data
-            start = len(text) - len(text.lstrip(_JSON_SPACE))
-            try:
-                obj, end = scan(text, start)
-            except StopIteration as exc:
-                raise ValueError(f"Expecting value: char {exc.value}") from None
-            if text[end:].strip(_JSON_SPACE):
-                raise ValueError(f"Extra data: char {end}")
-            return obj
-
-        def dumps(obj) -> str:
-            return "".join(encode(obj, 0))
-
-        sample = {"a": [1, -2.5, "\u00e9\n", None, True, False, {}], "b": ""}
-        if (dumps(sample) != '{"a": [1, -2.5, "\\u00e9\\n", null, true, false, {}], "b": ""}'
-                or loads(b' {"a": [1, -2.5, "\\u00e9\\n", null, true, false, {}], "b": ""} ') != sample):
-            raise ValueError("_json does not answer as the json package does")
-        return loads, dumps
-    except (ImportError, AttributeError, TypeError, ValueError):
-        import json
-
-        return json.loads, json.dumps
-
-
-json_loads, json_dumps = _json_codec()
-
-
-def _libc_prctl():
-    """``(prctl, get_errno)``: libc's ``prctl(2)`` through ``_ctypes``, declared as the ctypes package
-    declares ``c_int`` and a ``CDLL(None, use_errno=True)`` function; the package where ``_ctypes``
-    is missing or declines these."""
-    try:
-        import _ctypes
-
-        class CInt(_ctypes._SimpleCData):
-            _type_ = "i"
-
-        class CFunction(_ctypes.CFuncPtr):
-            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-            _restype_ = CInt
-
-        class Libc:  # what CFuncPtr reads of a ctypes.CDLL: the dlopen handle (of the program itself)
-            _handle = _ctypes.dlopen(None, 0)
-
-        return CFunction(("prctl", Libc)), _ctypes.get_errno
-    except (ImportError, AttributeError, TypeError, OSError):
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl, ctypes.get_errno
+json_loads, json_dumps = json_codec(", ", ": ")
 
 
 class NotPlainData(Exception):
@@ -184,16 +115,6 @@ def _open_stream():
         return moved
     except (ValueError, OSError):
         return None
-
-
-def _not_dumpable() -> None:
-    """prctl(PR_SET_DUMPABLE, 0): processes of the same uid (the calls' children and whatever they
-    start) may no longer trace this one, read its memory or open its descriptors."""
-    prctl, get_errno = _libc_prctl()
-    if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
-    if prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(0, "still dumpable after prctl(PR_SET_DUMPABLE, 0)")
 
 
 def _error(exc: BaseException) -> str:
@@ -314,7 +235,7 @@ def main(argv) -> int:
         os.unlink(argv[1])  # the calls' processes need none of it
     except OSError:
         pass
-    _not_dumpable()
+    make_not_dumpable()
     timeout_s = float(spec.get("call_timeout_s", DEFAULT_CALL_TIMEOUT_S))
     calls = spec["calls"]
     # one process a call, unless the spec says the module is the grader's own (the reference solution

@@ -39,6 +39,7 @@ from typing import Iterable, Mapping
 import zstandard
 
 from sandboxes.errors import SandboxError
+from sandboxes.programs import shipped_source
 
 COMPRESSIONS = ("zstd", "gzip")
 SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
@@ -159,7 +160,8 @@ PXD_SOURCE = Path(__file__).with_name("pxd.py")
 def base_layer_tar() -> bytes:
     """The skeleton root every image starts from (see the module docstring), with the daemon at
     ``/opt/pxd/pxd.py`` so a cluster pod built from the layers can start it (locally the runtimes
-    bind the current ``sandboxes/pxd.py``, compiled, at ``/opt/pxd/pxd.pyc``)."""
+    write the current pxd, compiled, at ``/opt/pxd/pxd.pyc``); that file is pxd as shipped
+    (:func:`sandboxes.programs.shipped_source`), which imports nothing of the project."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         entries = [(d, "dir") for d in BASE_DIRS] + [(n, "link") for n in BASE_LINKS] + [(f, "file") for f in BASE_FILES]
@@ -177,7 +179,7 @@ def base_layer_tar() -> bytes:
                 info = _tarinfo(name, mode=0o644)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-        data = PXD_SOURCE.read_bytes()
+        data = shipped_source(PXD_SOURCE)  # one file: standalone.py's text written into it
         info = _tarinfo("opt/pxd/pxd.py", mode=0o644)
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))

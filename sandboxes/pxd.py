@@ -1,8 +1,10 @@
 """pxd: the command daemon that runs inside every sandbox and answers the harness.
 
-Run it locally (no sandbox, for debugging) on a folder, talking HTTP/1.1 over stdin/stdout::
+Run it locally (no sandbox, for debugging) on a folder, talking HTTP/1.1 over stdin/stdout, from
+the repository's root (or run the one file a sandbox gets: ``python -m sandboxes.programs
+sandboxes/pxd.py > /tmp/pxd.py``)::
 
-    python3 sandboxes/pxd.py --workspace /tmp/ws --stdio
+    python3 -m sandboxes.pxd --workspace /tmp/ws --stdio
     # then type the key line, then requests:
     #   PXD-KEY 000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f<LF>
     #   GET /health HTTP/1.1<CR><LF>Content-Length: 0<CR><LF><CR><LF>
@@ -10,7 +12,7 @@ Run it locally (no sandbox, for debugging) on a folder, talking HTTP/1.1 over st
 or on a unix socket (several clients at once, one thread per connection; each connection starts
 with its own ``PXD-KEY`` line)::
 
-    python3 sandboxes/pxd.py --workspace /tmp/ws --socket /tmp/pxd.sock
+    python3 -m sandboxes.pxd --workspace /tmp/ws --socket /tmp/pxd.sock
 
 The runtimes in ``sandboxes/runtimes.py`` start it as the first process of a sandbox with
 ``--stdio``: gVisor's sockets are not reachable from the host, a pipe is, and a pipe also ties the
@@ -57,12 +59,15 @@ capabilities and starts every command as the sandbox user (``--command-uid``), w
 it. As PID 1 pxd reaps orphans when a child ends (SIGCHLD): it waits only for zombie children it
 did not start (found in /proc), never stealing the exit status of its own commands.
 
-This file uses only the standard library: it runs under whatever ``python3`` the sandbox has. Two
-sandboxes start per episode, so its start-up is kept short: its imports are the interpreter's
-built-in modules (``posix`` for the system calls, ``_thread``, ``_signal``, ``select``, ``_json`` for
-the JSON codec, ``_ctypes`` for ``prctl``), not ``os`` (whose collection ABCs cost about 1 ms of CPU a
-start: the few ``os.path`` functions pxd needs are its own, ``_realpath`` and ``_normpath``),
-``subprocess``, ``threading``, ``selectors``, ``signal``, ``json`` or ``ctypes``,
+This file uses only the standard library: it runs under whatever ``python3`` the sandbox has, as
+one file. Its one import from the project, :mod:`sandboxes.standalone` (the stand-ins it shares
+with the grader's probe), is written into the shipped copy in place of the import line
+(:func:`sandboxes.programs.shipped_source`), so the sandbox's copy imports nothing of the project's
+tree. Two sandboxes start per episode, so its start-up is kept short: its imports are the
+interpreter's built-in modules (``posix`` for the system calls, ``_thread``, ``_signal``, ``select``,
+``_json`` for the JSON codec, ``_ctypes`` for ``prctl``), not ``os`` (whose collection ABCs cost about
+1 ms of CPU a start: the few ``os.path`` functions pxd needs are standalone's ``realpath``,
+``normpath`` and ``exec_candidates``), ``subprocess``, ``threading``, ``selectors``, ``signal``, ``json`` or ``ctypes``,
 which pull in ``enum``, ``re``, ``locale``, ``struct`` and ``collections`` (about 10 ms of CPU a start on the host, more
 under gVisor: docs/benchmarks.md, "pxd on built-in modules"). A command starts with
 ``posix_spawn``, or ``fork`` and ``execve`` where it runs in another folder or as another user
@@ -78,64 +83,16 @@ import _thread
 import binascii
 import errno
 import fcntl
-import posix as os  # the C module: the os module imports _collections_abc and posixpath (see _realpath)
+import posix as os  # the C module: the os module imports _collections_abc and posixpath (sandboxes.standalone)
 import select
 import stat
 import sys
 import time
 
+# where pxd is shipped, this line is sandboxes/standalone.py's text (sandboxes.programs.shipped_source)
+from sandboxes.standalone import exec_candidates, json_codec, make_not_dumpable, normpath, realpath
+
 NULL_DEVICE = "/dev/null"  # os.devnull
-DEFAULT_PATH = "/bin:/usr/bin"  # os.defpath: the folders searched for a command when env has no PATH
-
-
-def _realpath(path: str) -> str:
-    """``os.path.realpath(path)``: absolute, every symbolic link on the way resolved, ``.`` and
-    ``..`` taken out after them; a component that does not exist is kept as it is. pxd runs on
-    ``posix``, the C half of ``os`` (whose own start costs about 1 ms of CPU a sandbox: it makes
-    the collection ABCs for ``os.environ``), so the few ``os.path`` functions it needs are here."""
-    parts = (path if path.startswith("/") else os.getcwd() + "/" + path).split("/")
-    parts.reverse()
-    done, links = "", 0
-    while parts:
-        part = parts.pop()
-        if part in ("", "."):
-            continue
-        if part == "..":
-            done = done.rsplit("/", 1)[0]
-            continue
-        candidate = f"{done}/{part}"
-        try:
-            is_link = stat.S_ISLNK(os.lstat(candidate).st_mode)
-        except OSError:
-            is_link = False
-        if not is_link:
-            done = candidate
-            continue
-        links += 1
-        if links > 40:
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
-        target = os.readlink(candidate)
-        if target.startswith("/"):
-            done = ""
-        parts.extend(reversed(target.split("/")))
-    return done or "/"
-
-
-def _normpath(path: str) -> str:
-    """``os.path.normpath(path)`` (posixpath's, as it is): ``.``, empty components and ``x/..``
-    pairs taken out, without looking at the file system."""
-    if not path:
-        return "."
-    slashes = 2 if path.startswith("//") and not path.startswith("///") else 1 if path.startswith("/") else 0
-    parts = []
-    for part in path.split("/"):
-        if part in ("", "."):
-            continue
-        if part != ".." or (not slashes and not parts) or (parts and parts[-1] == ".."):
-            parts.append(part)
-        elif parts:
-            parts.pop()
-    return "/" * slashes + "/".join(parts) or "."
 
 
 def _exists(path: str) -> bool:
@@ -184,61 +141,7 @@ REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not All
            409: "Conflict", 413: "Payload Too Large", 500: "Internal Server Error"}
 
 
-_JSON_SPACE = " \t\n\r"
-
-
-def _unserializable(obj):
-    raise TypeError(f"Object of type {obj.__class__.__name__} is not JSON serializable")
-
-
-def _json_codec():
-    """``(loads, dumps)``: ``json.loads`` of UTF-8 bytes and ``json.dumps(obj, separators=(",", ":"))``,
-    made of ``_json``, the json package's C half, set up as the package sets it up (the package
-    itself imports ``re`` and ``enum``: about 4 ms of CPU a start). Where ``_json`` is missing or
-    does not take these arguments, or a sample does not come out as the package gives it, the
-    json package."""
-    try:
-        import _json
-
-        class Context:  # what the C scanner reads of a json.JSONDecoder
-            strict = True
-            object_hook = None
-            object_pairs_hook = None
-            parse_float = float
-            parse_int = int
-            parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
-
-        scan = _json.make_scanner(Context)
-        # markers None: no cycle check (an answer is never cyclic); ensure_ascii, allow_nan as json.dumps
-        encode = _json.make_encoder(None, _unserializable, _json.encode_basestring_ascii, None, ":", ",",
-                                    False, False, True)
-
-        def loads(data: bytes):
-            text = data.decode("utf-8", "surrogatepass")  # a UnicodeDecodeError is a ValueError
-            start = len(text) - len(text.lstrip(_JSON_SPACE))
-            try:
-                obj, end = scan(text, start)
-            except StopIteration as exc:
-                raise ValueError(f"Expecting value: char {exc.value}") from None
-            if text[end:].strip(_JSON_SPACE):
-                raise ValueError(f"Extra data: char {end}")
-            return obj
-
-        def dumps(obj) -> str:
-            return "".join(encode(obj, 0))
-
-        sample = {"a": [1, -2.5, "\u00e9\n", None, True, False, {}], "b": ""}
-        if (dumps(sample) != '{"a":[1,-2.5,"\\u00e9\\n",null,true,false,{}],"b":""}'
-                or loads(b' {"a": [1, -2.5, "\\u00e9\\n", null, true, false, {}], "b": ""} ') != sample):
-            raise ValueError("_json does not answer as the json package does")
-        return loads, dumps
-    except (ImportError, AttributeError, TypeError, ValueError):
-        import json
-
-        return json.loads, lambda obj: json.dumps(obj, separators=(",", ":"))
-
-
-json_loads, json_dumps = _json_codec()
+json_loads, json_dumps = json_codec(",", ":")
 
 
 class RequestError(Exception):
@@ -423,7 +326,7 @@ def _kill_group(pgid: int) -> None:
 
 class Daemon:
     def __init__(self, workspace: str, *, max_file_bytes: int = 8 * 1024 * 1024, shell: str = "/bin/bash"):
-        self.workspace = _realpath(workspace)
+        self.workspace = realpath(workspace)
         if not _isdir(self.workspace):
             raise SystemExit(f"pxd: workspace {workspace!r} is not a folder")
         self.max_file_bytes = max_file_bytes
@@ -468,7 +371,7 @@ class Daemon:
         if "\x00" in path:
             raise RequestError(f"field {field!r} contains a NUL byte")
         if path.startswith("/"):
-            norm = _normpath(path)
+            norm = normpath(path)
             inside = self.workspace.rstrip("/") + "/"
             if norm != self.workspace and not norm.startswith(inside):
                 raise RequestError(f"{field} {path!r} is outside the workspace {self.workspace}")
@@ -1137,8 +1040,7 @@ def _first_found(argv: list, env: dict, run):
     ``env``'s ``PATH`` in turn (``os.get_exec_path``); the first call that does not raise answers.
     When none runs, the first error other than a missing file is raised, else the last."""
     name = argv[0]
-    paths = [name] if "/" in name else [f"{d}/{name}" if d and not d.endswith("/") else d + name
-                                        for d in env.get("PATH", DEFAULT_PATH).split(":")]
+    paths = exec_candidates(name, env)
     missing = (FileNotFoundError, NotADirectoryError)
     first_other = last = None
     for path in paths:
@@ -1292,41 +1194,14 @@ def kill_other_processes(give_up_s: float = 5.0) -> int:
     return len(seen)
 
 
-def _libc_prctl():
-    """``(prctl, get_errno)``: libc's ``prctl(2)`` (int arguments, int result, errno kept), called
-    through ``_ctypes``, the ctypes package's C half, declared as the package declares ``c_int``
-    and a ``CDLL(None, use_errno=True)`` function (the package's own start costs about 1.6 ms of
-    CPU a sandbox); through the package where ``_ctypes`` is missing or declines these."""
-    try:
-        import _ctypes
-
-        class CInt(_ctypes._SimpleCData):
-            _type_ = "i"
-
-        class CFunction(_ctypes.CFuncPtr):
-            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-            _restype_ = CInt
-
-        class Libc:  # what CFuncPtr reads of a ctypes.CDLL: the dlopen handle (of the program itself)
-            _handle = _ctypes.dlopen(None, 0)
-
-        return CFunction(("prctl", Libc)), _ctypes.get_errno
-    except (ImportError, AttributeError, TypeError, OSError):
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl, ctypes.get_errno
-
-
 def protect_self() -> None:
-    """Make pxd non-dumpable: processes of the same uid can then neither ptrace it, nor take its
-    descriptors with pidfd_getfd, nor open its /proc/<pid>/fd, mem or environ (all need
-    CAP_SYS_PTRACE, which nothing in a sandbox has)."""
-    prctl, get_errno = _libc_prctl()
-    PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
-    if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise SystemExit(f"pxd: prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(get_errno())}")
-    if prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise SystemExit("pxd: still dumpable after prctl(PR_SET_DUMPABLE, 0)")
+    """Make pxd non-dumpable (:func:`make_not_dumpable`): no command of its uid can ptrace it or
+    take its descriptors; pxd does not start without it."""
+    try:
+        make_not_dumpable()
+    except OSError as exc:
+        raise SystemExit(f"pxd: {exc.strerror}") from None
+
 
 def close_inherited_fds() -> None:
     """Close every descriptor above 2 that pxd inherited: what pxd opens later is close-on-exec, so

@@ -94,7 +94,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -105,6 +105,7 @@ from sandboxes.client import ExecResult, PxdClient, PxdConnectionError
 from sandboxes.errors import SandboxError
 from sandboxes.launcher import launch_argv
 from sandboxes.images import SANDBOX_UID, WORKDIR, Image, ImageError, ImageStore, build_image, image_name
+from sandboxes.programs import shipped_digest, shipped_source
 from sandboxes.reaping import reap_stale_sandboxes
 from sandboxes.rootfs import Rootfs, make_run_dir, run_base, run_root
 from sandboxes.toolchain import (
@@ -115,6 +116,7 @@ RUNTIMES = ("bwrap", "gvisor", "unisolated")
 PXD_SOURCE = Path(__file__).with_name("pxd.py")
 PXD_COMPILED_IN_SANDBOX = "/opt/pxd/pxd.pyc"  # what the local runtimes write and start (a cluster pod starts
 # the image's /opt/pxd/pxd.py: sandboxes.images, sandboxes.k8s)
+PXD_SOURCE_IN_SANDBOX = "/opt/pxd/pxd.py"  # the file name a traceback of the compiled daemon shows
 _compile_lock = threading.Lock()
 
 
@@ -139,22 +141,15 @@ def _cache_tag(python: str) -> str:
     return _interpreter_tags[python]
 
 
-_source_digests: dict[tuple[int, int, int, int], str] = {}
-
-
 def _source_digest() -> str:
-    """The first 16 hex digits of ``pxd.py``'s SHA-256, hashed again only when the file's inode,
-    size or times changed (every sandbox's start asks)."""
-    st = os.stat(PXD_SOURCE)
-    key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    digest = _source_digests.get(key)
-    if digest is None:
-        digest = _source_digests[key] = hashlib.sha256(PXD_SOURCE.read_bytes()).hexdigest()[:16]
-    return digest
+    """The first 16 hex digits of the SHA-256 of pxd as shipped (:func:`sandboxes.programs.shipped_digest`:
+    ``pxd.py`` with ``standalone.py`` written into it), hashed again only when either file changed
+    (every sandbox's start asks)."""
+    return shipped_digest(PXD_SOURCE)[:16]
 
 
 def compiled_pxd(python: str = SANDBOX_PYTHON) -> Path:
-    """``pxd.py`` compiled by ``python``, the interpreter the runtime starts it with (the sandbox's
+    """pxd as shipped (:func:`sandboxes.programs.shipped_source`) compiled by ``python``, the interpreter the runtime starts it with (the sandbox's
     own ``/usr/bin/python3``; the unisolated mode: this one), kept under
     the run base's ``pxd/`` folder and named by the source's hash. Starting the ``.pyc`` skips
     compiling the daemon's 1,100 lines, about a fifth of the CPU a start costs, and two sandboxes
@@ -175,14 +170,20 @@ def compiled_pxd(python: str = SANDBOX_PYTHON) -> Path:
             if d.stat().st_uid == os.geteuid():
                 os.chmod(d, 0o711)
         tmp = folder / f".{path.name}.{os.getpid()}.{threading.get_ident()}"
-        # the hash in the name ties the file to its source: no check against the source at start
-        if python == sys.executable:
-            py_compile.compile(str(PXD_SOURCE), cfile=str(tmp), doraise=True,
-                               invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
-        else:  # bytecode is the interpreter's own: compiled by the one that runs it
-            subprocess.run([python, "-I", "-S", "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], "
-                            "cfile=sys.argv[2], doraise=True, invalidation_mode=py_compile.PycInvalidationMode"
-                            ".UNCHECKED_HASH)", str(PXD_SOURCE), str(tmp)], check=True, capture_output=True, timeout=120)
+        source = tmp.with_name(tmp.name + ".py")  # the one file a sandbox runs, compiled from beside the .pyc
+        source.write_bytes(shipped_source(PXD_SOURCE))
+        try:
+            # the hash in the name ties the file to its source: no check against the source at start
+            if python == sys.executable:
+                py_compile.compile(str(source), cfile=str(tmp), dfile=PXD_SOURCE_IN_SANDBOX, doraise=True,
+                                   invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+            else:  # bytecode is the interpreter's own: compiled by the one that runs it
+                subprocess.run([python, "-I", "-S", "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], "
+                                "cfile=sys.argv[2], dfile=sys.argv[3], doraise=True, invalidation_mode="
+                                "py_compile.PycInvalidationMode.UNCHECKED_HASH)", str(source), str(tmp),
+                                PXD_SOURCE_IN_SANDBOX], check=True, capture_output=True, timeout=120)
+        finally:
+            source.unlink(missing_ok=True)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     return path
@@ -503,10 +504,12 @@ class Sandbox:
         # the harness's process, read by bench/sandbox_start.py
         self.host_cpu_s: dict[str, float] = {}
         self._cpu_mark = time.thread_time()
-        # held for the sandbox's life: a run folder whose lock is free belongs to a dead owner
+        # held for the sandbox's life: a run folder whose lock is free belongs to a dead owner. Taken
+        # under another name and then renamed, so that no reaper finds a ``lock`` not yet held
         self.run_dir = make_run_dir(cache, self.id)
-        self._run_lock = os.open(self.run_dir / "lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        self._run_lock = os.open(self.run_dir / "lock.new", os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         fcntl.flock(self._run_lock, fcntl.LOCK_EX)
+        os.rename(self.run_dir / "lock.new", self.run_dir / "lock")
         self.lease: Lease | None = None
         try:
             self._step("run_dir")
@@ -759,38 +762,48 @@ class Sandbox:
 
 
 _reaped_caches: set[Path] = set()
-_folder_images: "OrderedDict[tuple[str, str], tuple[str, Image]]" = OrderedDict()
+_folder_images: "OrderedDict[tuple[str, str], Image]" = OrderedDict()
 _folder_images_lock = threading.Lock()
 
 
 def _folder_signature(path: Path) -> str:
-    """What a folder holds, as far as a rebuild would see it changed: every entry's name, inode,
-    size, mode and modification and change times (a write changes the change time, which no
-    user can set). About an eighth of the CPU of tarring and hashing the folder again."""
+    """What a folder holds, as far as a rebuild would see it changed: every entry's name (relative to
+    the folder), device, inode, size, mode and modification and change times (a write changes the
+    change time, which no user can set; a copy has new inodes). Not the folder's own path: a folder
+    renamed (a suite built in a temporary folder, then moved into place) holds what it held, and
+    its entries keep their inodes and times. About an eighth of the CPU of tarring and hashing the
+    folder again."""
     digest = hashlib.sha256()
+    top = len(str(path))
     for folder, dirs, files in os.walk(path):
         dirs.sort()
         for name in sorted((*dirs, *files)):
             st = os.lstat(os.path.join(folder, name))
-            digest.update(f"{folder}/{name}\0{st.st_ino} {st.st_size} {st.st_mode} {st.st_mtime_ns} "
-                          f"{st.st_ctime_ns}\n".encode())
+            digest.update(f"{folder[top:]}/{name}\0{st.st_dev} {st.st_ino} {st.st_size} {st.st_mode} "
+                          f"{st.st_mtime_ns} {st.st_ctime_ns}\n".encode())
     return digest.hexdigest()
 
 
 def _folder_image(path: Path, store: ImageStore) -> Image:
     """The image of a repository folder (built on the fly, content addressed), built again only when
-    the folder changed since this process last built it: an episode and its grading start from
-    the same task folder many times."""
-    key = (str(path), str(store.root))
-    signature = _folder_signature(path)
+    the folder's files changed since this process last built it (:func:`_folder_signature`): an
+    episode and its grading start from the same task folder many times, and a folder renamed
+    keeps its image (named anew for its path)."""
+    name = "dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    key = (_folder_signature(path), str(store.root))
     with _folder_images_lock:
         known = _folder_images.get(key)
-        if known is not None and known[0] == signature and all(store.blob_path(l).exists() for l in known[1].layers):
+        if known is not None and all(store.blob_path(l).exists() for l in known.layers):
             _folder_images.move_to_end(key)
-            return known[1]
-    image = build_image("dir-" + hashlib.sha256(str(path).encode()).hexdigest()[:16], path, store)
+            if known.name == name:
+                return known
+    if known is not None and all(store.blob_path(l).exists() for l in known.layers):
+        image = replace(known, name=name)  # the same layers under the name of the folder's new path
+        store.save_image(image)
+    else:
+        image = build_image(name, path, store)
     with _folder_images_lock:
-        _folder_images[key] = (signature, image)
+        _folder_images[key] = image
         while len(_folder_images) > 4096:
             _folder_images.popitem(last=False)
     return image

@@ -17,6 +17,7 @@ from evals.attempts import APPLY_FAILED, GRADED
 from evals.call_checks import PROBE_SOURCE
 from evals.grading import committed_patch, grade_patch
 from evals.sandbox import platform_sandbox_factory
+from sandboxes.programs import shipped_source
 from tests.sandboxes.conftest import installed
 
 needs_bwrap = pytest.mark.skipif(not installed("bwrap"), reason="bubblewrap is not installed")
@@ -65,7 +66,9 @@ def test_the_call_probe_starts_on_built_in_modules(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"module": "m", "call_timeout_s": 10, "one_process": False,
                                 "calls": [[0, "f", "(3,)"], [1, "f", "('\\ud800',)"], [2, "g", "()"]]}))
-    run = subprocess.run([sys.executable, "-I", "-S", "-X", "importtime", str(PROBE_SOURCE), str(spec)],
+    probe = tmp_path.parent / f"{tmp_path.name}-probe.py"  # as the grader ships it: one file, outside the task
+    probe.write_bytes(shipped_source(PROBE_SOURCE))
+    run = subprocess.run([sys.executable, "-I", "-S", "-X", "importtime", str(probe), str(spec)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sandboxes.runtimes import compiled_pxd
 from tests.reliability.conftest import REPO
 
 SECRET = "s3cr3t-6f1d0c2a9b-do-not-log"
@@ -107,7 +108,7 @@ def test_pxd_offers_no_tcp_listener():
     """pxd takes exactly one of --stdio or --socket (a unix socket path); it has no TCP option."""
     source = (REPO / "sandboxes" / "pxd.py").read_text()
     assert "AF_INET" not in source and ".bind((" not in source
-    done = subprocess.run([sys.executable, str(REPO / "sandboxes" / "pxd.py"), "--workspace", "/tmp", "--port", "8080"],
+    done = subprocess.run([sys.executable, str(compiled_pxd(sys.executable)), "--workspace", "/tmp", "--port", "8080"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "(--stdio | --socket PATH)" in done.stderr
 

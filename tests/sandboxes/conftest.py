@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import sandboxes
+from sandboxes.runtimes import compiled_pxd
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
 
@@ -61,7 +62,7 @@ def installed(binary: str) -> bool:
 def pxd_proc(tmp_path):
     """pxd as a plain process on a scratch repository (the daemon's own logic, without a sandbox)."""
     ws = make_repo(tmp_path / "ws")
-    proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(sandboxes.__file__).with_name("pxd.py")),
+    proc = subprocess.Popen([sys.executable, "-I", "-S", str(compiled_pxd(sys.executable)),
                              "--workspace", str(ws), "--stdio"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     client = sandboxes.PxdClient.over_fds(proc.stdout.fileno(), proc.stdin.fileno())
     client.wait_ready(10)

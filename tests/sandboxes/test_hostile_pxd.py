@@ -18,6 +18,7 @@ import pytest
 
 import sandboxes
 from sandboxes import PxdError
+from sandboxes.runtimes import compiled_pxd
 from sandboxes.client import PxdClient, PxdConnectionError
 
 from .conftest import make_repo, runtime_params
@@ -340,7 +341,7 @@ def test_pxd_requires_the_key_before_any_request(tmp_path):
     from pathlib import Path
 
     ws = make_repo(tmp_path / "ws")
-    done = subprocess.run([sys.executable, "-I", "-S", str(Path(sandboxes.__file__).with_name("pxd.py")),
+    done = subprocess.run([sys.executable, "-I", "-S", str(compiled_pxd(sys.executable)),
                            "--workspace", str(ws), "--stdio"],
                           input=b"GET /health HTTP/1.1\r\nContent-Length: 0\r\n\r\n", capture_output=True, timeout=30)
     assert done.returncode == 2 and done.stdout == b""

@@ -10,6 +10,7 @@ import pytest
 
 import sandboxes
 from sandboxes.images import base_layer_tar, tar_directory, unpack_layer
+from sandboxes.programs import shipped_source
 
 from .conftest import make_repo
 
@@ -148,4 +149,4 @@ def test_base_layer_has_the_skeleton(tmp_path, store):
     assert "sandbox:x:1000" in (root / "etc/passwd").read_text()
     assert (root / "bin").is_symlink() and (root / "workspace").is_dir()
     assert (root / "tmp").stat().st_mode & 0o7777 == 0o1777
-    assert (root / "opt/pxd/pxd.py").read_bytes() == Path(sandboxes.__file__).with_name("pxd.py").read_bytes()
+    assert (root / "opt/pxd/pxd.py").read_bytes() == shipped_source(Path(sandboxes.__file__).with_name("pxd.py"))

@@ -31,7 +31,7 @@ import pytest
 from evals.sandbox import InfraError, PlatformSandbox
 from sandboxes import k8s, pool
 from sandboxes.client import PxdConnectionError
-from sandboxes.runtimes import Limits
+from sandboxes.runtimes import Limits, compiled_pxd
 
 PXD = Path(pool.__file__).with_name("pxd.py")
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455
@@ -205,7 +205,7 @@ class FakeKube:
         argv = container["command"]
         assert argv[:3] == [k8s.PodSettings().pxd_python, "-I", "-S"] and argv[3] == k8s.PodSettings().pxd_path
         # the node's python and the repository's pxd stand in for the image's
-        argv = [sys.executable, "-I", "-S", str(PXD), "--workspace", str(workspace), *argv[6:]]
+        argv = [sys.executable, "-I", "-S", str(compiled_pxd(sys.executable)), "--workspace", str(workspace), *argv[6:]]
         self.procs[key] = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                            stderr=subprocess.DEVNULL, cwd=workspace)
         pod["spec"]["nodeName"] = "node-1"

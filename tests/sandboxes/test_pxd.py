@@ -7,6 +7,7 @@ import os
 import pytest
 
 from sandboxes import PxdError
+from sandboxes.runtimes import compiled_pxd
 
 
 def test_exec_argv_and_shell(pxd_proc):
@@ -156,7 +157,7 @@ def test_unix_socket_serves_clients_at_once(tmp_path):
 
     ws = make_repo(tmp_path / "ws")
     sock = tmp_path / "pxd.sock"
-    proc = subprocess.Popen([sys.executable, "-I", "-S", str(Path(sandboxes.__file__).with_name("pxd.py")),
+    proc = subprocess.Popen([sys.executable, "-I", "-S", str(compiled_pxd(sys.executable)),
                              "--workspace", str(ws), "--socket", str(sock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline().startswith(b"PXD-READY")
