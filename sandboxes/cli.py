@@ -5,6 +5,11 @@
   ``{"exit_code", "stdout", "stderr", "truncated", "duration_s"}`` (and ``timed_out``) as JSON and
   remove the sandbox. Exits with the command's exit code.
 - ``posttrain sandbox images``: the images in the store and the node cache's contents.
+- ``posttrain sandbox reap``: clear what sandboxes of dead harnesses left under the run base, every
+  cache's (:mod:`sandboxes.reaping`; a start reaps only its own cache's), and say what went.
+- ``posttrain sandbox shipped PROGRAM``: the one file a sandbox runs of ``sandboxes/pxd.py`` or
+  ``evals/call_probe.py`` (:func:`sandboxes.programs.shipped_source`), to stdout: for an image built
+  by hand, or to run pxd on a folder.
 
 The task is looked up in a built bundled suite folder (``suite.json`` and ``tasks/<id>/task.json``,
 the format ``posttrain tasks build`` writes), by default ``$POSTTRAIN_HOME/datasets/bundled``;
@@ -100,6 +105,30 @@ def cmd_images(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reap(args: argparse.Namespace) -> int:
+    from sandboxes.reaping import reap_stale_sandboxes
+    from sandboxes.rootfs import run_base
+
+    unmounted: list[int] = []
+    reaped = reap_stale_sandboxes(None, unmounted=unmounted)
+    print(f"reaped {len(reaped)} run folders under {run_base()}, {sum(unmounted)} mounts taken down")
+    for name, mounts in zip(reaped, unmounted):
+        print(f"  {name}: {mounts} mounts")
+    return 0
+
+
+def cmd_shipped(args: argparse.Namespace) -> int:
+    from sandboxes.programs import shipped_source
+
+    try:
+        data = shipped_source(Path(args.program))
+    except (OSError, ValueError) as exc:
+        print(f"posttrain sandbox shipped: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.buffer.write(data)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's commands to the ``posttrain`` parser."""
     sandbox = sub.add_parser("sandbox", help="run commands in task sandboxes",
@@ -129,3 +158,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.set_defaults(func=cmd_exec)
     im = ssub.add_parser("images", help="list the image store and the node cache (JSON)")
     im.set_defaults(func=cmd_images)
+    rp = ssub.add_parser("reap", help="clear what sandboxes of dead harnesses left (processes, mounts, run folders)",
+                         description="Every cache's run folders under $POSTTRAIN_SANDBOX_RUN_DIR whose lock no process "
+                         "holds: their cgroup's processes killed, their mounts taken down, the folders removed.")
+    rp.set_defaults(func=cmd_reap)
+    sh = ssub.add_parser("shipped", help="print the one file a sandbox runs of a program (pxd, the call probe)")
+    sh.add_argument("program", help="sandboxes/pxd.py or evals/call_probe.py")
+    sh.set_defaults(func=cmd_shipped)

@@ -11,14 +11,13 @@ into the grading sandbox (:mod:`evals.call_checks`).
 
 To get the file a sandbox runs (for an image built by hand, or to run pxd on a folder)::
 
-    python -m sandboxes.programs sandboxes/pxd.py > /tmp/pxd.py
+    posttrain sandbox shipped sandboxes/pxd.py > /tmp/pxd.py
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -72,21 +71,3 @@ def shipped_digest(program: Path) -> str:
     """The SHA-256 (hex) of :func:`shipped_source`: what a compiled copy or a cached answer is keyed by,
     so a change to either file is a new key."""
     return _entry(program)[1]
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m sandboxes.programs PROGRAM.py  (writes the file shipped into a sandbox to stdout)",
-              file=sys.stderr)
-        return 2
-    try:
-        data = shipped_source(Path(argv[0]))
-    except (OSError, ValueError) as exc:
-        print(f"programs: {exc}", file=sys.stderr)
-        return 1
-    sys.stdout.buffer.write(data)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """pxd: the command daemon that runs inside every sandbox and answers the harness.
 
 Run it locally (no sandbox, for debugging) on a folder, talking HTTP/1.1 over stdin/stdout, from
-the repository's root (or run the one file a sandbox gets: ``python -m sandboxes.programs
+the repository's root (or run the one file a sandbox gets: ``posttrain sandbox shipped
 sandboxes/pxd.py > /tmp/pxd.py``)::
 
     python3 -m sandboxes.pxd --workspace /tmp/ws --stdio

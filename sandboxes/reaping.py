@@ -17,9 +17,7 @@ Mounts outside the run folders (the toolchain's binds under ``toolchain/``) are 
 
 :func:`sandboxes.runtimes.start` reaps its cache's run folders once per process and cache; a
 harness killed while using a cache that no process uses again (a test's temporary one) leaves
-debris only the whole run base's sweep finds::
-
-    python -m sandboxes.reaping          # every cache's run folders under the run base; prints what went
+debris only the whole run base's sweep finds: ``posttrain sandbox reap`` (``reap_stale_sandboxes(None)``).
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ import fcntl
 import os
 import re
 import shutil
-import sys
 import time
+import warnings
 from pathlib import Path
 
 from sandboxes.cache import LayerCache
@@ -81,7 +79,7 @@ def _reap_folder(run_dir: Path, min_age_s: float) -> int | None:
             umount(Path(point))
         left = _mounts_under(run_dir, mount_points())
         if left:  # never remove files through a mount: they would be the mount's
-            print(f"reaping: {run_dir} still has mounts ({', '.join(left)}); left in place", file=sys.stderr)
+            warnings.warn(f"reaping: {run_dir} still has mounts ({', '.join(left)}); left in place")
             return None
         shutil.rmtree(run_dir, ignore_errors=True)
         return len(points)
@@ -123,19 +121,3 @@ def reap_stale_sandboxes(cache: LayerCache | None = None, min_age_s: float = 60.
                 pass
     remove_stale_empty_cgroups(min_age_s)
     return reaped
-
-
-def main(argv: list[str]) -> int:
-    if argv:
-        print("usage: python -m sandboxes.reaping  (no arguments: sweeps $POSTTRAIN_SANDBOX_RUN_DIR)", file=sys.stderr)
-        return 2
-    unmounted: list[int] = []
-    reaped = reap_stale_sandboxes(None, unmounted=unmounted)
-    print(f"reaped {len(reaped)} run folders under {run_base()}, {sum(unmounted)} mounts taken down")
-    for name, mounts in zip(reaped, unmounted):
-        print(f"  {name}: {mounts} mounts")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

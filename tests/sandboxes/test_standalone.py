@@ -108,3 +108,14 @@ def test_the_path_stand_ins_are_os_paths(tmp_path, monkeypatch):
     assert standalone.exec_candidates("sh", env) == [os.path.join(d, "sh") for d in os.get_exec_path(env)]
     assert standalone.exec_candidates("./x", env) == ["./x"]
     assert standalone.exec_candidates("sh", {}) == [os.path.join(d, "sh") for d in os.get_exec_path({})]
+
+
+def test_posttrain_sandbox_shipped_prints_the_shipped_file(tmp_path):
+    """The command that gives an image built by hand its pxd, and what it says of a wrong file."""
+    posttrain = Path(sys.executable).with_name("posttrain")
+    done = subprocess.run([str(posttrain), "sandbox", "shipped", str(PXD)], capture_output=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == shipped_source(PXD), done.stderr[-2000:]
+    (tmp_path / "tool.py").write_text("print(1)\n")
+    done = subprocess.run([str(posttrain), "sandbox", "shipped", str(tmp_path / "tool.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "tool.py must import sandboxes.standalone" in done.stderr
