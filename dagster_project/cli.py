@@ -30,6 +30,7 @@ from evals.settings import EVAL_DEFAULTS as EVAL_SECTION_DEFAULTS, parse_eval_ta
 from evals.tasks import TaskLoadError, load_harbor
 from sandboxes.files import NotARegularFile, open_regular_file
 from sandboxes.home import HOME_ENV, default_home
+from sandboxes.settings import as_table
 from training.planner.schema import PlanError, load_run_file
 from viewer.links import DEFAULT_PORT as VIEWER_PORT, URL_ENV as VIEWER_URL_ENV
 
@@ -130,10 +131,8 @@ def eval_section(args: argparse.Namespace, base: dict | None, what: str):
     that retries an eval does not run in this folder."""
     table = dict(base or {})
     source = what
-    if getattr(args, "run_file", None):
-        from assets.evals import eval_config  # every asset module: see the module docstring
-
-        table = eval_config(load_run_file(args.run_file).eval)
+    if getattr(args, "run_file", None):  # the whole file validated, its [eval] as the table it is written as
+        table = as_table(load_run_file(args.run_file).eval)
         source = f"{what} over the [eval] of {args.run_file}"
     table.update(evals.cli.eval_table(args))
     if getattr(args, "dataset", None):

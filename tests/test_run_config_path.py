@@ -128,3 +128,26 @@ def test_an_eval_run_setting_goes_from_the_run_file_to_the_evaluation_as_the_sec
     assert section.run_settings() == table
     rows = evaluate([], None, None, platform_sandbox_factory("bwrap"), section, checkpoint="r-step_000004")
     assert rows == []
+
+
+def test_a_command_line_eval_takes_the_run_files_eval_then_its_options(tmp_path) -> None:
+    """``posttrain eval --run-file`` and ``posttrain backfill --run-file``: the whole run file is
+    validated, its ``[eval]`` is the base, the options given override it, and the result is one
+    ``EvalSection`` (read from ``evals.settings``, not through the planner); a bad key of another
+    section of the file is refused, naming the file and the key."""
+    import argparse
+
+    import pytest
+
+    from dagster_project.cli import eval_section
+    from evals.settings import EvalSection
+    from training.planner.schema import PlanError
+
+    run_file = tmp_path / "r.toml"
+    run_file.write_text('[eval]\nattempts = 3\nmax_turns = 2\ntask_ids = ["a", "b"]\n')
+    args = argparse.Namespace(run_file=str(run_file), attempts=None, max_turns=5, dataset=None)
+    section = eval_section(args, None, "posttrain eval")
+    assert section == EvalSection(attempts=3, max_turns=5, task_ids=("a", "b"))
+    run_file.write_text('[eval]\nattempts = 3\n[trainer]\nkl_coef = -1\n')
+    with pytest.raises(PlanError, match=r"r.toml: \[trainer\] kl_coef"):
+        eval_section(args, None, "posttrain eval")
