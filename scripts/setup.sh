@@ -102,18 +102,34 @@ if [[ -n ${installed:-} || ! -f $compile_stamp || $(cat "$compile_stamp") != "$c
     env -u PYTHONDONTWRITEBYTECODE .venv/bin/python - <<'EOF'
 import compileall, concurrent.futures, functools, os, subprocess, sys, sysconfig
 
-# What each process the project starts imports first: the CLI and Dagster's code location (with the
-# modules its assets import when they run), the vLLM server (its engine core, the embedded default's
-# Qwen2 model and LoRA layers), the trainer. A module missing here is compiled by the process that
-# imports it, every time.
+# What each process the project starts imports: the CLI and Dagster's code location, with the
+# modules its assets import when they run and those Dagster imports to make and use an instance's
+# SQLite storage and run a job in process; the vLLM server (its engine core, the embedded default's
+# Qwen2 model and LoRA layers); the trainer. A module missing here is compiled by the process that
+# imports it, every time (docs/benchmarks.md says how this list was checked against a demo's imports).
 PROCESSES = {
     "posttrain": ["dagster_project.cli", "dagster_project.definitions", "dagster_project.demo", "evals.bundled",
-                  "evals.report", "training.base_model", "training.curriculum", "viewer"],
+                  "evals.report", "training.base_model", "training.curriculum", "viewer",
+                  "dagster._core.instance.runs.run_domain", "dagster._core.execution.api", "dagster._core.secrets.env_file",
+                  "dagster._core.storage.runs.sqlite.sqlite_run_storage", "dagster._core.storage.migration.utils",
+                  "dagster._core.storage.event_log.sqlite.sqlite_event_log",
+                  "dagster._core.storage.schedules.sqlite.sqlite_schedule_storage", "dagster._daemon.daemon",
+                  "dagster._scheduler.scheduler", "dagster._grpc.server", "alembic.command", "sqlalchemy.dialects.sqlite",
+                  "pyarrow.parquet", "upath.implementations.local", "fsspec.implementations.local", "watchdog.observers",
+                  "pygments.lexers.python"],
     "vllm": ["serving.engines.vllm_server", "serving.replica", "vllm.entrypoints.openai.api_server",
              "vllm.v1.engine.core", "vllm.model_executor.models.qwen2", "vllm.lora.punica_wrapper.punica_cpu",
-             "transformers.models.qwen2"],
+             "transformers.models.qwen2", "transformers.models.qwen3", "transformers.models.deepseek_v2",
+             "transformers.models.deepseek_v3", "transformers.models.audioflamingo3", "setproctitle",
+             "pydantic.v1", "numpy.ctypeslib", "uvicorn.protocols.http.httptools_impl", "uvicorn.lifespan.on",
+             "uvicorn.loops.auto", "uvicorn.protocols.websockets.websockets_sansio_impl", "websockets.server",
+             "loguru", "prometheus_fastapi_instrumentator", "dotenv", "upath.types"],
     "trainer": ["training.__main__", "peft"],
 }
+# Folders compiled whole: read from files by a library rather than imported by name (alembic loads
+# every migration script of Dagster's storage when it makes an instance's database), or imported by
+# the vLLM server as it starts its engine, a thousand modules in subpackages no import above reaches.
+FOLDERS = ["dagster/_core/storage/alembic", "vllm", "compressed_tensors", "model_hosting_container_standards"]
 LIST = """
 import importlib, sys
 for name in sys.argv[1:]:
@@ -131,10 +147,12 @@ children = [subprocess.Popen([sys.executable, "-c", LIST, *modules], stdout=subp
 imported = {line for child in children for line in child.communicate()[0].splitlines()}
 site = os.path.realpath(sysconfig.get_paths()["purelib"])
 folders = {os.path.dirname(os.path.realpath(p)) for p in imported}
-files = sorted(os.path.join(d, f) for d in folders if d.startswith(site + os.sep) or d == site
-               for f in os.listdir(d) if f.endswith(".py"))
+files = {os.path.join(d, f) for d in folders if d.startswith(site + os.sep) or d == site
+         for f in os.listdir(d) if f.endswith(".py")}
+files |= {os.path.join(root, f) for folder in FOLDERS for root, _, names in os.walk(os.path.join(site, folder))
+          for f in names if f.endswith(".py")}
 with concurrent.futures.ProcessPoolExecutor() as pool:
-    list(pool.map(functools.partial(compileall.compile_file, quiet=2), files, chunksize=32))
+    list(pool.map(functools.partial(compileall.compile_file, quiet=2), sorted(files), chunksize=32))
 print(f"setup: {len(imported)} modules imported, {len(files)} files of their folders compiled")
 EOF
     echo "$compile_want" >"$compile_stamp"
