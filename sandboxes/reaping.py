@@ -48,8 +48,9 @@ def mount_points(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
 
 
 def _mounts_under(folder: Path, points: list[str]) -> list[str]:
-    prefix = str(folder).rstrip("/") + "/"
-    return [p for p in points if p == str(folder) or p.startswith(prefix)]
+    real = os.path.realpath(folder)  # the mount table names real paths (a run base named through a link)
+    prefix = real.rstrip("/") + "/"
+    return [p for p in points if p == real or p.startswith(prefix)]
 
 
 def _reap_folder(run_dir: Path, min_age_s: float) -> int | None:

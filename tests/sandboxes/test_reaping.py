@@ -124,3 +124,21 @@ def test_a_folder_without_a_lock_is_left_while_young(run_base, tmp_path):
     (run_dir / "lock").unlink()
     assert reap_stale_sandboxes(cache, min_age_s=3600) == [] and len(_mounts_in(run_dir)) == 4
     assert reap_stale_sandboxes(cache, min_age_s=0) == ["pt-0000000000dd"] and _mounts_in(run_dir) == []
+
+
+def test_a_run_base_named_through_a_link_is_reaped_by_its_real_mounts(tmp_path, monkeypatch):
+    """The mount table names real paths: a run base given through a symbolic link must still find
+    the mounts, and so never remove a folder through one of them."""
+    real = tmp_path / "real-run"
+    real.mkdir()
+    (tmp_path / "run-link").symlink_to(real)
+    monkeypatch.setenv("POSTTRAIN_SANDBOX_RUN_DIR", str(tmp_path / "run-link"))
+    cache = sandboxes.LayerCache(tmp_path / "cache")
+    owner, run_dir = _start_owner(cache.root, "pt-0000000000ee")
+    try:
+        _kill(owner)
+        assert reap_stale_sandboxes(cache) == ["pt-0000000000ee"]
+        assert _mounts_in(real) == [] and not run_dir.exists()
+    finally:
+        for point in sorted(_mounts_in(real), key=len, reverse=True):
+            umount(Path(point))
