@@ -49,6 +49,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import tempfile
 import tomllib
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, replace
@@ -540,6 +542,9 @@ _REF_NAME = re.compile(r"refs/(?:[A-Za-z0-9_-][A-Za-z0-9._-]*/)*[A-Za-z0-9_-][A-
 # a fresh bare repository (our config, no hooks, attributes, replace refs or grafts) whose object
 # store borrows the agent's through alternates; no system, global or XDG config; every option the
 # repository's config could change given on the command line.
+_GIT_OPTIONS = ("-c", "core.attributesFile=/dev/null", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")
+_DIFF = ("diff", "--binary", "--no-ext-diff", "--no-textconv", "--no-color", "--no-renames", "--no-relative",
+         "--src-prefix=a/", "--dst-prefix=b/", "--unified=3", "--diff-algorithm=myers", "--ignore-submodules=none")
 _DIFF_SCRIPT = r"""set -e
 d=$(mktemp -d /tmp/.posttrain-diff.XXXXXXXX)
 mkdir -p "$d/objects/info" "$d/refs" "$d/home"
@@ -550,13 +555,11 @@ set +e
 env -i PATH=/usr/bin:/bin LANG=C HOME="$d/home" XDG_CONFIG_HOME="$d/home" GIT_DIR="$d" \
   GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_NO_REPLACE_OBJECTS=1 GIT_ATTR_NOSYSTEM=1 \
   GIT_OPTIONAL_LOCKS=0 GIT_TERMINAL_PROMPT=0 \
-  /usr/bin/git -c core.attributesFile=/dev/null -c core.hooksPath=/dev/null -c core.fsmonitor=false \
-  diff --binary --no-ext-diff --no-textconv --no-color --no-renames --no-relative --src-prefix=a/ \
-  --dst-prefix=b/ --unified=3 --diff-algorithm=myers --ignore-submodules=none {base} {head} --
+  /usr/bin/git {git_options} {diff} {base} {head} --
 rc=$?
 rm -rf "$d"
 exit $rc
-"""
+""".replace("{git_options}", " ".join(_GIT_OPTIONS)).replace("{diff}", " ".join(_DIFF))
 
 
 def _agent_file(sandbox, path: str) -> bytes | None:
@@ -634,6 +637,51 @@ def committed_patch(sandbox, base_commit: str) -> str:
     if result.truncated:
         raise AgentFault("agent_patch_too_large", "the committed patch exceeds 8 MiB")
     return result.output
+
+
+def edited_patch(repo: str | Path, base: str, files: Mapping[str, bytes]) -> str:
+    """The patch :func:`committed_patch` reads after a commit of ``files`` (path to content) over the
+    base commit ``base`` (a full id) of the task repository ``repo``, made on the host with the same
+    ``git diff`` (the same binary and options, so the same text).
+
+    For an episode in which no code of the agent's ran, only edits of the task's files (the harness,
+    :func:`evals.harness.run_episode`): ``files`` is then data, and what a commit of it gives is
+    known without a sandbox. Git runs on a fresh bare repository in a temporary folder (our config,
+    no hooks or attributes) whose object store borrows ``repo``'s through alternates and receives
+    the new blobs; the task's repository is only read. Each path keeps its mode at ``base``; a
+    path ``base`` lacks raises ``ValueError``."""
+    with tempfile.TemporaryDirectory(prefix=".posttrain-edit.") as d:
+        os.makedirs(f"{d}/objects/info")
+        os.makedirs(f"{d}/refs")
+        os.makedirs(f"{d}/home")
+        Path(d, "HEAD").write_text("ref: refs/heads/posttrain\n")
+        Path(d, "config").write_text("[core]\n\trepositoryformatversion = 0\n\tbare = true\n")
+        Path(d, "objects/info/alternates").write_text(f"{Path(repo).resolve() / '.git' / 'objects'}\n")
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C", "HOME": f"{d}/home", "XDG_CONFIG_HOME": f"{d}/home",
+               "GIT_DIR": d, "GIT_INDEX_FILE": f"{d}/index", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+               "GIT_NO_REPLACE_OBJECTS": "1", "GIT_ATTR_NOSYSTEM": "1", "GIT_OPTIONAL_LOCKS": "0",
+               "GIT_TERMINAL_PROMPT": "0"}
+
+        def git(*args: str, data: bytes | None = None) -> bytes:
+            done = subprocess.run(["/usr/bin/git", *_GIT_OPTIONS, *args], input=data, env=env,
+                                  capture_output=True, check=False)
+            if done.returncode != 0:
+                raise InfraError(f"git {args[0]} of the edited tree of {repo} exited {done.returncode}: "
+                                 f"{done.stderr.decode(errors='replace')[-500:]}")
+            return done.stdout
+
+        git("read-tree", base)
+        listed = git("ls-files", "-s", "-z", "--", *files).split(b"\0")
+        modes = {entry.partition(b"\t")[2].decode(): entry.split(b" ", 1)[0].decode() for entry in listed if entry}
+        lines = []
+        for path, data in files.items():
+            if path not in modes:
+                raise ValueError(f"{path} is not a file of {repo} at {base}")
+            blob = git("hash-object", "-w", "--stdin", data=data).decode().strip()
+            lines.append(f"{modes[path]} {blob}\t{path}\n")
+        git("update-index", "--index-info", data="".join(lines).encode())
+        tree = git("write-tree").decode().strip()
+        return git(*_DIFF, base, tree, "--").decode(errors="replace")
 
 
 def _install_plugin(sandbox) -> tuple[str, bytes]:

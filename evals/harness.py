@@ -64,6 +64,7 @@ import difflib
 import hashlib
 import json
 import posixpath
+import re
 import threading
 import time
 import uuid
@@ -72,7 +73,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from evals.actions import Action, ActionParseError, apply_edits, failing_summary, observation, parse_actions, render_prompt
-from evals.grading import AGENT_FAULT, INFRA_ERROR, GradeResult, committed_patch, grade_patch, zero_scores
+from evals.grading import AGENT_FAULT, INFRA_ERROR, GradeResult, committed_patch, edited_patch, grade_patch, zero_scores
 from evals.sandbox import AGENT_LABELS, AgentFault, EpisodeSandbox, InfraError, SandboxBroken, SandboxFactory
 from evals.tasks import Task
 from serving.chat_template import TemplateText
@@ -300,6 +301,62 @@ class _AgentEnded(Exception):
         self.label = label
 
 
+class HostEdits:
+    """An episode's edits of its task's one editable file, kept on the host until the episode needs a
+    sandbox: an episode that only edits and commits (no ``test`` whose observation is not known
+    yet, no ``reset``) runs no code of the agent's, so it needs none. Its edits are data: the
+    file's text at the base commit (read from the task's repository on the host, which the sandbox
+    would copy) with the agent's edit applied by the same functions (:func:`execute`), and its
+    commit's patch is the one a commit in a sandbox gives, made by the same ``git diff``
+    (:func:`evals.grading.edited_patch`). The episode's sandbox and its commands (the commit, the
+    grader's reading of the patch: ten processes and a sandbox start and stop) are left out; the
+    grading still runs in a fresh sandbox of its own. The first action that needs a sandbox opens
+    it, and the edits kept so far are written there first.
+
+    Only the compact format's ``edit``/``replace`` of the file and its ``commit`` are taken, for a
+    task whose base commit is a full id and whose repository is a local folder holding that file."""
+
+    def __init__(self, task: Task, path: str, base: bytes) -> None:
+        self.task, self.path, self.base, self.text = task, path, base, base
+
+    @classmethod
+    def of(cls, task: Task) -> "HostEdits | None":
+        if not (task.repo_path and _FULL_COMMIT.fullmatch(task.base_commit or "")):
+            return None
+        try:
+            path = _the_editable_file(task)
+        except ValueError:
+            return None
+        file = Path(task.repo_path) / path
+        if inside_git(path) or posixpath.normpath(path) != path or path.startswith("/") or not file.is_file() \
+                or file.is_symlink() or not (Path(task.repo_path) / ".git").is_dir():
+            return None
+        return cls(task, path, file.read_bytes())
+
+    def takes(self, action: Action, task: Task) -> bool:
+        """Whether ``action`` is one this keeps on the host: an edit of the file, or a commit."""
+        if action.tool == "commit":
+            return not action.args.get("message")
+        if action.tool == "str_replace":
+            return str(action.args.get("path", self.path)) == self.path
+        return action.tool == "replace_line" and str(action.args.get("path")) == self.path
+
+    def read_file(self, path: str) -> bytes:
+        return self.text  # only the file that :meth:`takes` names reaches here
+
+    def write_file(self, path: str, data: bytes) -> None:
+        self.text = data
+
+    def patch(self, written: dict[str, bytes]) -> str:
+        """The patch a commit of ``written`` gives (empty when it is the base's text)."""
+        if all(data == self.base for data in written.values()):
+            return ""
+        return edited_patch(self.task.repo_path, self.task.base_commit, written)
+
+
+_FULL_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
 def _the_editable_file(task: Task) -> str:
     """The file an edit without a path changes: the task's one editable file (the one the compact
     prompt shows)."""
@@ -413,13 +470,18 @@ def run_episode(
             opened: list[EpisodeSandbox] = []
 
             def sandbox() -> EpisodeSandbox:
-                # Opened at the first action: an agent that never acts has nothing to run or grade.
+                # Opened at the first action that needs it (not an edit kept on the host): an agent
+                # that never acts, or only edits and commits, has nothing to run there.
                 if not opened:
                     opened.append(stack.enter_context(sandbox_factory(task)))
+                    for path, data in (written or {}).items():  # the edits kept on the host so far
+                        opened[0].write_file(path, data)
                 return opened[0]
 
             context_ids = prompt_ids(tokenizer, task, action_format)
             written: dict[str, bytes] | None = {}  # what the edits wrote, while nothing else changed the tree
+            host = HostEdits.of(task) if action_format == "compact" else None
+            host_patch: str | None = None  # the patch of a commit made on the host
             agent_ran = False  # an agent's command has run in the sandbox: what it started may still run
             for turn in range(max_turns):
                 if time.monotonic() > deadline:
@@ -477,7 +539,13 @@ def run_episode(
                                                    time.monotonic() - s0))
                             raise ended from exc
 
-                    if test_key is not None:  # one run of these tests on this tree, whoever asks first
+                    on_host = host is not None and not opened and written is not None and host.takes(action, task)
+                    if on_host and action.tool == "commit":
+                        host_patch = host.patch(written)
+                        obs, committed = ("committed" if host_patch else "nothing to commit"), True
+                    elif on_host:
+                        obs, committed = execute(action, task, host, written=written)
+                    elif test_key is not None:  # one run of these tests on this tree, whoever asks first
                         obs, committed = cached_once(grade_cache, test_key, lambda: act()[0]), False
                     else:
                         obs, committed = act()
@@ -497,7 +565,9 @@ def run_episode(
                 context_ids = context_ids + output_ids + observation_ids(tokenizer, results, action_format)
             else:
                 traj.stop_reason = "max_turns"
-            if grade and opened:
+            if grade and host_patch is not None:
+                traj.patch = host_patch
+            elif grade and opened:
                 try:
                     traj.patch = committed_patch(opened[0], task.base_commit or "HEAD")
                 except InfraError as exc:  # what the agent's commands left running may have ended the sandbox

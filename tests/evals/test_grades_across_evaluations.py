@@ -40,11 +40,12 @@ def test_a_second_evaluation_takes_the_first_ones_gradings(small_tasks, tokenize
     first = evaluate(tasks, policy, tokenizer, factory, checkpoint="a-step_000000", attempts=2, max_turns=1,
                      workers=1)
     opened_first = factory.starts
-    # per task: its hidden answers; the solved one's two episodes and one grading, the other's one grading
-    assert opened_first == 2 + (2 + 1) + 1
+    # per task: its hidden answers; the solved one's grading (its episodes only edit and commit: no
+    # sandbox of their own, evals.harness.HostEdits), the other's one grading
+    assert opened_first == 2 + 1 + 1
     second = evaluate(tasks, policy, tokenizer, factory, checkpoint="b-step_000004", attempts=2, max_turns=1,
                       workers=1)
-    assert factory.starts - opened_first == 2  # the solved task's episodes only: no grading
+    assert factory.starts - opened_first == 0  # no grading, and the episodes need no sandbox
     assert [r["reward"] for r in first] == [r["reward"] for r in second] == [1.0, 1.0, 0.0, 0.0]
     assert [r["status"] for r in second] == ["graded"] * 4
 
