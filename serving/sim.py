@@ -180,7 +180,8 @@ class SimEngine:
             step_s = prefill_tokens * svc.prefill_s_per_token / self.size_gpus
             if batch:
                 step_s += svc.decode_step_s + batch * svc.decode_s_per_req / self.size_gpus
-            time.sleep(step_s)
+            if step_s:  # a step that takes no time (a service model of zeros) costs no sleep call
+                time.sleep(step_s)
             with self._lock:
                 grow = svc.decode_chunk_tokens
                 sched.retract_newest(grow)
