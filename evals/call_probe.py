@@ -39,8 +39,8 @@ The parent writes to the results pipe, one JSON object a line:
 The grader compares the values with the expected ones it keeps on the host. Stdlib only, one file
 (it runs on the sandbox's own ``python3``): its one import from the project,
 :mod:`sandboxes.standalone` (the stand-ins it shares with pxd), is written into the copy the grader
-ships in place of the import line (:func:`sandboxes.programs.shipped_source`), so the sandbox's copy
-imports nothing of the project's tree.
+ships in place of the import's block (:func:`sandboxes.programs.shipped_source`), so the sandbox's
+copy imports nothing of the project's tree.
 
 It starts on built-in modules where it can: the JSON codec from ``_json`` (the json package's C
 half; the package imports ``re``), ``prctl`` through ``_ctypes`` (the ctypes package's C half), both
@@ -55,8 +55,14 @@ import stat
 import sys
 import time
 
-# where the probe is shipped, this line is sandboxes/standalone.py's text (sandboxes.programs.shipped_source)
-from sandboxes.standalone import json_codec, make_not_dumpable
+# >>> standalone: where the probe is shipped, sandboxes/standalone.py's text stands here (sandboxes.programs)
+try:
+    from sandboxes.standalone import json_codec, make_not_dumpable
+except ModuleNotFoundError:  # run as a file from the repository: standalone.py is in ../sandboxes
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandboxes"))
+    from standalone import json_codec, make_not_dumpable
+    del sys.path[0]
+# <<< standalone
 
 FD_ENV = "POSTTRAIN_RESULTS_FD"
 MAX_ITEMS = 10_000  # elements of one returned value; a larger one is not plain data for grading

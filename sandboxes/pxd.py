@@ -61,9 +61,9 @@ did not start (found in /proc), never stealing the exit status of its own comman
 
 This file uses only the standard library: it runs under whatever ``python3`` the sandbox has, as
 one file. Its one import from the project, :mod:`sandboxes.standalone` (the stand-ins it shares
-with the grader's probe), is written into the shipped copy in place of the import line
+with the grader's probe), is written into the shipped copy in place of the import's block
 (:func:`sandboxes.programs.shipped_source`), so the sandbox's copy imports nothing of the project's
-tree. Two sandboxes start per episode, so its start-up is kept short: its imports are the
+tree; run from the repository as a file, it takes ``standalone.py`` from beside it. Two sandboxes start per episode, so its start-up is kept short: its imports are the
 interpreter's built-in modules (``posix`` for the system calls, ``_thread``, ``_signal``, ``select``,
 ``_json`` for the JSON codec, ``_ctypes`` for ``prctl``), not ``os`` (whose collection ABCs cost about
 1 ms of CPU a start: the few ``os.path`` functions pxd needs are standalone's ``realpath``,
@@ -89,8 +89,14 @@ import stat
 import sys
 import time
 
-# where pxd is shipped, this line is sandboxes/standalone.py's text (sandboxes.programs.shipped_source)
-from sandboxes.standalone import exec_candidates, json_codec, make_not_dumpable, normpath, realpath
+# >>> standalone: where pxd is shipped, sandboxes/standalone.py's text stands here (sandboxes.programs)
+try:
+    from sandboxes.standalone import exec_candidates, json_codec, make_not_dumpable, normpath, realpath
+except ModuleNotFoundError:  # run as a file from the repository (bench/load_pxd.py): standalone.py is beside it
+    sys.path.insert(0, __file__.rpartition("/")[0] or ".")
+    from standalone import exec_candidates, json_codec, make_not_dumpable, normpath, realpath
+    del sys.path[0]
+# <<< standalone
 
 NULL_DEVICE = "/dev/null"  # os.devnull
 
