@@ -9,8 +9,9 @@
 #
 # What it is: Debian bookworm (`debootstrap --variant=minbase`) with python3 (no third-party
 # packages), git, bash, coreutils and tar: what a local sandbox of such a task sees of the host's
-# /usr (sandboxes.toolchain); pxd at /opt/pxd/pxd.py (from the committed tree); the sandbox user
-# uid 1000 owning /workspace and /home/sandbox; the skeleton's /etc/gitconfig of sandboxes.images.
+# /usr (sandboxes.toolchain); pxd at /opt/pxd/pxd.py with standalone.py beside it (from the committed
+# tree); the sandbox user uid 1000 owning /workspace and /home/sandbox; the skeleton's /etc/gitconfig
+# of sandboxes.images.
 # Nothing of posttrain's (no grader code, no venv): the agent's sandbox holds only its task.
 #
 # Settings: POSTTRAIN_TASK_IMAGE (the tag, default posttrain.local/task-base:local),
@@ -38,6 +39,8 @@ rm -f "$root/.posttrain-base"
 commit=$(git -C "$repo" rev-parse --short=12 HEAD)
 mkdir -p "$root/opt/pxd" "$root/workspace" "$root/home/sandbox"
 git -C "$repo" show HEAD:sandboxes/pxd.py >"$root/opt/pxd/pxd.py"
+# pxd run as a file takes its stand-ins from standalone.py beside it (sandboxes.programs)
+git -C "$repo" show HEAD:sandboxes/standalone.py >"$root/opt/pxd/standalone.py"
 # the skeleton's git and name settings every local sandbox has (sandboxes.images.BASE_FILES): the git
 # identity commits are made with, safe.directory (the workspace is a volume whose mount point is not
 # the sandbox user's), main as the default branch; without them every commit in a pod failed
@@ -53,7 +56,7 @@ grep -q "^sandbox:" "$root/etc/group" || echo "sandbox:x:$uid:" >>"$root/etc/gro
 chown "$uid:$uid" "$root/workspace" "$root/home/sandbox"
 chmod 1777 "$root/tmp"
 : >"$root/etc/resolv.conf"
-chroot "$root" /usr/bin/python3 -c "import ast; ast.parse(open('/opt/pxd/pxd.py').read())" || die "the image's python3 cannot read pxd"
+chroot "$root" /usr/bin/python3 -I -S /opt/pxd/pxd.py --help >/dev/null || die "the image's python3 cannot start pxd"
 chroot "$root" git --version >/dev/null || die "the image has no working git"
 
 cat >"$work/image-config.json" <<JSON

@@ -426,8 +426,9 @@ status() {
     return 0
 }
 
-# The tag of the node's images; a change rebuilds them.
-IMAGES_REV=3
+# The tag of the node's images; a change rebuilds them. It names the pxd the python image carries, so
+# a node built with another pxd builds its images again.
+IMAGES_REV=4-$(cat "$repo/sandboxes/pxd.py" "$repo/sandboxes/standalone.py" | sha256sum | cut -c1-12)
 
 # import_image NAME LAYER_TAR [CMD]: an OCI archive of one layer (scripts/oci-archive.py), imported
 # into containerd's k8s.io namespace.
@@ -473,7 +474,7 @@ build_images() {
     done
     cp /bin/busybox "$root/bin/busybox"
     for lib in sh cp cat ls mkdir rm sleep env echo; do ln -sf busybox "$root/bin/$lib"; done
-    cp "$repo/sandboxes/pxd.py" "$root/opt/pxd/pxd.py"
+    cp "$repo/sandboxes/pxd.py" "$repo/sandboxes/standalone.py" "$root/opt/pxd/"  # pxd takes standalone.py from beside it
     printf 'root:x:0:0:root:/root:/bin/sh\nsandbox:x:1000:1000:sandbox:/home/sandbox:/bin/sh\n' >"$root/etc/passwd"
     printf 'root:x:0:\nsandbox:x:1000:\n' >"$root/etc/group"
     echo 'print(2 + 2)' >"$root/workspace/calc.py"

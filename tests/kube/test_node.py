@@ -27,6 +27,7 @@ pods under ``posttrain-workload``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -42,7 +43,10 @@ from tests.kube.test_apply import example_in
 from training.planner import k8s, resolve, runner
 
 NODE = "posttrain-node"
-IMAGES_REV = "3"  # scripts/kube-local.sh IMAGES_REV
+_SANDBOXES = Path(__file__).resolve().parents[2] / "sandboxes"
+# scripts/kube-local.sh IMAGES_REV: the images' revision and the pxd the python image carries
+IMAGES_REV = "4-" + hashlib.sha256(b"".join((_SANDBOXES / name).read_bytes()
+                                            for name in ("pxd.py", "standalone.py"))).hexdigest()[:12]
 IMAGE = f"posttrain.local/python:{IMAGES_REV}"
 
 
