@@ -28,3 +28,27 @@ def engine_server(tiny_model):
     server = serve(LocalEngine(tiny_model, max_total_tokens=8192, torch_threads=1), port=0)
     yield server
     server.shutdown()
+
+
+def sessions_at_once(client, n: int, prompt, **kwargs) -> dict[str, dict]:
+    """``n`` calls ``client.generate(prompt(i), ..., session_id=f"s{i}")`` at once, each from a thread
+    of its own; their answers by session id. A call's error fails the test, with every other."""
+    import threading
+
+    answers: dict[str, dict] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            answers[f"s{i}"] = client.generate(prompt(i), {"max_new_tokens": 3, "ignore_eos": True},
+                                               session_id=f"s{i}", **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the others
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return answers

@@ -16,6 +16,7 @@ from serving.client import EngineClient
 from serving.http import serve
 from serving.protocol import Completion, awaited_generate
 from serving.sim import ServiceModel, SimEngine
+from tests.serving.conftest import sessions_at_once
 
 AT_ONCE = 4
 NO_SERVICE_TIME = ServiceModel(prefill_s_per_token=0.0, decode_step_s=0.0, decode_s_per_req=0.0)
@@ -53,22 +54,8 @@ def test_calls_beyond_the_worker_threads_are_in_the_engine_at_once_and_captured(
     engine = MeetingEngine()
     server = serve(engine, limits=HttpLimits(max_workers=1))
     client = EngineClient(server.url)
-    answers: dict[str, dict] = {}
-    errors: list[BaseException] = []
-
-    def call(i: int) -> None:
-        try:
-            answers[f"s{i}"] = client.generate([5, 6, i], {"max_new_tokens": 3, "ignore_eos": True}, session_id=f"s{i}")
-        except BaseException as exc:  # noqa: BLE001 - reported below, with the others
-            errors.append(exc)
-
     try:
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(AT_ONCE)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        answers = sessions_at_once(client, AT_ONCE, lambda i: [5, 6, i])
         assert len(engine.threads) == 1 and not any("worker" in name for name in engine.threads), engine.threads
         for sid, answer in answers.items():
             [record] = client.session(sid)

@@ -22,6 +22,7 @@ from serving.engines.local import LocalEngineClient
 from serving.http import serve
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.sim import ServiceModel, SimEngine
+from tests.serving.conftest import sessions_at_once
 
 AT_ONCE = 4
 # Logprobs that only survive a round trip unchanged if nothing on the way rounds or recomputes them.
@@ -63,23 +64,8 @@ def test_calls_through_the_front_are_in_the_engine_at_once_with_one_worker_threa
     engine = serve(HeldEngine(AT_ONCE))
     front = serve_sidecar(engine.url, limits=HttpLimits(max_workers=1))
     client = EngineClient(front.url)
-    answers: dict[str, dict] = {}
-    errors: list[BaseException] = []
-
-    def call(i: int) -> None:
-        try:
-            answers[f"s{i}"] = client.generate([5, 6, 7, i], {"max_new_tokens": 3, "ignore_eos": True},
-                                               return_logprob=True, session_id=f"s{i}")
-        except BaseException as exc:  # noqa: BLE001 - reported below, with the others
-            errors.append(exc)
-
     try:
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(AT_ONCE)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        answers = sessions_at_once(client, AT_ONCE, lambda i: [5, 6, 7, i], return_logprob=True)
         for sid, answer in answers.items():
             [record] = client.session(sid)
             assert record["output_ids"] == answer["output_ids"] and len(record["output_ids"]) == 3
