@@ -26,10 +26,10 @@ from assets.partitions import checkpoints_partitions, parse_checkpoint_partition
 from assets.resources import PosttrainStorage, WorkloadLauncher
 from assets.run_files import hand_to_workloads
 from assets.training import checkpoints
-from evals.evaluate import evaluate_checkpoint, load_eval_tasks, select_tasks
+from evals.evaluate import eval_tasks, evaluate_checkpoint
 from evals.flawed import ensure_flawed_lists, load_flawed_lists
 from evals.attempts import write_rows
-from evals.harbor import eval_split, is_harbor_dataset
+from evals.harbor import is_harbor_dataset
 from evals.report import (
     build_report, flagged_mask, flip_counts, graded_rows, headline_markdown, headlines, load_attempt_rows,
     markdown_tables, newest_runs, parse_key, plot_pass_at_1, plot_pass_at_k, plot_target_scores, repeat_spread,
@@ -68,7 +68,7 @@ def dagster_config(section: type, name: str, doc: str) -> type[dg.Config]:
 DeepSWEEvalConfig = dagster_config(EvalSection, "DeepSWEEvalConfig", """How a checkpoint is evaluated: the run file's
 ``[eval]`` table (``evals.settings.EvalSection``, which declares and documents each key). The
 checkpoint sensor, the demo and ``posttrain backfill`` fill it from the run's ``[eval]``
-(:func:`eval_run_config`); ``deepswe_eval`` reads it back into an ``EvalSection`` once.
+(:func:`eval_run_config`, :func:`checkpoint_eval_run_config`); ``deepswe_eval`` reads it back into an ``EvalSection`` once.
 
 ``dataset``: ``bundled`` (the suite under the datasets folder), a task source (a SWE-bench file,
 a built suite folder), or a Harbor dataset folder (DeepSWE v1.1's ``tasks/``, or ``posttrain
@@ -84,8 +84,8 @@ def eval_config(section: EvalSection) -> dict[str, Any]:
 
 def eval_run_config(section: EvalSection) -> dict[str, Any]:
     """The run config of a ``checkpoint_eval`` run (or a ``deepswe_eval`` backfill) that evaluates as
-    ``section`` says."""
-    return {"ops": {"deepswe_eval": {"config": eval_config(section)}}}
+    ``section`` says: its table (:func:`eval_config`) as ``deepswe_eval``'s config."""
+    return {"ops": {"deepswe_eval": {"config": as_table(section)}}}
 
 
 EVAL_SETTINGS_FILE = "eval.json"  # a model registered by `posttrain eval --model`: the [eval] it was evaluated with
@@ -108,19 +108,14 @@ def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
     return EVAL_DEFAULTS
 
 
-def run_eval_config(storage: PosttrainStorage, run_name: str) -> dict[str, Any]:
-    """The run config that evaluates a checkpoint of run ``run_name`` as its ``[eval]`` says
-    (:func:`run_eval_section`, then :func:`eval_run_config`): what the checkpoint sensor requests.
-    ``SettingsError`` (the planner's ``PlanError``) naming the file and the key when the run's table
-    does not validate."""
-    return eval_run_config(run_eval_section(storage, run_name))
-
-
-def eval_tasks(section: EvalSection, storage: PosttrainStorage) -> list[Any]:
-    """The tasks ``section`` evaluates (its :data:`evals.settings.TASKS` keys: the dataset, its split,
-    the ids named), the bundled suite taken from the storage root's datasets folder."""
-    tasks = load_eval_tasks(section.dataset, eval_split(section.split), bundled_dir=storage.datasets_dir() / "bundled")
-    return select_tasks(tasks, section.task_ids, section.dataset)
+def checkpoint_eval_run_config(storage: PosttrainStorage, checkpoint: str) -> dict[str, Any]:
+    """The run config that evaluates ``checkpoint`` (a partition key) as its run's ``[eval]`` says,
+    from the partition key to ``deepswe_eval``'s config in one call: what the checkpoint sensor
+    requests. The run's section is read and validated once (:func:`run_eval_section`) and written
+    as the config (:func:`eval_run_config`); ``SettingsError`` (the planner's ``PlanError``) naming
+    the file and the key when the run's table does not validate."""
+    section = run_eval_section(storage, parse_checkpoint_partition_key(checkpoint)[0])
+    return eval_run_config(section)
 
 
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:
@@ -165,24 +160,26 @@ def deepswe_eval(
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     rows_path = eval_rows_path(storage, key, context.run_id)
     engine_log = None
-    pod_file = run_eval_pod_file(storage, key)
-    on_fleet = pod_file is not None and not is_harbor_dataset(section.dataset)  # Harbor tasks run here, always
-    if on_fleet:
-        tasks, rows, adapter_version = fleet_eval_rows(context, section, storage, pod_file, rows_path)
-    elif is_harbor_dataset(section.dataset):  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
+    harbor = is_harbor_dataset(section.dataset)
+    pod_file = None if harbor else run_eval_pod_file(storage, key)  # Harbor tasks run here, always
+    on_fleet = pod_file is not None
+    if harbor:  # real DeepSWE tasks: their images, DeepSWE v1.1's verifier flow
         policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
         adapter_version = policy.adapter_version
         tasks, rows = harbor_eval_rows(context, section, storage, policy)
     else:
-        policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
-        adapter_version = policy.adapter_version
-        engine_log = rows_path.with_suffix(".engine.log")
-        tasks = eval_tasks(section, storage)
-        rows = evaluate_checkpoint(  # how each task is run: the section's run keys, read where they act
-            tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), section, checkpoint=key,
-            adapter=policy.adapter, adapter_version=policy.adapter_version, log=context.log.info,
-            engine_log=engine_log,
-        )
+        tasks = eval_tasks(section, bundled_dir=storage.datasets_dir() / "bundled")  # the same in the eval pod
+        if on_fleet:
+            rows, adapter_version = fleet_eval_rows(context, section, storage, pod_file, rows_path)
+        else:
+            policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
+            adapter_version = policy.adapter_version
+            engine_log = rows_path.with_suffix(".engine.log")
+            rows = evaluate_checkpoint(  # how each task is run: the section's run keys, read where they act
+                tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), section, checkpoint=key,
+                adapter=policy.adapter, adapter_version=policy.adapter_version, log=context.log.info,
+                engine_log=engine_log,
+            )
     path = rows_path if on_fleet else write_rows(rows, rows_path)  # the eval pod wrote its own
 
     frame = pd.DataFrame(rows)
@@ -216,12 +213,12 @@ def run_eval_pod_file(storage: PosttrainStorage, checkpoint: str) -> Path | None
 
 
 def fleet_eval_rows(context: dg.AssetExecutionContext, section: EvalSection, storage: PosttrainStorage,
-                    pod_file: Path, rows_path: Path) -> tuple[list[Any], list[dict[str, Any]], str | None]:
+                    pod_file: Path, rows_path: Path) -> tuple[list[dict[str, Any]], str | None]:
     """Evaluate the partition's checkpoint in the eval pod of its Kubernetes run (``pod_file``,
     :func:`training.planner.k8s.eval_pod`): ``python -m training.fleet_eval`` through Dagster Pipes,
     on the run's engines and sandbox pool. The storage root is the run volume's mount, so the pod's
     paths are the volume's (``/run-data/...``) and the rows it writes appear at ``rows_path`` here.
-    Returns the tasks, the rows (read back from ``rows_path``) and the checkpoint's adapter version."""
+    Returns the rows (read back from ``rows_path``) and the checkpoint's adapter version."""
     from training.checkpoint import read_metadata
     from training.planner.k8s import DATA_MOUNT, EVAL_MODULE
 
@@ -242,7 +239,7 @@ def fleet_eval_rows(context: dg.AssetExecutionContext, section: EvalSection, sto
                  pod_spec=pod["spec"], pod_meta=pod["metadata"], namespace=pod["namespace"])
     if not rows_path.is_file():
         raise FileNotFoundError(f"checkpoint {key}: the eval pod ended without writing {rows_path}")
-    return eval_tasks(section, storage), pd.read_parquet(rows_path).to_dict("records"), read_metadata(ckpt, name=key).get("adapter_version")
+    return pd.read_parquet(rows_path).to_dict("records"), read_metadata(ckpt, name=key).get("adapter_version")
 
 
 class EvalReportConfig(dg.Config):

@@ -11,6 +11,7 @@ Dagster, the asset definitions and pandas take seconds to import, so the command
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,11 +27,10 @@ import training.planner.cli
 from dagster_project.instance import ensure_dagster_home
 from dagster_project.processes import Supervisor
 from evals.flawed import FlawedListError, ensure_flawed_lists, flawed_views, load_flawed_lists, views_markdown
-from evals.settings import EVAL_DEFAULTS as EVAL_SECTION_DEFAULTS, parse_eval_table
+from evals.settings import EVAL_DEFAULTS as EVAL_SECTION_DEFAULTS, EvalSection, override_eval_section
 from evals.tasks import TaskLoadError, load_harbor
 from sandboxes.files import NotARegularFile, open_regular_file
 from sandboxes.home import HOME_ENV, default_home
-from sandboxes.settings import as_table
 from training.planner.schema import PlanError, load_run_file
 from viewer.links import DEFAULT_PORT as VIEWER_PORT, URL_ENV as VIEWER_URL_ENV
 
@@ -125,23 +125,22 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     return 0
 
 
-def eval_section(args: argparse.Namespace, base: dict | None, what: str):
-    """The ``[eval]`` settings of a command: ``base`` (a run's, or ``--run-file``'s), overridden by the
-    options given; validated once, ``PlanError`` naming the key. Paths are made absolute: the daemon
-    that retries an eval does not run in this folder."""
-    table = dict(base or {})
+def eval_section(args: argparse.Namespace, base: EvalSection | None, what: str) -> EvalSection:
+    """The ``[eval]`` settings of a command: ``base`` (a run's section, or ``--run-file``'s: the whole
+    file validated), overridden by the options given; the options are validated once, over the
+    section (which is not turned back into a table), ``PlanError`` naming the key. Paths are made
+    absolute: the daemon that retries an eval does not run in this folder."""
     source = what
-    if getattr(args, "run_file", None):  # the whole file validated, its [eval] as the table it is written as
-        table = as_table(load_run_file(args.run_file).eval)
+    if getattr(args, "run_file", None):
+        base = load_run_file(args.run_file).eval
         source = f"{what} over the [eval] of {args.run_file}"
-    table.update(evals.cli.eval_table(args))
+    table = evals.cli.eval_table(args)
     if getattr(args, "dataset", None):
         table["dataset"] = args.dataset
-    for key in ("dataset", "sources"):
-        value = table.get(key)
-        if isinstance(value, str) and value and value != "bundled" and Path(value).expanduser().exists():
-            table[key] = str(Path(value).expanduser().resolve())
-    return parse_eval_table(table, source=source)
+    section = override_eval_section(base or EVAL_SECTION_DEFAULTS, table, source)
+    paths = {key: str(Path(value).expanduser().resolve()) for key in ("dataset", "sources")
+             if (value := getattr(section, key)) and value != "bundled" and Path(value).expanduser().exists()}
+    return dataclasses.replace(section, **paths) if paths else section
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -167,7 +166,7 @@ def _eval_model(args: argparse.Namespace, section) -> int:
     from assets.resources import PosttrainStorage
     # start light: `posttrain eval` loads Dagster, the evals and serving (uvicorn) only when it runs
     from dagster_project.model_eval import DatasetError, RegistrationError, check_harbor_dataset, evaluate_model
-    from evals.evaluate import eval_split, load_eval_tasks, select_tasks, write_rows
+    from evals.evaluate import eval_tasks, write_rows
     from evals.harbor import is_harbor_dataset
 
     model = Path(args.model).expanduser().resolve()
@@ -208,8 +207,7 @@ def _eval_model(args: argparse.Namespace, section) -> int:
             return 2
     elif section.dataset != "bundled":  # a task source: its tasks load and the ids name them, before any run
         try:
-            select_tasks(load_eval_tasks(section.dataset, eval_split(section.split), bundled_dir=""),
-                         section.task_ids, section.dataset)
+            eval_tasks(section, bundled_dir="")
         except (TaskLoadError, ValueError, OSError) as exc:
             print(f"posttrain eval: {exc}", file=sys.stderr)
             return 2
@@ -245,7 +243,7 @@ def backfill_run_config(args: argparse.Namespace, partitions: list[str]) -> dict
     """The run config of a ``deepswe_eval`` backfill: the ``[eval]`` of the partitions' runs (their
     plans, or a registered model's ``eval.json``; they must agree unless ``--run-file`` gives one),
     with the eval options given over it. Other assets take no eval options."""
-    from assets.evals import eval_config, eval_run_config, run_eval_section  # see the module docstring
+    from assets.evals import eval_run_config, run_eval_section  # see the module docstring
     # start light: Dagster and the asset modules load only for `posttrain backfill` (see the module docstring)
     from assets.partitions import parse_checkpoint_partition_key
     from assets.resources import PosttrainStorage
@@ -264,8 +262,9 @@ def backfill_run_config(args: argparse.Namespace, partitions: list[str]) -> dict
         if len(set(sections.values())) > 1:
             raise ValueError(f"the runs {', '.join(runs)} were planned with different [eval] tables; backfill "
                              "them apart, or give the eval with --run-file")
-        base = eval_config(next(iter(sections.values())))
-    return eval_run_config(eval_section(args, base, "posttrain backfill"))
+        base = next(iter(sections.values()))
+    section = eval_section(args, base, "posttrain backfill")
+    return eval_run_config(section)
 
 
 def cmd_score(args: argparse.Namespace) -> int:

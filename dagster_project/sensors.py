@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.evals import run_eval_config
-from assets.partitions import checkpoint_partition_key, checkpoints_partitions, parse_checkpoint_partition_key
+from assets.evals import checkpoint_eval_run_config
+from assets.partitions import checkpoint_partition_key, checkpoints_partitions
 from assets.resources import PosttrainStorage
 from dagster_project.automation import automation_sensors
 from dagster_project.jobs import EVAL_TAGS, checkpoint_eval_job
@@ -72,10 +72,11 @@ def failed_eval_requests(instance: dg.DagsterInstance, storage: PosttrainStorage
 def eval_request(storage: PosttrainStorage, key: str, run_key: str, log=None) -> dg.RunRequest | None:
     """The ``checkpoint_eval`` request of checkpoint ``key``, run as its run's ``[eval]`` says (the run
     file's, kept in the run's plan, read back as one ``evals.settings.EvalSection`` and handed to
-    ``deepswe_eval`` as its config: :func:`assets.evals.run_eval_config`). An ``[eval]`` that does
-    not validate requests nothing and is logged with the file and the key."""
+    ``deepswe_eval`` as its config: :func:`assets.evals.checkpoint_eval_run_config`, one call from the
+    partition key to the run config). An ``[eval]`` that does not validate requests nothing and is
+    logged with the file and the key."""
     try:
-        run_config = run_eval_config(storage, parse_checkpoint_partition_key(key)[0])
+        run_config = checkpoint_eval_run_config(storage, key)
     except SettingsError as exc:  # the run's [eval] does not validate (the planner calls it PlanError)
         if log is not None:
             log(f"{key}: not evaluated: {exc}")

@@ -19,7 +19,8 @@ with ``status="infra_error"`` and empty scores, and metrics leave it out (never 
 :func:`evaluate_checkpoint` serves a base model (and an adapter, merged into its weights) with an
 engine replica process (vLLM by default) and evaluates it, with :func:`evaluate` or, on Harbor tasks,
 :func:`evals.harbor.evaluate_harbor`: the one path from a checkpoint to its rows.
-:func:`load_eval_tasks` picks the tasks of a source and split, :func:`select_tasks` the ones an eval names.
+:func:`eval_tasks` picks the tasks an ``[eval]`` section names (:func:`load_eval_tasks`: those of a source
+and split, :func:`select_tasks`: the ids named).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from serving.engines.vllm import lora_rank_slot
 from serving.fleet import start_engine, stop_replica
 
 __all__ = ["ROW_COLUMNS", "SCORE_FIELDS", "BundledVerifier", "episode_attempt", "evaluate", "evaluate_checkpoint",
-           "eval_split", "load_eval_tasks", "select_tasks", "served_checkpoint", "served_model", "write_rows"]
+           "eval_split", "eval_tasks", "load_eval_tasks", "select_tasks", "served_checkpoint", "served_model", "write_rows"]
 
 # What an attempt did, for the trajectory viewer (``viewer``): bounded so a runaway attempt cannot
 # swell the Parquet file. ``test_outcomes`` and ``transcript`` are JSON text (see :func:`episode_attempt`).
@@ -208,6 +209,16 @@ def load_eval_tasks(source: str, split: str, *, bundled_dir: str | Path) -> list
     if not tasks:
         raise ValueError(f"deepswe_eval: task source {source!r} has no task in split {split!r}")
     return tasks
+
+
+def eval_tasks(settings: EvalSection, *, bundled_dir: str | Path) -> list[Task]:
+    """The tasks an ``[eval]`` section picks (its :data:`~evals.settings.TASKS` keys: the dataset,
+    its split, the ids named, in that order), the bundled suite read from ``bundled_dir``: one
+    reading of those keys for the ``deepswe_eval`` asset, the eval pod (``training.fleet_eval``)
+    and ``posttrain eval``'s check before it runs. Not for a Harbor dataset, whose tasks need their
+    images (``assets.harbor_eval``)."""
+    tasks = load_eval_tasks(settings.dataset, eval_split(settings.split), bundled_dir=bundled_dir)
+    return select_tasks(tasks, settings.task_ids, settings.dataset)
 
 
 def evaluate_checkpoint(

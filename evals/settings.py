@@ -18,10 +18,10 @@ are the asset's (sources, sandbox runtime, network, checks). The eval pod is giv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
 
-from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, parse_table, setting
+from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, key_name, parse_table, setting
 
 TASKS = "tasks"  # a key that picks the tasks evaluated
 RUN = "run"  # a key that says how each task is run: a keyword argument of the evaluation
@@ -86,3 +86,12 @@ def parse_eval_table(table: Any, source: str) -> EvalSection:
     validated into an :class:`EvalSection`; ``sandboxes.settings.SettingsError`` (the planner's
     ``PlanError``) naming ``source`` and each offending key. A key set to ``None`` is unset."""
     return parse_table(EvalSection, table, "eval", source)
+
+
+def override_eval_section(section: EvalSection, table: Any, source: str) -> EvalSection:
+    """``section`` (a run's ``[eval]``, already valid) with the keys of ``table`` (a command's
+    options) set over it: the options are validated, as :func:`parse_eval_table` does, and the
+    section is not turned back into a table to be read again."""
+    given = parse_table(EvalSection, table, "eval", source)
+    return replace(section, **{f.name: getattr(given, f.name) for f in fields(EvalSection)
+                               if isinstance(table, Mapping) and table.get(key_name(f)) is not None})

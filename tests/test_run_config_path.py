@@ -151,3 +151,77 @@ def test_a_command_line_eval_takes_the_run_files_eval_then_its_options(tmp_path)
     run_file.write_text('[eval]\nattempts = 3\n[trainer]\nkl_coef = -1\n')
     with pytest.raises(PlanError, match=r"r.toml: \[trainer\] kl_coef"):
         eval_section(args, None, "posttrain eval")
+
+
+def _calls_into(path: str, function: str) -> set[str]:
+    """The names a module-level ``function`` of ``path`` calls that the module imports from another
+    module of posttrain (``from X import name``, X not a library)."""
+    tree = ast.parse((ROOT / path).read_text())
+    imported = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module and (ROOT / node.module.split(".")[0]).is_dir() for alias in node.names}
+    body = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == function)
+    return {node.func.id for node in ast.walk(body) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id in imported}
+
+
+def _called(path: str, name: str) -> int:
+    """How many calls of ``name`` (a bare name) ``path`` makes."""
+    return sum(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+               for node in ast.walk(ast.parse((ROOT / path).read_text())))
+
+
+def test_the_eval_key_goes_through_each_module_once_on_its_way_to_the_evaluation() -> None:
+    """The checkpoint sensor makes its request from one function of ``assets.evals`` (the partition
+    key in, the run config out) rather than parsing the key itself and going back to the asset's
+    module; the tasks an ``[eval]`` picks are read in ``evals.evaluate`` (``eval_tasks``), once per
+    ``deepswe_eval`` run whichever way it evaluates, and by the eval pod and ``posttrain eval`` alike,
+    none of which spells the dataset/split/ids reading again; the loss is read as ``cfg.loss``, with
+    no accessor of its own."""
+    from assets.evals import checkpoint_eval_run_config
+    from evals.evaluate import eval_tasks
+    from training.config import LossConfig
+
+    assert _calls_into("dagster_project/sensors.py", "eval_request") == {checkpoint_eval_run_config.__name__}
+    for path in ("assets/evals.py", "training/fleet_eval.py", "dagster_project/cli.py"):
+        for spelled in ("load_eval_tasks", "select_tasks", "eval_split"):
+            assert not _called(path, spelled), f"{path} picks the [eval] tasks itself ({spelled})"
+    assert _called("assets/evals.py", eval_tasks.__name__) == 1  # before the fleet/local branch, not in each
+    assert inspect.signature(eval_tasks).parameters["settings"].annotation in ("EvalSection", "evals.settings.EvalSection")
+    assert not hasattr(LossConfig, "from_config")
+
+
+def test_a_commands_eval_options_are_set_over_the_runs_section_not_over_a_table_of_it(tmp_path) -> None:
+    """``posttrain backfill`` evaluates a partition as its run's ``[eval]`` says with the options
+    given over it: the run's section (already valid) is the base, the options alone are validated
+    and set on it, and nothing turns the section back into a table to read it again. A bad option
+    names the key; the tasks the section picks are the same whichever caller asks."""
+    import argparse
+
+    import pytest
+
+    from dagster_project.cli import eval_section
+    from evals.evaluate import eval_tasks
+    from evals.settings import EvalSection, override_eval_section
+    from sandboxes.settings import SettingsError
+
+    run = EvalSection(attempts=3, max_turns=2, task_ids=("a", "b"), temperature=0.5)
+    args = argparse.Namespace(run_file=None, attempts=None, max_turns=5, dataset=None)
+    assert eval_section(args, run, "posttrain backfill") == EvalSection(
+        attempts=3, max_turns=5, task_ids=("a", "b"), temperature=0.5)
+    assert override_eval_section(run, {"seed": 4, "workers": None}, "opts") == EvalSection(
+        attempts=3, max_turns=2, task_ids=("a", "b"), temperature=0.5, seed=4)
+    with pytest.raises(SettingsError, match=r"posttrain backfill: \[eval\] max_turns: expected a positive value"):
+        eval_section(argparse.Namespace(run_file=None, attempts=None, max_turns=0, dataset=None), run,
+                     "posttrain backfill")
+    tree = ast.parse((ROOT / "dagster_project/cli.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in ("as_table", "eval_config")]
+    # the bundled suite as a task source: its eval split, then the ids named, in that order
+    from evals.bundled import build_suite
+
+    suite = tmp_path / "suite"
+    build_suite(suite, per_level=2, extra_eval_per_level=0, workers=2)
+    held_out = [t.id for t in eval_tasks(EvalSection(), bundled_dir=suite)]
+    assert held_out and [t.id for t in eval_tasks(EvalSection(task_ids=tuple(held_out[::-1])), bundled_dir=suite)] \
+        == held_out[::-1]
+    with pytest.raises(ValueError, match=r"\[eval\] task_ids: nope is not a task of bundled"):
+        eval_tasks(EvalSection(task_ids=("nope",)), bundled_dir=suite)

@@ -93,11 +93,6 @@ class LossConfig:
         if self.weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss weighting {self.weighting!r}: expected one of {', '.join(LOSS_WEIGHTINGS)}")
 
-    @classmethod
-    def from_config(cls, cfg: "TrainConfig") -> "LossConfig":
-        """The run's loss settings: the trainer config's, whole."""
-        return cfg.loss
-
 
 # The loss's keys in [trainer] and in the trainer's JSON -> the LossConfig field each sets.
 LOSS_FIELDS = {key_name(f): f for f in dataclasses.fields(LossConfig)}

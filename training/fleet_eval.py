@@ -29,8 +29,7 @@ from pathlib import Path
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, open_dagster_pipes
 
 from evals.attempts import write_rows
-from evals.evaluate import evaluate, load_eval_tasks, model_tokens, select_tasks
-from evals.harbor import eval_split
+from evals.evaluate import eval_tasks, evaluate, model_tokens
 from evals.harness import HttpClient, episode_context
 from evals.sandbox import platform_sandbox_factory
 from evals.settings import parse_eval_table
@@ -64,9 +63,7 @@ def run(args: argparse.Namespace, log=print) -> Path:
     if not router:
         raise SystemExit(f"${ROUTER_URL_VARIABLE} is not set: the run's eval pod sets it to the run's router")
     policy = checkpoint_policy(args.checkpoint_dir, name=args.checkpoint)
-    tasks = select_tasks(load_eval_tasks(section.dataset, eval_split(section.split),
-                                         bundled_dir=Path(os.environ.get("POSTTRAIN_HOME", ".")) / "datasets" / "bundled"),
-                         list(section.task_ids), section.dataset)
+    tasks = eval_tasks(section, bundled_dir=Path(os.environ.get("POSTTRAIN_HOME", ".")) / "datasets" / "bundled")
     fleet = RemoteFleet(router, log=log)
     version = None
     if policy.adapter is not None:

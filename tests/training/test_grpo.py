@@ -66,9 +66,8 @@ def test_loss_config_comes_from_the_trainer_keys_and_no_backend_takes_a_loss_set
 
     cfg = TrainConfig.from_mapping({"base_model": "m", "tis_cap": 3.0, "kl_coef": 0.05, "loss_weighting": "sequence",
                                     "scale_advantages_by_std": True})
-    assert LossConfig.from_config(cfg) == LossConfig(tis_cap=3.0, kl_coef=0.05, weighting="sequence",
-                                                     scale_advantages_by_std=True)
-    assert LossConfig.from_config(TrainConfig()) == LossConfig() == DEFAULT_LOSS
+    assert cfg.loss == LossConfig(tis_cap=3.0, kl_coef=0.05, weighting="sequence", scale_advantages_by_std=True)
+    assert TrainConfig().loss == LossConfig() == DEFAULT_LOSS
     for name in BACKENDS:
         constructor = inspect.signature(backend_class(name)).parameters
         assert not {"tis_cap", "kl_coef", "loss_weighting", "weighting", "scale_advantages_by_std"} & set(constructor), name
