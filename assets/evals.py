@@ -68,7 +68,8 @@ def dagster_config(section: type, name: str, doc: str) -> type[dg.Config]:
 DeepSWEEvalConfig = dagster_config(EvalSection, "DeepSWEEvalConfig", """How a checkpoint is evaluated: the run file's
 ``[eval]`` table (``evals.settings.EvalSection``, which declares and documents each key). The
 checkpoint sensor, the demo and ``posttrain backfill`` fill it from the run's ``[eval]``
-(:func:`eval_run_config`, :func:`checkpoint_eval_run_config`); ``deepswe_eval`` reads it back into an ``EvalSection`` once.
+(:func:`checkpoint_eval_run_config`, :func:`eval_run_config`); ``deepswe_eval`` reads it back into
+an ``EvalSection`` once.
 
 ``dataset``: ``bundled`` (the suite under the datasets folder), a task source (a SWE-bench file,
 a built suite folder), or a Harbor dataset folder (DeepSWE v1.1's ``tasks/``, or ``posttrain

@@ -49,7 +49,8 @@ from serving.engines.vllm import lora_rank_slot
 from serving.fleet import start_engine, stop_replica
 
 __all__ = ["ROW_COLUMNS", "SCORE_FIELDS", "BundledVerifier", "episode_attempt", "evaluate", "evaluate_checkpoint",
-           "eval_split", "eval_tasks", "load_eval_tasks", "select_tasks", "served_checkpoint", "served_model", "write_rows"]
+           "eval_split", "eval_tasks", "load_eval_tasks", "select_tasks", "served_checkpoint", "served_model",
+           "write_rows"]
 
 # What an attempt did, for the trajectory viewer (``viewer``): bounded so a runaway attempt cannot
 # swell the Parquet file. ``test_outcomes`` and ``transcript`` are JSON text (see :func:`episode_attempt`).

@@ -186,7 +186,7 @@ def test_the_eval_key_goes_through_each_module_once_on_its_way_to_the_evaluation
         for spelled in ("load_eval_tasks", "select_tasks", "eval_split"):
             assert not _called(path, spelled), f"{path} picks the [eval] tasks itself ({spelled})"
     assert _called("assets/evals.py", eval_tasks.__name__) == 1  # before the fleet/local branch, not in each
-    assert inspect.signature(eval_tasks).parameters["settings"].annotation in ("EvalSection", "evals.settings.EvalSection")
+    assert inspect.signature(eval_tasks).parameters["settings"].annotation == "EvalSection"
     assert not hasattr(LossConfig, "from_config")
 
 
