@@ -225,3 +225,32 @@ def test_a_commands_eval_options_are_set_over_the_runs_section_not_over_a_table_
         == held_out[::-1]
     with pytest.raises(ValueError, match=r"\[eval\] task_ids: nope is not a task of bundled"):
         eval_tasks(EvalSection(task_ids=("nope",)), bundled_dir=suite)
+
+
+def test_a_loss_knob_is_checked_as_the_loss_declares_it_in_the_planner_and_in_the_trainer(tmp_path) -> None:
+    """``[trainer] tis_cap`` and ``kl_coef`` are refused out of their declared range both where the run
+    file is planned and where the trainer reads its JSON (``TrainConfig.load``, the plan's trainer
+    table or a hand-written one): the trainer took ``tis_cap = 0`` and ``kl_coef = -1`` that the
+    planner refuses. A valid knob goes through the plan's trainer table into ``cfg.loss`` as it was."""
+    import json
+
+    import pytest
+
+    from training.config import TrainConfig
+    from training.planner import resolve
+    from training.planner.schema import PlanError
+
+    for key, bad, expected in (("tis_cap", 0.0, "a positive value"), ("kl_coef", -1.0, "a value of 0 or more")):
+        with pytest.raises(PlanError, match=rf"\[trainer\] {key}: expected {expected}"):
+            resolve({"model": DENSE, "inference": {"max_context_length": 4096}, "trainer": {key: bad}},
+                    source="r.toml")
+        path = tmp_path / "trainer.json"
+        path.write_text(json.dumps({"base_model": "m", key: bad}))
+        with pytest.raises(ValueError, match=rf"{path}: key '{key}' must be {expected}, got {bad}"):
+            TrainConfig.load(path)
+    run = {"model": DENSE, "inference": {"max_context_length": 4096}, "trainer": {"kl_coef": 0.05, "tis_cap": 3.0}}
+    planned = resolve(run, source="r.toml").to_json()
+    planned["trainer"]["base_model"] = "m"  # the run file names no model folder here
+    path.write_text(json.dumps(planned))
+    loss = TrainConfig.load(path).loss
+    assert (loss.kl_coef, loss.tis_cap) == (0.05, 3.0)

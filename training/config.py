@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from evals.signals import ALL_SIGNALS
-from sandboxes.settings import NON_NEGATIVE, POSITIVE, key_name, setting
+from sandboxes.settings import NON_NEGATIVE, POSITIVE, check, key_name, setting
 
 
 # The choice lists of the trainer's keys, spelled here only: ``TrainConfig.validate`` checks them and
@@ -197,10 +197,13 @@ class TrainConfig:
                 value = tuple(value)
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ValueError(f"{source}: key {key!r} must be {want.__name__}, got {value!r}")
-            if key in LOSS_KEYS:
-                choices = LOSS_FIELDS[key].metadata["choices"]  # as the loss declares them (LOSS_WEIGHTINGS)
+            if key in LOSS_KEYS:  # checked as the loss declares it, as the planner checks [trainer]
+                choices = LOSS_FIELDS[key].metadata["choices"]  # LOSS_WEIGHTINGS
                 if choices and value not in choices:
                     raise ValueError(f"{source}: key {key!r} must be one of {', '.join(choices)}, got {value!r}")
+                expected = check(value, LOSS_FIELDS[key].metadata)  # tis_cap > 0, kl_coef >= 0
+                if expected is not None:
+                    raise ValueError(f"{source}: key {key!r} must be {expected}, got {value!r}")
                 loss[LOSS_KEYS[key]] = value
             else:
                 values[key] = value
