@@ -2,9 +2,12 @@
 
 - :class:`GroupRunner`: what produces one group of rollouts (the evals agent harness against the
   engine fleet, in :mod:`training.episodes`), as a protocol.
-- :class:`Producer`: threads that keep ``groups_per_step * (max_policy_lag + 1)`` groups in flight or
-  ready, always sampling with the newest published adapter, writing each rollout to the store as soon
-  as it finishes. With ``producer_workers = 0`` the trainer produces each step's groups itself,
+- :class:`Producer`: threads that keep ``groups_per_step * (max_policy_lag + 1)`` groups in flight,
+  ready, or taken by the step whose adapter is not published yet, always sampling with the newest
+  published adapter, writing each rollout to the store as soon as it finishes. With that admission and
+  the trainer taking the oldest adapter's groups first (waiting for those in flight whose last step it
+  is), no group outlives the policy lag: nothing sampled is discarded, and which groups train does not
+  depend on how fast each one finished. With ``producer_workers = 0`` the trainer produces each step's groups itself,
   synchronously and deterministically (group ids and seeds depend only on the step).
 - :class:`RunState`: the trainer side: backend, curriculum, store, metrics; opened fresh or resumed
   from the newest complete checkpoint that loads (a damaged one is reported and the one before it is
@@ -209,6 +212,9 @@ class Producer:
         return sum(t.is_alive() for t in self._threads)
 
     def start(self) -> None:
+        if self.cfg.producer_workers:  # a stopped trainer's unfinished groups have no producer: never wait for them
+            if dropped := self.state.store.drop_unfinished("unfinished when the trainer stopped; not resumed"):
+                self.state.log(f"{dropped} groups left unfinished by the trainer that stopped are dropped")
         for i in range(self.cfg.producer_workers):
             t = threading.Thread(target=self._work, name=f"producer-{i}", daemon=True)
             t.start()
@@ -219,7 +225,7 @@ class Producer:
         while not self._stop.is_set():
             seen = self.state.changes()
             with self._cond:
-                full = self._inflight + self.state.store.ready_groups() >= target
+                full = self._inflight + self.state.occupied() >= target
                 if not full:
                     self._inflight += 1
                     self._seq += 1
@@ -229,7 +235,7 @@ class Producer:
                 continue
             try:
                 task = self.state.next_tasks(1)[0]
-                self.produce(task, group_id, self.state.current_adapter())
+                self.produce(task, group_id, self.state.start_group(group_id, task))
             except BaseException as exc:  # surfaced to the trainer, which stops the run
                 self.errors.append(exc)
                 self._stop.set()
@@ -268,6 +274,9 @@ class RunState:
         self.store = RolloutStore(store_path(self.run_dir))
         self._lock = threading.Lock()
         self._versions_in_flight: collections.Counter[str] = collections.Counter()
+        # of the groups_per_step the step in progress needs, how many it has taken: their places in the
+        # producers' window stay held until its adapter is published (see occupied)
+        self._taken_unpublished = 0
         # bumped when a group finishes or is dropped and when the trainer takes groups: the trainer
         # and the producers wait on it rather than polling the store
         self._changes = 0
@@ -359,6 +368,14 @@ class RunState:
         with self._lock:
             return self._adapter
 
+    def start_group(self, group_id: str, task_id: str) -> AdapterRef:
+        """Announce a group in the store and return the adapter it samples with, at once as the trainer
+        sees it: a take either sees the group (and keeps its place on its adapter's last step) or
+        happens before it, when that adapter was not yet one a step could be the last to use."""
+        with self._lock:
+            self.store.add_group(group_id, task_id, self._adapter.step, self.cfg.group_size)
+            return self._adapter
+
     @contextlib.contextmanager
     def sampling_with(self, adapter: AdapterRef):
         """Marks ``adapter`` in use by a group while the block runs: the publisher does not unload it."""
@@ -395,6 +412,17 @@ class RunState:
         with self._changed:
             self._changed.wait_for(lambda: self._changes != seen, timeout=CHANGE_WAIT_S if timeout_s is None else timeout_s)
 
+    def occupied(self) -> int:
+        """Places in the producers' window held by groups that are not in flight: complete and ready,
+        or taken by the step in progress (up to its ``groups_per_step``) until its adapter is published.
+
+        A group started now samples with the newest published adapter ``v``; the steps from ``v + 1``
+        on take at least ``groups_per_step`` each, oldest adapter first, so with fewer than
+        ``groups_per_step * (max_policy_lag + 1)`` places held or in flight it is taken by step
+        ``v + 1 + max_policy_lag`` at the latest, the last step its adapter is within the lag."""
+        with self._lock:
+            return self.store.ready_groups() + self._taken_unpublished
+
     def next_tasks(self, n: int) -> list[str]:
         with self._lock:
             return self.curriculum.next_tasks(n)
@@ -407,6 +435,9 @@ class RunState:
 
         The trainer at ``step`` updates the adapter of step ``step - 1``; a group sampled with the
         adapter of step ``v`` has policy age ``step - 1 - v`` and is usable while the age is at most ``max_policy_lag``.
+        Groups are taken oldest adapter first, and those whose last usable step this is are all taken,
+        waited for while in flight (:meth:`RolloutStore.take_groups`): with the producers' window
+        (:meth:`occupied`) only a resumed run's leftovers can be stale.
         With ``max_groups_per_step`` set (dynamic sampling), groups without reward variance do not count
         towards ``groups_per_step``: the step takes more, up to ``max_groups_per_step`` in all (the
         curriculum still learns from every one; the loss drops them). In synchronous mode
@@ -421,6 +452,8 @@ class RunState:
             produce(rounds, self.cfg.groups_per_step)
         timeout_s = self.cfg.take_timeout_s if timeout_s is None else timeout_s
         min_adapter_step = max(0, step - 1 - self.cfg.max_policy_lag)
+        # with producers, the adapter step whose groups this step is the last to be allowed to use
+        last_chance = (step - 1 - self.cfg.max_policy_lag) if self.cfg.producer_workers and step > self.cfg.max_policy_lag else None
         most = self.cfg.max_groups_per_step or self.cfg.groups_per_step
         groups: list[Group] = []
         discarded: list[Group] = []
@@ -431,13 +464,16 @@ class RunState:
             if wanted <= 0:
                 return TakenBatch(groups, discarded, time.perf_counter() - started)
             seen = self.changes()
-            take = self.store.take_groups(wanted, step=step, min_adapter_step=min_adapter_step)
+            with self._lock:  # with the count of what it took, so that the producers see their window whole
+                take = self.store.take_groups(wanted, step=step, min_adapter_step=min_adapter_step,
+                                              last_chance=last_chance, most=most - len(groups))
+                useful += sum(has_reward_variance(self.gate.rewards(g.rollouts)) for g in take.groups) \
+                    if dynamic else len(take.groups)
+                self._taken_unpublished = min(useful, self.cfg.groups_per_step)
             groups += take.groups
             discarded += take.discarded_groups
             if take.groups or take.discarded_groups:
                 self.groups_changed()  # the producers refill what was taken
-            useful += sum(has_reward_variance(self.gate.rewards(g.rollouts)) for g in take.groups) \
-                if dynamic else len(take.groups)
             if take.groups:
                 continue
             if dynamic and produce is not None and not self.store.ready_groups():  # this round is spent
@@ -525,4 +561,6 @@ class RunState:
         shutil.rmtree(tmp)
         with self._lock:
             self._adapter = AdapterRef(step, result.version, adapters_volume(self.run_dir) / result.version)
+            self._taken_unpublished = 0
+        self.groups_changed()  # the producers' window opens again
         return result

@@ -254,17 +254,46 @@ class RolloutStore:
         with self._conn() as conn:
             return len(self._complete_group_rows(conn))
 
-    def take_groups(self, count: int, *, step: int, min_adapter_step: int) -> Take:
+    def _unfinished_group_rows(self, conn: sqlite3.Connection) -> list[tuple]:
+        """Groups announced, not dropped, not yet whole: (group_id, adapter_version)."""
+        return conn.execute(
+            "SELECT g.group_id, g.adapter_version FROM groups g LEFT JOIN rollouts r ON r.group_id = g.group_id "
+            "WHERE g.group_id NOT IN (SELECT group_id FROM dropped_groups) "
+            "GROUP BY g.seq HAVING COUNT(r.rollout_id) < g.group_size ORDER BY g.seq"
+        ).fetchall()
+
+    def drop_unfinished(self, reason: str) -> int:
+        """Drop every group announced but not whole (its producer is gone: a trainer that stopped
+        mid-group); returns how many. Their stored rollouts stay, never trained on."""
+        with self._conn() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            rows = self._unfinished_group_rows(conn)
+            conn.executemany("INSERT OR REPLACE INTO dropped_groups(group_id, reason, created_s) VALUES (?,?,?)",
+                             [(group_id, reason[:2000], time.time()) for group_id, _ in rows])
+            conn.execute("COMMIT")
+        return len(rows)
+
+    def take_groups(self, count: int, *, step: int, min_adapter_step: int, last_chance: int | None = None,
+                    most: int | None = None) -> Take:
         """Mark up to ``count`` complete groups sampled at ``adapter_step >= min_adapter_step`` consumed
-        by ``step`` and return them, oldest first; complete groups older than ``min_adapter_step`` are
-        marked discarded and returned separately (they are counted, never trained on)."""
+        by ``step`` and return them, the oldest adapter first; complete groups older than
+        ``min_adapter_step`` are marked discarded and returned separately (they are counted, never
+        trained on).
+
+        ``last_chance``: the adapter step whose groups ``step`` is the last one to be allowed to use.
+        Every complete one is taken, even past ``count`` (up to ``most``), and each one still unfinished keeps a place
+        (fewer newer groups are taken), so that the trainer waits for it instead of letting it go
+        stale. With the producers' window (:meth:`training.loop.RunState.occupied`) they are never more
+        than a step's groups, and a run that is not resumed discards nothing."""
         with self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             fresh, stale = [], []
-            for group_id, task_id, adapter_step in self._complete_group_rows(conn):
+            room = count - sum(v == last_chance for _, v in self._unfinished_group_rows(conn))
+            rows = sorted(self._complete_group_rows(conn), key=lambda row: row[2])  # stable: seq within a version
+            for group_id, task_id, adapter_step in rows:
                 if adapter_step < min_adapter_step:
                     stale.append(self._group(conn, group_id, task_id, adapter_step))
-                elif len(fresh) < count:
+                elif len(fresh) < room or (adapter_step == last_chance and len(fresh) < (most or count)):
                     fresh.append(self._group(conn, group_id, task_id, adapter_step))
             for status, groups in (("consumed", fresh), ("discarded", stale)):
                 conn.executemany(
