@@ -107,7 +107,8 @@ def regrade_rollouts(home: Path, n: int) -> None:
     from training.config import TrainConfig
 
     run = home / "runs" / RUN
-    tasks = run_tasks(run, TrainConfig.load(run / "trainer-config.json"))
+    cfg = TrainConfig.load(run / "trainer-config.json")
+    tasks = run_tasks(run, cfg)
     patches: dict[tuple[str, str], list[float]] = {}
     for task_id, reward, info in _store(home).execute(
             "SELECT task_id, reward, info FROM rollouts WHERE status='consumed' ORDER BY rollout_id"):
@@ -119,7 +120,7 @@ def regrade_rollouts(home: Path, n: int) -> None:
     same, differ = 0, collections.Counter()
     with ThreadPoolExecutor(2) as pool:
         for key, grade in zip(keys, pool.map(lambda k: grade_patch(tasks[k[0]], k[1], factory), keys)):
-            now = float(grade.scores.strict_target_score) if grade.scores is not None else 0.0
+            now = float(getattr(grade.scores, cfg.reward)) if grade.scores is not None else 0.0  # the run's reward
             for stored in patches[key]:
                 if abs(now - stored) < 1e-9:
                     same += 1
@@ -129,7 +130,7 @@ def regrade_rollouts(home: Path, n: int) -> None:
           f"stored, {sum(differ.values())} differ {dict(differ)}")
 
 
-def regrade_eval(home: Path, other: Path) -> None:
+def regrade_eval(other: Path) -> None:
     import pandas as pd
 
     from evals.evaluate import load_eval_tasks
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.regrade:
             regrade_rollouts(home, args.regrade)
     if args.eval_rows_of:
-        regrade_eval(args.homes[0], args.eval_rows_of)
+        regrade_eval(args.eval_rows_of)
     return 0
 
 

@@ -453,7 +453,7 @@ class RunState:
         timeout_s = self.cfg.take_timeout_s if timeout_s is None else timeout_s
         min_adapter_step = max(0, step - 1 - self.cfg.max_policy_lag)
         # with producers, the adapter step whose groups this step is the last to be allowed to use
-        last_chance = (step - 1 - self.cfg.max_policy_lag) if self.cfg.producer_workers and step > self.cfg.max_policy_lag else None
+        last_chance = min_adapter_step if self.cfg.producer_workers and step > self.cfg.max_policy_lag else None
         most = self.cfg.max_groups_per_step or self.cfg.groups_per_step
         groups: list[Group] = []
         discarded: list[Group] = []

@@ -191,8 +191,7 @@ class RolloutStore:
     def drop_group(self, group_id: str, reason: str) -> None:
         """Mark a group dropped (it lost an episode): it is never complete, never trained on."""
         with self._conn() as conn:
-            conn.execute("INSERT OR REPLACE INTO dropped_groups(group_id, reason, created_s) VALUES (?,?,?)",
-                         (group_id, reason[:2000], time.time()))
+            _drop(conn, [group_id], reason)
 
     def dropped_group_ids(self) -> set[str]:
         with self._conn() as conn:
@@ -268,8 +267,7 @@ class RolloutStore:
         with self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             rows = self._unfinished_group_rows(conn)
-            conn.executemany("INSERT OR REPLACE INTO dropped_groups(group_id, reason, created_s) VALUES (?,?,?)",
-                             [(group_id, reason[:2000], time.time()) for group_id, _ in rows])
+            _drop(conn, [group_id for group_id, _ in rows], reason)
             conn.execute("COMMIT")
         return len(rows)
 
@@ -288,7 +286,9 @@ class RolloutStore:
         with self._conn() as conn:
             conn.execute("BEGIN IMMEDIATE")
             fresh, stale = [], []
-            room = count - sum(v == last_chance for _, v in self._unfinished_group_rows(conn))
+            room = count
+            if last_chance is not None:  # a place kept for each of its groups still in flight
+                room -= sum(v == last_chance for _, v in self._unfinished_group_rows(conn))
             rows = sorted(self._complete_group_rows(conn), key=lambda row: row[2])  # stable: seq within a version
             for group_id, task_id, adapter_step in rows:
                 if adapter_step < min_adapter_step:
@@ -393,6 +393,12 @@ SCHEMA_COLUMNS = {
     "rollouts": ("rollout_id", "group_id", "task_id", "adapter_version", "reward", "total_tokens", "generated_tokens",
                  "input_ids", "loss_mask", "serving_logprobs", "info", "created_s", "status", "status_step"),
 }
+
+
+def _drop(conn: sqlite3.Connection, group_ids: list[str], reason: str) -> None:
+    """Record ``group_ids`` dropped for ``reason``."""
+    conn.executemany("INSERT OR REPLACE INTO dropped_groups(group_id, reason, created_s) VALUES (?,?,?)",
+                     [(group_id, reason[:2000], time.time()) for group_id in group_ids])
 
 
 class _Tx:
