@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ranks.leads:
         return follow(ranks, build_replica)
 
-    with Reporter(run_dir, of_steps=cfg.steps, scale_by_std=cfg.scale_advantages_by_std) as report, ranks:
+    with Reporter(run_dir, of_steps=cfg.steps, scale_by_std=cfg.loss.scale_advantages_by_std) as report, ranks:
         lock = RunLock(run_dir)  # one trainer per run directory, held until this process exits
         env = make_environment(cfg, run_dir)  # engine replicas + adapter receivers + harness
         state = RunState(cfg, run_dir, env.curriculum, receivers=env.receivers, lock=lock, log=report.info)

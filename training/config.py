@@ -104,7 +104,8 @@ class TrainConfig:
     """Every trainer key, with its default written here only: the trainer backends' keyword
     arguments named in :data:`BACKEND_KEYS` (training.backends) default to these. A field with
     ``setting`` metadata is a ``[trainer]`` key of the run file; ``loss`` is the loss's settings,
-    whose keys are read and written flat (:data:`LOSS_KEYS`; ``cfg.tis_cap`` reads ``cfg.loss.tis_cap``)."""
+    read as ``cfg.loss.<field>`` only; their keys sit flat in ``[trainer]`` and in the trainer's JSON
+    (:data:`LOSS_KEYS`), parsed by :meth:`from_mapping` and written by :meth:`to_json`."""
 
     run_name: str = "demo"
     base_model: str = ""  # a Hugging Face model folder
@@ -298,13 +299,6 @@ class TrainConfig:
         """The config as the flat JSON :meth:`load` reads (the loss's keys beside the others)."""
         data = {key: value for key, value in dataclasses.asdict(self).items() if key != "loss"}
         return {**data, **{key: getattr(self.loss, name) for key, name in LOSS_KEYS.items()}}
-
-
-# cfg.tis_cap, cfg.loss_weighting, ...: the loss's keys read flat, as the trainer's JSON writes them
-for _key, _name in LOSS_KEYS.items():
-    setattr(TrainConfig, _key, property(lambda self, _name=_name: getattr(self.loss, _name),
-                                        doc=f"``loss.{_name}`` (trainer key ``{_key}``)"))
-del _key, _name
 
 
 LOCAL_ENGINE_FLAGS = {"--max-total-tokens": "engine_max_total_tokens", "--max-running-requests": "engine_max_running_requests"}

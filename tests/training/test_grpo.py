@@ -97,8 +97,8 @@ def test_backend_settings_that_are_trainer_keys_default_to_the_trainer_config():
 def test_the_loss_weighting_key_is_validated_naming_the_key():
     from training.config import TrainConfig
 
-    assert TrainConfig(base_model="m").loss_weighting == "token"
-    assert TrainConfig.from_mapping({"base_model": "m", "loss_weighting": "sequence"}).loss_weighting == "sequence"
+    assert TrainConfig(base_model="m").loss.weighting == "token"
+    assert TrainConfig.from_mapping({"base_model": "m", "loss_weighting": "sequence"}).loss.weighting == "sequence"
     with pytest.raises(ValueError, match="key 'loss_weighting' must be one of token, sequence, got 'episode'"):
         TrainConfig.from_mapping({"base_model": "m", "loss_weighting": "episode"})
 
