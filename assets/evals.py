@@ -36,7 +36,7 @@ from evals.report import (
     report_rows, run_summary, signal_counts, spread_markdown,
 )
 from evals.sandbox import platform_sandbox_factory
-from evals.settings import EVAL_DEFAULTS, POD_KEYS, EvalSection, parse_eval_table
+from evals.settings import EVAL_DEFAULTS, POD_KEYS, EvalSection, eval_table, parse_eval_table
 from sandboxes.k8s import LABEL_PREFIX, label_value
 from sandboxes.settings import SettingsError, as_table, key_name
 from training.checkpoint import checkpoint_policy, metrics_dir
@@ -92,11 +92,11 @@ def eval_run_config(section: EvalSection) -> dict[str, Any]:
 EVAL_SETTINGS_FILE = "eval.json"  # a model registered by `posttrain eval --model`: the [eval] it was evaluated with
 
 
-def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
-    """The ``[eval]`` of run ``run_name``: its ``resolved-plan.json``'s (the run file's, as planned),
-    else the ``eval.json`` that ``posttrain eval --model`` wrote for a model it registered, else the
-    defaults. A table that does not validate raises ``SettingsError`` (the planner's ``PlanError``) naming the
-    file and the key."""
+def run_eval_table(storage: PosttrainStorage, run_name: str) -> tuple[Any, str] | None:
+    """The ``[eval]`` table of run ``run_name`` as written, and the file it is read from: its
+    ``resolved-plan.json``'s (the run file's, as planned), else the ``eval.json`` that ``posttrain
+    eval --model`` wrote for a model it registered; ``None`` when neither has one (the defaults).
+    A file that is not a JSON object raises ``SettingsError`` naming it."""
     run_dir = storage.run_dir(run_name)
     for path in (run_dir / PLAN_FILENAME, run_dir / EVAL_SETTINGS_FILE):
         if path.is_file():
@@ -105,18 +105,27 @@ def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
             except (OSError, ValueError, AttributeError) as exc:
                 raise SettingsError([f"{path}: not a JSON object ({exc})"]) from None
             if table is not None:
-                return parse_eval_table(table, source=str(path))
-    return EVAL_DEFAULTS
+                return table, str(path)
+    return None
+
+
+def run_eval_section(storage: PosttrainStorage, run_name: str) -> EvalSection:
+    """The ``[eval]`` of run ``run_name`` (:func:`run_eval_table`), validated, else the defaults. A
+    table that does not validate raises ``SettingsError`` (the planner's ``PlanError``) naming the
+    file and the key."""
+    found = run_eval_table(storage, run_name)
+    return parse_eval_table(*found) if found else EVAL_DEFAULTS
 
 
 def checkpoint_eval_run_config(storage: PosttrainStorage, checkpoint: str) -> dict[str, Any]:
     """The run config that evaluates ``checkpoint`` (a partition key) as its run's ``[eval]`` says,
     from the partition key to ``deepswe_eval``'s config in one call: what the checkpoint sensor
-    requests. The run's section is read and validated once (:func:`run_eval_section`) and written
-    as the config (:func:`eval_run_config`); ``SettingsError`` (the planner's ``PlanError``) naming
-    the file and the key when the run's table does not validate."""
-    section = run_eval_section(storage, parse_checkpoint_partition_key(checkpoint)[0])
-    return eval_run_config(section)
+    requests. The run's table (:func:`run_eval_table`) is validated and written whole once
+    (``evals.settings.eval_table``; the defaults where the run has none); ``SettingsError`` (the
+    planner's ``PlanError``) naming the file and the key when the run's table does not validate."""
+    found = run_eval_table(storage, parse_checkpoint_partition_key(checkpoint)[0])
+    table, source = found or ({}, "the defaults")
+    return {"ops": {"deepswe_eval": {"config": eval_table(table, source)}}}
 
 
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:

@@ -41,9 +41,10 @@ def complete_checkpoint_keys(storage: PosttrainStorage) -> list[str]:
     return sorted(keys)
 
 
-def failed_eval_requests(instance: dg.DagsterInstance, storage: PosttrainStorage, log=None) -> list[dg.RunRequest]:
-    """One request per checkpoint whose newest eval run failed for good (no run retry coming) and
-    whose ``deepswe_eval`` partition was never materialized, keyed by the failed run's id."""
+def failed_eval_run_keys(instance: dg.DagsterInstance, log=None) -> list[tuple[str, str]]:
+    """``(partition key, run key)`` of each checkpoint whose newest eval run failed for good (no run
+    retry coming) and whose ``deepswe_eval`` partition was never materialized, the run key naming the
+    failed run's id, sorted by partition key."""
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=checkpoint_eval_job.name))  # newest first
     by_partition: dict[str, list[dg.DagsterRun]] = {}
     for run in runs:
@@ -55,7 +56,7 @@ def failed_eval_requests(instance: dg.DagsterInstance, storage: PosttrainStorage
     if not failed:
         return []
     evaluated = instance.get_materialized_partitions(dg.AssetKey("deepswe_eval"))
-    requests = []
+    keys = []
     for key, mine in sorted(failed.items()):
         if key in evaluated:
             continue
@@ -63,17 +64,15 @@ def failed_eval_requests(instance: dg.DagsterInstance, storage: PosttrainStorage
             if log is not None:
                 log(f"{key}: {len(mine)} eval runs failed (newest {mine[0].run_id}); not requested again")
             continue
-        request = eval_request(storage, key, f"{key}:after-{mine[0].run_id}", log)
-        if request is not None:
-            requests.append(request)
-    return requests
+        keys.append((key, f"{key}:after-{mine[0].run_id}"))
+    return keys
 
 
 def eval_request(storage: PosttrainStorage, key: str, run_key: str, log=None) -> dg.RunRequest | None:
     """The ``checkpoint_eval`` request of checkpoint ``key``, run as its run's ``[eval]`` says (the run
-    file's, kept in the run's plan, read back as one ``evals.settings.EvalSection`` and handed to
-    ``deepswe_eval`` as its config: :func:`assets.evals.checkpoint_eval_run_config`, one call from the
-    partition key to the run config). An ``[eval]`` that does not validate requests nothing and is
+    file's, kept in the run's plan, validated as ``evals.settings.EvalSection`` declares it and handed
+    to ``deepswe_eval`` as its config: :func:`assets.evals.checkpoint_eval_run_config`, one call from
+    the partition key to the run config). An ``[eval]`` that does not validate requests nothing and is
     logged with the file and the key."""
     try:
         run_config = checkpoint_eval_run_config(storage, key)
@@ -88,18 +87,22 @@ def eval_request(storage: PosttrainStorage, key: str, run_key: str, log=None) ->
 def new_checkpoint_sensor(context: dg.SensorEvaluationContext, storage: PosttrainStorage) -> dg.SensorResult:
     """Adds a ``checkpoints`` partition for every new checkpoint folder and requests its eval, with
     the settings of its run's ``[eval]`` (the run file's); asks again for the eval of a checkpoint
-    whose newest eval run failed (a new request per failed run, at most 4 runs per checkpoint)."""
+    whose newest eval run failed (a new request per failed run, at most 4 runs per checkpoint). Every
+    request of a tick, new or repeated, is made by :func:`eval_request`; an ``[eval]`` that does not
+    validate is logged as an error."""
     known = set(context.instance.get_dynamic_partitions(checkpoints_partitions.name))
     new = [key for key in complete_checkpoint_keys(storage) if key not in known]
-    retries = failed_eval_requests(context.instance, storage, log=context.log.info)
+    asked = [(key, key) for key in new] + failed_eval_run_keys(context.instance, log=context.log.info)
+    requests = [r for r in (eval_request(storage, key, run_key, context.log.error) for key, run_key in asked) if r]
+    retries = [r.partition_key for r in requests if r.run_key != r.partition_key]  # keyed by the failed run
     if not new and not retries:
         return dg.SensorResult(skip_reason="no new checkpoint and no failed eval")
     if new:
         context.log.info(f"new checkpoints: {', '.join(new)}")
     if retries:
-        context.log.info(f"evals requested again after a failed run: {', '.join(r.partition_key for r in retries)}")
+        context.log.info(f"evals requested again after a failed run: {', '.join(retries)}")
     return dg.SensorResult(
-        run_requests=[r for r in (eval_request(storage, key, key, context.log.error) for key in new) if r] + retries,
+        run_requests=requests,
         dynamic_partitions_requests=[checkpoints_partitions.build_add_request(new)] if new else [],
     )
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
-from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, key_name, parse_table, setting
+from sandboxes.settings import FRACTION, NON_NEGATIVE, POSITIVE, as_table, key_name, parse_table, setting
 
 TASKS = "tasks"  # a key that picks the tasks evaluated
 RUN = "run"  # a key that says how each task is run: a keyword argument of the evaluation
@@ -86,6 +86,14 @@ def parse_eval_table(table: Any, source: str) -> EvalSection:
     validated into an :class:`EvalSection`; ``sandboxes.settings.SettingsError`` (the planner's
     ``PlanError``) naming ``source`` and each offending key. A key set to ``None`` is unset."""
     return parse_table(EvalSection, table, "eval", source)
+
+
+def eval_table(table: Any, source: str) -> dict[str, Any]:
+    """An ``[eval]`` table validated (as :func:`parse_eval_table` does) and written whole, every key
+    with its value or default, run-file names, lists for tuples: what a process boundary that takes
+    a table is given (``deepswe_eval``'s Dagster run config, ``assets.evals.checkpoint_eval_run_config``)."""
+    section = parse_eval_table(table, source)
+    return as_table(section)
 
 
 def override_eval_section(section: EvalSection, table: Any, source: str) -> EvalSection:
