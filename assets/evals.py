@@ -185,10 +185,10 @@ def deepswe_eval(
             policy = checkpoint_policy(storage.checkpoint_dir(key), name=key)
             adapter_version = policy.adapter_version
             engine_log = rows_path.with_suffix(".engine.log")
+            factory = platform_sandbox_factory(section.sandbox_runtime)
             rows = evaluate_checkpoint(  # how each task is run: the section's run keys, read where they act
-                tasks, policy.base_model, platform_sandbox_factory(section.sandbox_runtime), section, checkpoint=key,
-                adapter=policy.adapter, adapter_version=policy.adapter_version, log=context.log.info,
-                engine_log=engine_log,
+                tasks, policy.base_model, factory, section, checkpoint=key, adapter=policy.adapter,
+                adapter_version=policy.adapter_version, log=context.log.info, engine_log=engine_log,
             )
     path = rows_path if on_fleet else write_rows(rows, rows_path)  # the eval pod wrote its own
 

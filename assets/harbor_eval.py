@@ -29,6 +29,7 @@ from evals.evaluate import evaluate_checkpoint
 from evals.harbor import (
     check_environments, eval_split, evaluate_harbor, harbor_sandbox_factory, with_environment_records,
 )
+from evals.settings import EvalSection
 from evals.tasks import load_harbor
 from sandboxes.cache import node_cache
 from sandboxes.harbor import build_harbor_images
@@ -78,42 +79,42 @@ def harbor_eval_tasks(context: dg.AssetExecutionContext, dataset: str, sources: 
     return tasks, []
 
 
-def harbor_eval_rows(context: dg.AssetExecutionContext, config: Any, storage: PosttrainStorage,
+def harbor_eval_rows(context: dg.AssetExecutionContext, section: EvalSection, storage: PosttrainStorage,
                      policy: Any) -> tuple[list, list[dict[str, Any]]]:
     """Evaluate the checkpoint ``policy`` (:func:`training.checkpoint.checkpoint_policy`) on the Harbor
-    dataset of ``config`` (``DeepSWEEvalConfig``); returns the tasks and one row per attempt. A task
-    that cannot be built has one ``infra_error`` row per attempt saying why (never scored). Each
-    attempt's verification (posttrain's grade beside the task's own ``reward.json``) is kept in
+    dataset of ``section`` (the asset's ``[eval]``, handed whole to the evaluation, which reads its
+    run keys); returns the tasks and one row per attempt. A task that cannot be built has one
+    ``infra_error`` row per attempt saying why (never scored). Each attempt's verification
+    (posttrain's grade beside the task's own ``reward.json``) is kept in
     ``evals/harbor/<checkpoint>/<run_id>/<task>/<attempt>/``."""
     key = context.partition_key
-    tasks, unbuildable = harbor_eval_tasks(context, config.dataset, config.sources, config.split, list(config.task_ids))
+    tasks, unbuildable = harbor_eval_tasks(context, section.dataset, section.sources, section.split, list(section.task_ids))
     store = ImageStore(storage.images_dir())
     cache = node_cache(storage.path)
     recipes = {t.id: (t.metadata["environment"], t.base_commit or "") for t in tasks}
-    built, failures = build_harbor_images(recipes, config.sources, store, cache, network=config.network,
+    built, failures = build_harbor_images(recipes, section.sources, store, cache, network=section.network,
                                           log=context.log.info, warn=context.log.warning, build_log=context.log.debug)
     ready = [t for t in tasks if t.id in built]
-    factory = harbor_sandbox_factory(store, cache, runtime=config.sandbox_runtime)
+    factory = harbor_sandbox_factory(store, cache, runtime=section.sandbox_runtime)
     records = check_environments(ready, factory, storage.path, {i: b.key for i, b in built.items()},
-                                 run_missing=config.environment_check, workers=config.workers, log=context.log.info)
+                                 run_missing=section.environment_check, workers=section.workers, log=context.log.info)
     ready = with_environment_records(ready, records)
     rows: list[dict[str, Any]] = []
     if ready:
         record_dir = storage.evals_dir() / "harbor" / key / context.run_id
-        rows = evaluate_checkpoint(
-            ready, policy.base_model, factory,
-            checkpoint=key, adapter=policy.adapter, adapter_version=policy.adapter_version, attempts=config.attempts,
+        rows = evaluate_checkpoint(  # evaluate_harbor is handed the section's run keys (EvalSection.run_settings)
+            ready, policy.base_model, factory, section,
+            checkpoint=key, adapter=policy.adapter, adapter_version=policy.adapter_version,
             evaluate_served=functools.partial(evaluate_harbor, record_dir=record_dir, log=context.log.info),
-            workers=config.workers, engine_log=record_dir / "engine.log",
-            log=context.log.info, max_turns=config.max_turns, max_new_tokens=config.max_new_tokens,
+            engine_log=record_dir / "engine.log", log=context.log.info,
             # JSON tool calls: the compact format's prompt is made from a bundled task's own metadata
-            temperature=config.temperature, seed=config.seed, action_format="json",
+            action_format="json",
         )
     lost = {**{t.id: (t, f"the task's image was not built: {failures[t.id][-400:]}") for t in tasks if t.id in failures},
             **{t.id: (t, f"cannot be built: {t.reason}") for t in unbuildable}}
     for task, why in lost.values():
         rows += [attempt_row(task, a, None, checkpoint=key, adapter_version=policy.adapter_version, status=INFRA_ERROR,
-                             scores=None, detail=why).to_row() for a in range(config.attempts)]
+                             scores=None, detail=why).to_row() for a in range(section.attempts)]
     evaluated = [*tasks, *unbuildable]
     order = {t.id: i for i, t in enumerate(evaluated)}
     rows.sort(key=lambda r: (order[r["task_id"]], r["attempt"]))
