@@ -36,7 +36,7 @@ from evals.report import (
     report_rows, run_summary, signal_counts, spread_markdown,
 )
 from evals.sandbox import platform_sandbox_factory
-from evals.settings import EVAL_DEFAULTS, POD_KEYS, EvalSection, eval_table, parse_eval_table
+from evals.settings import EVAL_DEFAULTS, POD_KEYS, EvalSection, parse_eval_table, validated_eval_table
 from sandboxes.k8s import LABEL_PREFIX, label_value
 from sandboxes.settings import SettingsError, as_table, key_name
 from training.checkpoint import checkpoint_policy, metrics_dir
@@ -121,11 +121,11 @@ def checkpoint_eval_run_config(storage: PosttrainStorage, checkpoint: str) -> di
     """The run config that evaluates ``checkpoint`` (a partition key) as its run's ``[eval]`` says,
     from the partition key to ``deepswe_eval``'s config in one call: what the checkpoint sensor
     requests. The run's table (:func:`run_eval_table`) is validated and written whole once
-    (``evals.settings.eval_table``; the defaults where the run has none); ``SettingsError`` (the
+    (``evals.settings.validated_eval_table``; the defaults where the run has none); ``SettingsError`` (the
     planner's ``PlanError``) naming the file and the key when the run's table does not validate."""
     found = run_eval_table(storage, parse_checkpoint_partition_key(checkpoint)[0])
     table, source = found or ({}, "the defaults")
-    return {"ops": {"deepswe_eval": {"config": eval_table(table, source)}}}
+    return {"ops": {"deepswe_eval": {"config": validated_eval_table(table, source)}}}
 
 
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:

@@ -88,7 +88,7 @@ def parse_eval_table(table: Any, source: str) -> EvalSection:
     return parse_table(EvalSection, table, "eval", source)
 
 
-def eval_table(table: Any, source: str) -> dict[str, Any]:
+def validated_eval_table(table: Any, source: str) -> dict[str, Any]:
     """An ``[eval]`` table validated (as :func:`parse_eval_table` does) and written whole, every key
     with its value or default, run-file names, lists for tuples: what a process boundary that takes
     a table is given (``deepswe_eval``'s Dagster run config, ``assets.evals.checkpoint_eval_run_config``)."""
