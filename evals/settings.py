@@ -89,9 +89,10 @@ def parse_eval_table(table: Any, source: str) -> EvalSection:
 
 
 def validated_eval_table(table: Any, source: str) -> dict[str, Any]:
-    """An ``[eval]`` table validated (as :func:`parse_eval_table` does) and written whole, every key
-    with its value or default, run-file names, lists for tuples: what a process boundary that takes
-    a table is given (``deepswe_eval``'s Dagster run config, ``assets.evals.checkpoint_eval_run_config``)."""
+    """An ``[eval]`` table validated (as :func:`parse_eval_table` does) and written whole: every key
+    with its value or its default (one left unset, ``sources``, left out), run-file names, lists for
+    tuples (``sandboxes.settings.as_table``). What a process boundary that takes a table is given:
+    ``deepswe_eval``'s Dagster run config (``assets.evals.checkpoint_eval_run_config``)."""
     section = parse_eval_table(table, source)
     return as_table(section)
 
