@@ -190,7 +190,8 @@ def run_file_reference() -> str:
     """The key reference of the run file, every section, as the Markdown of ``docs/run-file.md``,
     written from the sections' declarations (defaults shown for ``[trainer]`` are the trainer's own).
     Rewrite the file after changing a section: ``posttrain keys > docs/run-file.md``."""
-    trainer = TrainerSection(**{key: getattr(TrainConfig(), key) for key in trainer_keys(TrainConfig)})
+    defaults = TrainConfig().to_json()  # the trainer's keys flat, the loss's among them
+    trainer = TrainerSection(**{key: defaults[key] for key in trainer_keys(TrainConfig)})
     parts = [("# Run file keys\n\n"
              "<!-- Written by `posttrain keys > docs/run-file.md` from the sections' declarations "
              "(tests/test_run_config.py checks it is current); edit the declarations, not this file. -->\n\n"
