@@ -86,7 +86,12 @@ def eval_config(section: EvalSection) -> dict[str, Any]:
 def eval_run_config(section: EvalSection) -> dict[str, Any]:
     """The run config of a ``checkpoint_eval`` run (or a ``deepswe_eval`` backfill) that evaluates as
     ``section`` says: its table (:func:`eval_config`) as ``deepswe_eval``'s config."""
-    return {"ops": {"deepswe_eval": {"config": as_table(section)}}}
+    return _deepswe_eval_run_config(eval_config(section))
+
+
+def _deepswe_eval_run_config(table: dict[str, Any]) -> dict[str, Any]:
+    """A Dagster run config that hands ``table`` (an ``[eval]`` table written whole) to ``deepswe_eval``."""
+    return {"ops": {"deepswe_eval": {"config": table}}}
 
 
 EVAL_SETTINGS_FILE = "eval.json"  # a model registered by `posttrain eval --model`: the [eval] it was evaluated with
@@ -125,7 +130,7 @@ def checkpoint_eval_run_config(storage: PosttrainStorage, checkpoint: str) -> di
     planner's ``PlanError``) naming the file and the key when the run's table does not validate."""
     found = run_eval_table(storage, parse_checkpoint_partition_key(checkpoint)[0])
     table, source = found or ({}, "the defaults")
-    return {"ops": {"deepswe_eval": {"config": validated_eval_table(table, source)}}}
+    return _deepswe_eval_run_config(validated_eval_table(table, source))
 
 
 def eval_rows_path(storage: PosttrainStorage, checkpoint: str, run_id: str) -> Path:
