@@ -6,6 +6,7 @@
 #   bash scripts/kube-local.sh build [CMD]  # only builds (kube-apiserver by default; `node` builds
 #                                           # kubelet, kube-scheduler and kube-controller-manager)
 #   bash scripts/kube-local.sh status
+#   bash scripts/kube-local.sh built [CMD...|node]  # exit 0 when those binaries are built already
 #   bash scripts/kube-local.sh start-node   # after start: a node that runs pods (see below)
 #   bash scripts/kube-local.sh stop-node    # ends the node only
 #
@@ -192,6 +193,14 @@ build_locked() {
         [[ -x $cache/bin/$cmd ]] || return 0
     done
     rm -rf "$src/_output"
+}
+
+# built CMD...: whether every cmd/<CMD> is in $cache/bin, built from the pinned source (so a start
+# that needs them builds nothing).
+built() {
+    [[ $(cat "$cache/bin/.build-rev" 2>/dev/null) == "$KUBE_BUILD_REV" ]] || return 1
+    local cmd
+    for cmd in "$@"; do [[ -x $cache/bin/$cmd ]] || return 1; done
 }
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -795,5 +804,11 @@ build)
     elif (($#)); then build "$@"
     else build kube-apiserver; fi
     ;;
-*) die "usage: $0 start|start-node|stop-node|stop|status|build [CMD...|node]" ;;
+built)
+    shift
+    if [[ ${1:-} == node ]]; then built kubelet kube-scheduler kube-controller-manager kube-proxy  # what start-node runs
+    elif (($#)); then built "$@"
+    else built kube-apiserver; fi
+    ;;
+*) die "usage: $0 start|start-node|stop-node|stop|status|build [CMD...|node]|built [CMD...|node]" ;;
 esac

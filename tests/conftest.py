@@ -2,6 +2,7 @@
 
 import os
 import secrets
+import subprocess
 
 import pytest
 
@@ -41,14 +42,37 @@ def rl_suite(tmp_path_factory):
     return out
 
 
+def node_binaries_built() -> bool:
+    """Whether the kube plane and its node start without building anything (``scripts/kube-local.sh
+    built``: kube-apiserver, the kubelet and the controllers already in the build cache)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "kube-local.sh")
+    try:
+        return all(subprocess.run(["bash", script, "built", *what], capture_output=True, timeout=30).returncode == 0
+                   for what in ([], ["node"]))
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests first, the end-to-end demo first of all: with the files shared out
-    among workers (scripts/test.sh), the long ones start early and the workers end together."""
+    among workers (scripts/test.sh), the long ones start early and the workers end together.
+
+    The kube tests go last: they wait for the kube-apiserver scripts/test.sh starts in the
+    background, the first time on a machine after a build of several minutes. tests/kube/test_node.py
+    (its node started by the tests, ``POSTTRAIN_KUBE_NODE=1``) goes first of all instead where that
+    build is done already: its module holds the plane's node for about ten minutes (the run's images
+    built and imported, an RL run and an evaluation as pods), and the kube tests that stand in for
+    the controllers wait for it to end (tests/kube/conftest.py, ``plane_lock``). Last, it left the
+    other worker waiting on that lock with no other file to take; first, the other worker runs the
+    rest of the suite meanwhile."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    node_first = (os.environ.get("POSTTRAIN_KUBE_NODE") == "1" and os.environ.get("POSTTRAIN_KUBE_TESTS", "1") != "0"
+                  and any(item.path.name == "test_node.py" and item.path.parent.name == "kube" for item in items)
+                  and node_binaries_built())
 
     def rank(item) -> int:
         if item.path.parent.name == "kube":
-            return 3  # last: they wait for the kube-apiserver scripts/test.sh starts in the background
+            return -1 if node_first and item.path.name == "test_node.py" else 3
         if item.path not in slow_files:
             return 2
         return 0 if item.path.parent.name == "e2e" else 1
