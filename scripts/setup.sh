@@ -56,31 +56,19 @@ fi
 # wheel folders such as a local torch build, constraints, the CA file) is handed to it, and like pip
 # it takes a release from whichever index has the best one. POSTTRAIN_INSTALLER=pip uses pip
 # throughout, and so does a machine where uv does not install.
-declare -A pip_config=() pip_config_env=()
-pip_configured() {  # pip_config[KEY]: pip's value of each key, a PIP_* variable's over a file's
-    local line key value
-    while IFS= read -r line; do
-        key=${line%%=*} value=${line#*=}
-        value=${value#\'} value=${value%\'}
-        if [[ $key == :env:.* ]]; then pip_config_env[${key##*.}]=$value; else pip_config[${key##*.}]=$value; fi
-    done < <(.venv/bin/python -m pip config list 2>/dev/null)
-    for key in "${!pip_config_env[@]}"; do pip_config[$key]=${pip_config_env[$key]}; done
-}
 installer=(.venv/bin/python -m pip install -q --no-compile)
 hashed_installer=("${installer[@]}")
 if [[ -n $deps_due || -n $vllm_due ]] && [[ ${POSTTRAIN_INSTALLER:-uv} == uv ]]; then
     if [[ -x .venv/bin/uv ]] || .venv/bin/python -m pip install -q --no-compile uv >/dev/null 2>&1; then
-        pip_configured
-        uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match)
-        for key in index-url extra-index-url find-links; do
-            for value in ${pip_config[$key]:-}; do uv_args+=("--$key" "$value"); done
-        done
-        [[ -z ${pip_config[cert]:-} ]] || export SSL_CERT_FILE=${pip_config[cert]}
-        hashed_installer=(.venv/bin/uv pip install -q "${uv_args[@]}")
+        mapfile -d '' uv_indexes < <(.venv/bin/python scripts/uv-pip-config.py indexes)
+        mapfile -d '' uv_constraints < <(.venv/bin/python scripts/uv-pip-config.py constraints)
+        mapfile -d '' pip_cert < <(.venv/bin/python scripts/uv-pip-config.py cert)
+        [[ -z ${pip_cert[0]:-} ]] || export SSL_CERT_FILE=${pip_cert[0]}
+        uv=(.venv/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "${uv_indexes[@]}")
         # a constraint of pip's applies to every install but the hash-checked one (uv counts a
         # constraint as a requirement there, and those must all be pinned with hashes)
-        for value in ${pip_config[constraint]:-}; do uv_args+=(--constraint "$value"); done
-        installer=(.venv/bin/uv pip install -q "${uv_args[@]}")
+        hashed_installer=("${uv[@]}")
+        installer=("${uv[@]}" "${uv_constraints[@]}")
     else
         echo "setup: uv did not install; installing with pip" >&2
     fi
