@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -24,6 +25,12 @@ from viewer.links import DEFAULT_PORT, record_viewer_url
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (`posttrain ui` stopping, a supervisor) stops it even where it inherited SIGTERM ignored
+    # or blocked from whatever started it: uvicorn's own handler comes only once it serves, and a
+    # signal ignored before then is lost, leaving a viewer that never ends.
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     parser = argparse.ArgumentParser(prog="python -m viewer", description=__doc__.split("::")[0].strip())
     parser.add_argument("--home", help="the posttrain home (default: $POSTTRAIN_HOME, else ./posttrain-data)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")

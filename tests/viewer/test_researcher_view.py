@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -112,6 +113,31 @@ def _run_with_discarded(home: Path) -> str:
     assert (len(take.groups), len(take.discarded_groups)) == (2, 2)
     store.close()
     return "s"
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _block_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+@pytest.mark.parametrize("inherited", [_ignore_sigterm, _block_sigterm], ids=["ignored", "blocked"])
+def test_the_viewer_stops_on_sigterm_whatever_it_inherited(home_copy, inherited):
+    """A viewer started with SIGTERM ignored or blocked (as a test runner, a shell or a supervisor may
+    leave it) still ends on SIGTERM, sent as soon as it announces itself, before it serves."""
+    home, _ = home_copy
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "viewer", "--home", str(home), "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=inherited)
+    try:
+        assert f"trajectory viewer on http://127.0.0.1:{port}" in proc.stdout.readline()
+        proc.terminate()
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_viewer_announces_its_address_only_once_it_listens(home_copy):
