@@ -52,10 +52,10 @@ fi
 # The installer: uv (PyPI's `uv`, put into .venv by pip first), which fetches and unpacks the
 # packages in parallel where pip takes them one by one: on fresh clones with empty caches the two
 # installs below took 31-32 s against pip's 69-152 s (bench/setup_install.py; docs/benchmarks.md,
-# "Set-up with uv"), and a later clone on the same machine finds uv's cache warm (13 s). uv reads none of pip's configuration, so what
-# pip is configured with (its files and PIP_* variables, as `pip config list` shows them: indexes,
-# wheel folders such as a local torch build, constraints, the CA file) is handed to it, and like pip
-# it takes a release from whichever index has the best one. POSTTRAIN_INSTALLER=pip uses pip
+# "Set-up with uv"), and a later clone on the same machine finds uv's cache warm (13 s). uv reads
+# none of pip's configuration, so what pip is configured with (its files and PIP_* variables, as
+# `pip config list` shows them: indexes, wheel folders such as a local torch build, constraints, the
+# CA file) is handed to it, and like pip it takes a release from whichever index has the best one. POSTTRAIN_INSTALLER=pip uses pip
 # throughout, and so does a machine where uv does not install.
 installer=(.venv/bin/python -m pip install -q --no-compile)
 hashed_installer=("${installer[@]}")

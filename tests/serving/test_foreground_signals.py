@@ -2,24 +2,16 @@
 SIGTERM even when it inherited SIGTERM ignored or blocked from whatever started it (a test runner, a
 shell, a supervisor): a fleet's stop or a pod's deletion must not leave it running."""
 
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from serving.replica import free_port
+from tests.inherited_signals import block_sigterm, ignore_sigterm
 
 
-def _ignore_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _block_sigterm() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-
-@pytest.mark.parametrize("inherited", [_ignore_sigterm, _block_sigterm], ids=["ignored", "blocked"])
+@pytest.mark.parametrize("inherited", [ignore_sigterm, block_sigterm], ids=["ignored", "blocked"])
 def test_a_router_stops_on_sigterm_whatever_it_inherited(inherited):
     port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "serving.router", "--host", "127.0.0.1", "--port", str(port),

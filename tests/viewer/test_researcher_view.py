@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.inherited_signals import block_sigterm, ignore_sigterm
 from tests.viewer.conftest import RUN, WRONG_MARK
 from viewer import data, links
 
@@ -115,15 +116,7 @@ def _run_with_discarded(home: Path) -> str:
     return "s"
 
 
-def _ignore_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _block_sigterm() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-
-
-@pytest.mark.parametrize("inherited", [_ignore_sigterm, _block_sigterm], ids=["ignored", "blocked"])
+@pytest.mark.parametrize("inherited", [ignore_sigterm, block_sigterm], ids=["ignored", "blocked"])
 def test_the_viewer_stops_on_sigterm_whatever_it_inherited(home_copy, inherited):
     """A viewer started with SIGTERM ignored or blocked (as a test runner, a shell or a supervisor may
     leave it) still ends on SIGTERM, sent as soon as it announces itself, before it serves."""
