@@ -46,13 +46,16 @@ debian_base() {
     echo "$base"
 }
 
-# pack_image TAG ROOT ARCHIVE CONFIG: ROOT's files as the one zstd layer of an OCI archive. The layer
-# is streamed from tar through scripts/oci-archive.py into the archive: an image's GBs are never on
-# disk twice (a test machine's disk is shared, and the build's peak is what fills it).
+# pack_image TAG ROOT ARCHIVE CONFIG [BASE]: ROOT's files as a zstd layer of an OCI archive, its only
+# one, or the top one over the layers of the OCI archive BASE. The layer is streamed from tar through
+# scripts/oci-archive.py into the archive: an image's GBs are never on disk twice (a test machine's
+# disk is shared, and the build's peak is what fills it). Extended attributes of the trusted
+# namespace (an overlay's own bookkeeping on its upper folder) are left out.
 # A failed pack (tar's or the packer's) leaves the archive that was there, if any, as it was.
 pack_image() {
-    log "packing the root file system"
-    if ! tar --numeric-owner --xattrs -C "$2" -cf - . | python3 "$repo/scripts/oci-archive.py" "$1" - "$3.new" "$4"; then
+    log "packing ${2}${5:+ over the layers of $5}"
+    if ! tar --numeric-owner --xattrs --xattrs-exclude='trusted.*' -C "$2" -cf - . |
+        python3 "$repo/scripts/oci-archive.py" ${5:+--base "$5"} "$1" - "$3.new" "$4"; then
         rm -f "$3.new" "$3.new.part"
         die "could not pack $2 into $3"
     fi

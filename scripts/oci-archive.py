@@ -2,7 +2,7 @@
 `podman load` and `skopeo copy oci-archive:` read.
 
     tar -C ROOT -cf - . | python3 scripts/oci-archive.py TAG - OUT.oci.tar CONFIG.json
-    python3 scripts/oci-archive.py [--uncompressed] TAG LAYER.tar OUT.oci.tar CONFIG.json
+    python3 scripts/oci-archive.py [--uncompressed] [--base BASE.oci.tar] TAG LAYER.tar OUT.oci.tar CONFIG.json
 
 CONFIG.json is the image config's ``config`` object (Env, User, WorkingDir, Cmd, Labels). LAYER is an
 uncompressed tar, a file or ``-`` for standard input.
@@ -15,6 +15,12 @@ digest and gives its size, neither known until the stream ends, so a placeholder
 first and filled in afterwards (the archive is a seekable file). The uncompressed stream's digest is
 the config's diff_id; the compressed blob's is the manifest's. The small members (config, manifest,
 index, oci-layout) follow; readers take the members in any order.
+
+``--base BASE.oci.tar`` (an archive this script wrote) puts BASE's layers under the new one: its
+layer blobs are copied first, each checked against its digest on the way, and the image's layers and
+diff_ids are BASE's followed by the new layer's. The workload image is built so (scripts/build-image.sh):
+its dependencies' layer, GBs, is packed once and kept, and each build of the project packs only the
+project's own files on top.
 
 Used by scripts/image-common.sh (pack_image: the workloads' image and the sandbox image of task
 folders) and scripts/kube-local.sh (the node's own small images, --uncompressed). Standard library
@@ -96,6 +102,38 @@ def blob_member(out: BinaryIO, blocks: Iterator[bytes]) -> tuple[str, int]:
     return "sha256:" + h.hexdigest(), size
 
 
+def copy_base_layers(path: str, out: BinaryIO) -> tuple[list[dict], list[str]]:
+    """BASE's layer blobs streamed into OUT; returns their manifest descriptors and config diff_ids.
+    Exits naming the archive and what is wrong when it is not a one-image OCI archive whose layer
+    blobs match their digests."""
+    try:
+        with tarfile.open(path) as tar:
+            members = {m.name: m for m in tar.getmembers()}
+
+            def read(name: str) -> bytes:
+                if name not in members:
+                    sys.exit(f"oci-archive: --base {path}: no member {name}")
+                return tar.extractfile(members[name]).read()
+
+            (entry,) = json.loads(read("index.json"))["manifests"]
+            manifest = json.loads(read(f"blobs/sha256/{entry['digest'].split(':', 1)[1]}"))
+            config = json.loads(read(f"blobs/sha256/{manifest['config']['digest'].split(':', 1)[1]}"))
+            layers, diff_ids = manifest["layers"], config["rootfs"]["diff_ids"]
+            if len(layers) != len(diff_ids):
+                sys.exit(f"oci-archive: --base {path}: {len(layers)} layers but {len(diff_ids)} diff_ids")
+            for layer in layers:
+                name = f"blobs/sha256/{layer['digest'].split(':', 1)[1]}"
+                if name not in members:
+                    sys.exit(f"oci-archive: --base {path}: no member {name}")
+                source = tar.extractfile(members[name])
+                copied, size = blob_member(out, iter(lambda: source.read(BLOCK), b""))
+                if (copied, size) != (layer["digest"], layer["size"]):
+                    sys.exit(f"oci-archive: --base {path}: blob {layer['digest']} holds {copied}, {size} bytes")
+            return layers, diff_ids
+    except (OSError, tarfile.TarError, ValueError, KeyError, TypeError) as exc:
+        sys.exit(f"oci-archive: --base {path} is not an OCI archive of one image: {type(exc).__name__}: {exc}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,26 +142,38 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("config", help="a JSON file: the image config's `config` object")
     parser.add_argument("--uncompressed", action="store_true", help="store the layer as it comes (small layers)")
+    parser.add_argument("--base", metavar="BASE.oci.tar", help="an OCI archive whose layers go under this one")
     args = parser.parse_args()
     with open(args.config) as f:
         image_config = json.load(f)
-    compress = not args.uncompressed
-    diff = hashlib.sha256()
     source = sys.stdin.buffer if args.layer == "-" else open(args.layer, "rb")
     part = args.out + ".part"  # renamed when whole: a failed pack leaves no archive that looks finished
+    try:
+        write_archive(args, image_config, source, part)
+    except BaseException:
+        if os.path.exists(part):
+            os.unlink(part)
+        raise
+    os.replace(part, args.out)
+
+
+def write_archive(args: argparse.Namespace, image_config: dict, source: BinaryIO, part: str) -> None:
+    compress = not args.uncompressed
+    diff = hashlib.sha256()
     with source, open(part, "wb") as out:
+        base_layers, base_diff_ids = copy_base_layers(args.base, out) if args.base else ([], [])
         blocks = (zstd_compressed if compress else uncompressed)(source, diff)
         layer_digest, layer_size = blob_member(out, blocks)
         if diff.hexdigest() == hashlib.sha256().hexdigest():
-            os.unlink(part)
             sys.exit(f"oci-archive: the layer {args.layer} is empty")
         config = json.dumps({"architecture": "amd64", "os": "linux", "config": image_config,
-                             "rootfs": {"type": "layers", "diff_ids": ["sha256:" + diff.hexdigest()]}}).encode()
+                             "rootfs": {"type": "layers",
+                                        "diff_ids": [*base_diff_ids, "sha256:" + diff.hexdigest()]}}).encode()
         manifest = json.dumps({
             "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
             "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": digest(config),
                        "size": len(config)},
-            "layers": [{"mediaType": LAYER_TYPES[compress], "digest": layer_digest, "size": layer_size}],
+            "layers": [*base_layers, {"mediaType": LAYER_TYPES[compress], "digest": layer_digest, "size": layer_size}],
         }).encode()
         index = json.dumps({"schemaVersion": 2, "manifests": [{
             "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest),
@@ -135,7 +185,6 @@ def main() -> None:
                 info = tarfile.TarInfo(path)
                 info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
                 tar.addfile(info, io.BytesIO(data))
-    os.replace(part, args.out)
     print(f"{args.tag}: layer {layer_size / 2**20:.1f} MiB{' (zstd)' if compress else ''}", file=sys.stderr)
 
 

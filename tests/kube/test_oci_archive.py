@@ -122,3 +122,54 @@ def test_a_build_without_the_disk_it_needs_stops_before_it_starts_and_says_so(tm
     assert f"needs about {1 << 40} GiB free on the file system of {tmp_path}" in done.stderr, done.stderr
     ok = image_common(f"require_free {tmp_path} 0")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_layer_packed_on_a_base_archive_keeps_the_base_layers_under_it(tmp_path):
+    """``--base``: the workload image's kept dependencies' layer under the project's own (scripts/build-image.sh)."""
+    base_root, top_root = tmp_path / "base-root", tmp_path / "top-root"
+    (base_root / "opt").mkdir(parents=True)
+    (base_root / "opt" / "deps").write_bytes(os.urandom(2 << 20))
+    (top_root / "opt").mkdir(parents=True)
+    (top_root / "opt" / "project").write_text("the project\n")
+    base_layer, top_layer = layer_of(base_root), layer_of(top_root)
+    done = pack(tmp_path, base_layer)
+    assert done.returncode == 0, done.stderr.decode()
+    base = tmp_path / "base.oci.tar"
+    (tmp_path / "out.oci.tar").rename(base)
+    done = pack(tmp_path, top_layer, "--base", str(base), tag="posttrain.local/test:2")
+    assert done.returncode == 0, done.stderr.decode()
+
+    members = read_archive(tmp_path / "out.oci.tar")
+    for name, data in members.items():
+        if name.startswith("blobs/sha256/"):
+            assert name.rsplit("/", 1)[1] == hashlib.sha256(data).hexdigest(), name
+    (entry,) = json.loads(members["index.json"])["manifests"]
+    assert entry["annotations"]["io.containerd.image.name"] == "posttrain.local/test:2"
+    manifest = json.loads(members["blobs/sha256/" + entry["digest"][7:]])
+    config = json.loads(members["blobs/sha256/" + manifest["config"]["digest"][7:]])
+    assert config["rootfs"]["diff_ids"] == [sha(base_layer), sha(top_layer)]
+    unpacked = [zstandard.ZstdDecompressor().stream_reader(io.BytesIO(members["blobs/sha256/" + d["digest"][7:]])).read()
+                for d in manifest["layers"]]
+    assert unpacked == [base_layer, top_layer]
+
+
+def test_a_base_archive_whose_blob_does_not_match_its_digest_is_refused_and_leaves_no_archive(tmp_path):
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "f").write_text("x")
+    layer = layer_of(tmp_path / "root")
+    assert pack(tmp_path, layer).returncode == 0
+    members = read_archive(tmp_path / "out.oci.tar")
+    (tmp_path / "out.oci.tar").unlink()
+    base = tmp_path / "base.oci.tar"
+    with tarfile.open(base, "w") as tar:
+        for name, data in members.items():
+            if name.startswith("blobs/") and data[:4] == b"\x28\xb5\x2f\xfd":  # the zstd layer: altered
+                data = data[:-1] + bytes([data[-1] ^ 1])
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    done = pack(tmp_path, layer, "--base", str(base))
+    assert done.returncode != 0 and f"--base {base}: blob sha256:".encode() in done.stderr, done.stderr
+    assert not list(tmp_path.glob("out.oci.tar*"))
+    done = pack(tmp_path, layer, "--base", str(tmp_path / "no-such.oci.tar"))
+    assert done.returncode != 0 and b"is not an OCI archive of one image" in done.stderr, done.stderr
