@@ -24,11 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.vllm_busy_poll import embedded_shape_model  # noqa: E402
 from dagster_project.processes import cpu_seconds, descendants  # noqa: E402
 from serving.engines.vllm_server import START_METHOD_ENV  # noqa: E402
 from serving.fleet import start_engine, stop_replica  # noqa: E402
-from serving.tiny import build_tiny_model  # noqa: E402
-from training.base_model import BaseModelSpec  # noqa: E402
 
 METHODS = ("fork", "spawn")  # the project's, then vLLM's
 
@@ -55,12 +54,7 @@ def main() -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     work = Path(tempfile.mkdtemp(prefix="posttrain-engine-start-"))
-    model = args.model
-    if not model:
-        spec = BaseModelSpec()
-        model = str(build_tiny_model(work / "model", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                                     num_layers=spec.num_layers, num_heads=spec.num_heads,
-                                     num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size))
+    model = args.model or embedded_shape_model(work / "model")
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
     for r in range(args.rounds):
         for method in (METHODS if r % 2 == 0 else METHODS[::-1]):

