@@ -1,10 +1,10 @@
 """``posttrain demo``: the whole asset graph on the embedded default, in the local instance.
 
 Materializes ``task_dataset``, ``image_cache``, ``difficulty_curriculum`` (which builds the embedded
-base model first) and ``rl_run``, and evaluates the base checkpoint (step 0) while the run trains
-(:class:`BaseCheckpointEval`); adds a ``checkpoints`` partition for every checkpoint the run saved, in
-step order, and evaluates the others within its budget: one it cannot fit is left to the checkpoint
-sensor (:func:`evaluate_checkpoints`, and the closing lines say which); then builds ``eval_report`` and
+base model first) and ``rl_run``; adds a ``checkpoints`` partition for every checkpoint the run saved
+(the base model, step 0, included), in step order, and evaluates each within its budget: one it
+cannot fit is left to the checkpoint sensor (:func:`evaluate_checkpoints`, and the closing lines say
+which); then builds ``eval_report`` and
 prints held-out pass@1, pass@k and target scores of every checkpoint side by side. Everything lands in
 the local Dagster instance, so ``posttrain ui`` shows it after and has nothing left to start.
 
@@ -18,19 +18,16 @@ pass@1 with its 95% interval, level 3's change, and what the task stream served.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, TextIO
 
 import dagster as dg
 
 from assets.evals import eval_run_config, run_eval_section
-from assets.partitions import checkpoint_partition_key, checkpoints_partitions, parse_checkpoint_partition_key
+from assets.partitions import checkpoints_partitions, parse_checkpoint_partition_key
 from assets.resources import PosttrainStorage
 from dagster_project.sensors import complete_checkpoint_keys
 from viewer import links
@@ -232,85 +229,9 @@ def result_lines(rows: Any, final: str, run_dir: Any) -> list[str]:
     return out
 
 
-class BaseCheckpointEval(threading.Thread):
-    """The base checkpoint's evaluation (step 0: the base model, which nothing the run trains goes
-    into) run while the RL run trains, as the checkpoint sensor runs one beside a run: a
-    ``checkpoint_eval`` run of its own for the step-0 partition, in a process of its own (Dagster's
-    ``dagster job execute``, in-process executor), started once the run has saved step 0. On the
-    2-core machine the two share the CPU, which each alone leaves idle at times: one core waits while
-    the run or the evaluation starts its engine, and each leaves about a tenth of the machine idle
-    between its steps (docs/benchmarks.md, "Where the demo's machine waits"). The process's output
-    goes to ``log_path``; :meth:`wait` raises naming it if the run failed."""
-
-    def __init__(self, instance: dg.DagsterInstance, storage: PosttrainStorage, run_name: str, log_path: Path,
-                 started: float, poll_s: float = 1.0) -> None:
-        super().__init__(name="demo-base-eval", daemon=True)
-        self.instance, self.storage, self.run_name, self.log_path = instance, storage, run_name, Path(log_path)
-        self.started, self.poll_s = started, poll_s
-        self.key = checkpoint_partition_key(run_name, 0)
-        self.stopped = threading.Event()
-        self.proc: subprocess.Popen | None = None
-        self.seconds: float | None = None  # wall seconds of the evaluation, once it succeeded
-        self.error: str | None = None
-
-    def command(self, config_path: Path) -> list[str]:
-        return [sys.executable, "-m", "dagster", "job", "execute", "-m", "dagster_project.definitions",
-                "-j", "checkpoint_eval", "--tags", json.dumps({"dagster/partition": self.key}), "-c", str(config_path)]
-
-    def run(self) -> None:
-        try:
-            while self.key not in complete_checkpoint_keys(self.storage):
-                if self.stopped.wait(self.poll_s):
-                    return
-            if self.key not in set(self.instance.get_dynamic_partitions(checkpoints_partitions.name)):
-                self.instance.add_dynamic_partitions(checkpoints_partitions.name, [self.key])
-            config = {**QUIET_LOGS, "execution": {"config": {"in_process": {}}},
-                      **eval_run_config(run_eval_section(self.storage, self.run_name))}
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            config_path = self.log_path.with_suffix(".run-config.json")
-            config_path.write_text(json.dumps(config, indent=1))
-            _stage(f"evaluating checkpoint {self.key} while the run trains (its log: {self.log_path})", self.started)
-            t0 = time.monotonic()
-            with open(self.log_path, "ab") as log:
-                if self.stopped.is_set():
-                    return
-                self.proc = subprocess.Popen(self.command(config_path), stdout=log, stderr=subprocess.STDOUT)
-            code = self.proc.wait()
-            if code != 0:
-                self.error = f"the evaluation of checkpoint {self.key} exited with {code}; see {self.log_path}"
-                return
-            self.seconds = time.monotonic() - t0
-            _stage(f"checkpoint {self.key} evaluated in {self.seconds:.0f} s, beside the run", self.started)
-        except Exception as exc:  # noqa: BLE001 - told by wait(), in the demo's thread
-            self.error = f"the evaluation of checkpoint {self.key} did not run: {type(exc).__name__}: {exc}"
-
-    def stop(self) -> None:
-        """Stop waiting, and end the evaluation's process if it runs (the demo failed meanwhile)."""
-        self.stopped.set()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.join(timeout=10)
-
-    def wait(self) -> float | None:
-        """The evaluation's wall seconds once it has finished; None if the run never saved step 0.
-        Raises ``RuntimeError`` if it failed."""
-        if self.is_alive() and self.proc is None:  # the run has ended: step 0 will not come now
-            self.stopped.set()
-        self.join()
-        if self.error:
-            raise RuntimeError(self.error)
-        return self.seconds
-
-
 def evaluate_checkpoints(instance: dg.DagsterInstance, keys: list[str], evaluate: Callable[[str], None],
                          elapsed_s: Callable[[], float], *, budget_s: float = DEMO_BUDGET_S,
-                         log: Callable[[str], None] = print,
-                         evaluated_already: dict[str, float] | None = None) -> tuple[list[str], list[str]]:
+                         log: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
     """Evaluate the checkpoints ``keys`` of the demo's run (``evaluate(key)`` runs ``checkpoint_eval``):
     the base and the final one always, those between while ``elapsed_s()`` and the last eval's
     length stay inside ``budget_s``. Returns the keys evaluated and those left, in step order.
@@ -320,21 +241,16 @@ def evaluate_checkpoints(instance: dg.DagsterInstance, keys: list[str], evaluate
     looks for ("a complete checkpoint folder without a partition"): the sensor adds it and requests
     its eval once `posttrain ui` runs the daemon. Left a partition, as the demo once left it, it was
     hidden from the sensor for good ("no new checkpoint" on every tick). A partition whose eval was
-    already requested or recorded (a daemon beside the demo) is kept and not evaluated twice.
-    ``evaluated_already``: keys evaluated before (the base checkpoint, beside the run), with their
-    wall seconds; they count as evaluated and are not evaluated again."""
+    already requested or recorded (a daemon beside the demo) is kept and not evaluated twice."""
     saved = sorted(keys, key=parse_checkpoint_partition_key)
     known = set(instance.get_dynamic_partitions(checkpoints_partitions.name))
     instance.add_dynamic_partitions(checkpoints_partitions.name, [k for k in saved if k not in known])
     evaluated_before = instance.get_materialized_partitions(dg.AssetKey("deepswe_eval"))
     order = list(dict.fromkeys([saved[0], saved[-1], *saved[1:-1]]))
-    already = dict(evaluated_already or {})
-    evaluated: list[str] = [k for k in order if k in already]
+    evaluated: list[str] = []
     left: list[str] = []
-    last_eval_s = max(already.values(), default=0.0)
+    last_eval_s = 0.0
     for i, key in enumerate(order, 1):
-        if key in already:
-            continue
         if i > 2 and elapsed_s() + last_eval_s > budget_s - 60:
             requested = key in evaluated_before or instance.get_runs(
                 filters=dg.RunsFilter(job_name="checkpoint_eval", tags={"dagster/partition": key}), limit=1)
@@ -383,18 +299,11 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             run_config["ops"]["task_dataset"] = {"config": dataset_config}
         of_steps = int(((rl_config.get("overrides") or {}).get("trainer") or {}).get("steps") or 0)
         progress = StepProgress(instance, of_steps, started)
-        base_eval = BaseCheckpointEval(instance, storage, run_name, storage.path / "evals" / f"{run_name}-base-eval.log",
-                                       started)
         progress.start()
-        base_eval.start()
         try:
             _execute(defs, "rl_pipeline", instance, run_config=run_config)
-        except BaseException:
-            base_eval.stop()
-            raise
         finally:
             progress.stop()
-        base_eval_s = base_eval.wait()
 
         keys = [k for k in complete_checkpoint_keys(storage) if parse_checkpoint_partition_key(k)[0] == run_name]
         if not keys:
@@ -404,8 +313,7 @@ def run_demo(run_name: str, rl_run_config: dict[str, Any] | None = None, *,
             instance, keys,
             lambda key: _execute(defs, "checkpoint_eval", instance, partition_key=key,
                                  run_config={**QUIET_LOGS, **eval_run_config(section)}),
-            lambda: before_s + time.monotonic() - started, log=lambda m: _stage(m, started),
-            evaluated_already={base_eval.key: base_eval_s} if base_eval_s is not None else None)
+            lambda: before_s + time.monotonic() - started, log=lambda m: _stage(m, started))
 
         k = section.attempts
         _stage("building eval_report", started)

@@ -86,16 +86,3 @@ def test_a_checkpoint_whose_eval_was_already_requested_is_neither_evaluated_twic
         assert done == [KEYS[0], KEYS[2]] and left == []
         assert KEYS[1] in instance.get_dynamic_partitions(checkpoints_partitions.name)
         assert any("its eval was already requested" in line for line in lines)
-
-
-def test_the_base_checkpoint_evaluated_beside_the_run_is_not_evaluated_again(posttrain_home):
-    """The demo evaluates step 0 while the run trains (``BaseCheckpointEval``): afterwards it counts as
-    evaluated, and the others are evaluated as before, their partitions added in step order."""
-    _save_run(posttrain_home)
-    done: list[str] = []
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions(checkpoints_partitions.name, [KEYS[0]])
-        evaluated, left = evaluate_checkpoints(instance, KEYS, _evaluate(instance, done), lambda: 60.0,
-                                               log=lambda m: None, evaluated_already={KEYS[0]: 150.0})
-        assert done == [KEYS[2], KEYS[1]] and evaluated == KEYS and left == []
-        assert instance.get_dynamic_partitions(checkpoints_partitions.name) == KEYS  # in step order

@@ -2,7 +2,7 @@
 instance, a small bundled suite built and validated in sandboxes, the base model built and SFT'd briefly,
 its curriculum from one attempt per training task, a 2-step asynchronous GRPO run launched through the
 launcher (trainer process, a vLLM engine replica, sandboxed episodes), every saved checkpoint
-evaluated on the held-out split (the base one while the run trains), and the report. The full demo is the same with the defaults of
+evaluated on the held-out split, and the report. The full demo is the same with the defaults of
 ``dagster_project.demo`` (see docs/benchmarks.md for its figures)."""
 
 from __future__ import annotations
@@ -51,10 +51,4 @@ def test_reduced_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: p
 
     with dg.DagsterInstance.get() as instance:  # every checkpoint a partition, in step order
         assert instance.get_dynamic_partitions("checkpoints") == ["e2e-step_000000", "e2e-step_000001", "e2e-step_000002"]
-        # the base checkpoint evaluated by a run of its own that started while the RL run trained
-        (base,) = instance.get_run_records(filters=dg.RunsFilter(job_name="checkpoint_eval",
-                                                                 tags={"dagster/partition": "e2e-step_000000"}))
-        (rl,) = instance.get_run_records(filters=dg.RunsFilter(job_name="rl_pipeline"))
-        assert base.dagster_run.is_success and base.start_time < rl.end_time
-    assert "evaluating checkpoint e2e-step_000000 while the run trains" in out
     assert os.environ["POSTTRAIN_HOME"] == str(tmp_path)
