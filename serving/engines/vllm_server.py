@@ -45,10 +45,11 @@ And on the CPU build it forks the engine-core process rather than spawning it (v
 sets ``spawn``; :func:`fork_engine_core` keeps ``fork`` after it), where the model worker runs inside
 the engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, :func:`serving.engines.vllm.vllm_command`'s
 default): a spawned engine core imports vLLM and torch again, single-threaded, before it loads the
-model. A replica of the demo's base model was ready in 12 s instead of 19.5 s (``bench/engine_start.py``,
-docs/benchmarks.md); each evaluation, curriculum and RL run starts one. The server process has not run
-any torch computation when it forks (no OpenMP pool to copy half-started); where vLLM's worker runs in
-processes of its own, or ``POSTTRAIN_VLLM_ENGINE_START=spawn``, vLLM's ``spawn`` stands.
+model. A replica of the demo's base model was ready in 13.5 s instead of 22.8 s (``bench/engine_start.py``,
+docs/benchmarks.md); each evaluation, curriculum and RL run starts one. The model runs in the forked
+process only, never in the server's before the fork, so no OpenMP pool is copied half-started (the
+live-server tests and the demos run on it); where vLLM's worker runs in processes of its own, or
+``POSTTRAIN_VLLM_ENGINE_START=spawn``, vLLM's ``spawn`` stands.
 
 All of these are applied when this module runs as the main module, which a spawned engine-core or
 worker process re-imports, and a forked one inherits, so every process of the server gets it. The patched constructor is vLLM's
