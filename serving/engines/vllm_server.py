@@ -264,7 +264,6 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process it spawn
 if __name__ == "__main__":
     _CPU = _on_cpu()
     if _CPU and engine_start_method() == "fork":
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
         fork_engine_core()
     sys.argv = [SERVER_MODULE, *with_cpu_eager(with_cpu_scheduling(sys.argv[1:], _CPU), _CPU)]
     # sys.modules["__main__"] stays this module, so the processes the server spawns re-import it
