@@ -32,9 +32,8 @@ start. ``runtime="unisolated"`` runs ``pxd`` as a plain host process and needs
 ``allow_unisolated=True``: it is for debugging only and nothing falls back to it.
 
 bwrap is the fast default (start ~0.15 s, ``true`` round trip +0.4 ms over a host subprocess).
-gVisor (runsc 20221219, ptrace) isolates more and costs more (start ~0.7 s, ~15 ms a command);
-there, ``ls PATH``/``ls -l``/``stat`` fail ("Invalid argument": that runsc refuses coreutils'
-statx flags) while ``ls``, ``find``, ``cp``, ``git`` and Python work, and a fork or memory bomb ends
+gVisor (runsc 20240729 from bookworm-backports, ptrace) isolates more and costs more (a start about
+0.25 s, a command about 45 ms on 2 cores: ``bench/gvisor_start.py``), and a fork or memory bomb ends
 the whole sandbox (``PxdConnectionError`` says so) instead of only the command.
 
 Images and the cache::

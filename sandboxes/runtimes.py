@@ -35,8 +35,10 @@ gVisor: an OCI bundle run with ``runsc --platform=ptrace --network=none
 calls go to gVisor's user-space kernel, not the host's. The image root is read-only with
 ``/workspace`` bound writable. The ptrace platform is the one that works on these machines
 (``--platform=kvm`` hangs), the sandbox user is uid 1000 too, and pxd's output is read through a
-pipe (gVisor can lose output written to a regular file). Known limit of runsc 20221219 with newer coreutils: ``ls PATH`` fails with
-"Invalid argument" (its statx call is refused); ``ls`` without a path, ``find`` and Python work.
+pipe (gVisor can lose output written to a regular file). ``scripts/setup.sh`` installs runsc 20240729
+from bookworm-backports on Debian bookworm: against bookworm's own 20221219 a sandbox starts in about
+a tenth less wall time and a command runs faster (``bench/gvisor_start.py``), and coreutils' ``ls
+PATH``, ``ls -l`` and ``stat`` work (20221219 refused their statx call with "Invalid argument").
 
 The answer channel: the host hands pxd a random key as the first line on its stdin and checks the
 MAC on every answer (``sandboxes/pxd.py`` describes the protocol), and no command can reach the
@@ -65,12 +67,12 @@ stops answering is either the host's doing (closed, its runtime killed from outs
 crashing). Every sandbox has a cgroup the host made, gVisor's too (runsc joins a cgroup that
 exists without changing it or removing it), so what the kernel counted against its limits since
 pxd last answered (:class:`sandboxes.cgroups.LimitEvents`) can be read after the runtime is gone.
-Under gVisor with ``--platform=ptrace`` each process of the sandbox costs about six host tasks
-(gVisor's threads and stub processes; measured with runsc 20221219 on 2 cores: 42 host tasks idle,
-115 with 10 sleeping processes, 231 with 30), so a fork bomb reaches the host side's
-``Limits.pids + GVISOR_PIDS_HEADROOM`` (about 55 processes with the defaults) long before gVisor's
-own RLIMIT_NPROC of ``Limits.pids``: gVisor's kernel cannot make a thread and exits (runsc status
-2), and ``pids.events`` shows the refused forks. :mod:`evals.sandbox` turns an end of the sandbox's
+Under gVisor with ``--platform=ptrace`` each process of the sandbox costs about ten host tasks
+(gVisor's threads and stub processes; measured with runsc 20240729 on 2 cores: 30 host tasks idle,
+167 with 10 sleeping processes, 337 with 30; 20221219 beside it: 37, 163 and 360), so a fork bomb
+reaches the host side's ``Limits.pids + GVISOR_PIDS_HEADROOM`` (about 30 processes with the
+defaults) long before gVisor's own RLIMIT_NPROC of ``Limits.pids``: gVisor's kernel cannot make a
+thread and exits, and ``pids.events`` shows the refused forks. :mod:`evals.sandbox` turns an end of the sandbox's
 own doing into an error the harness scores as the agent's.
 
 unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
