@@ -36,6 +36,20 @@ def test_a_sandbox_sees_no_tool_of_posttrains_environment_unless_declared(runtim
 
 
 @pytest.mark.parametrize("runtime", runtime_params())
+def test_coreutils_list_and_stat_a_path(runtime, repo, store, cache):
+    """``ls PATH``, ``ls -l`` and ``stat``, an agent's first commands in a repository, work in both
+    runtimes: under gVisor they need the runsc that scripts/setup.sh installs (bookworm's 20221219
+    refused coreutils' statx call: "Invalid argument")."""
+    with sandboxes.start(repo, runtime=runtime, store=store, cache=cache) as sb:
+        listed = sb.exec("ls calc.py /workspace; ls -l calc.py; stat -c '%s %U' calc.py")
+        assert listed.exit_code == 0, listed.output
+        lines = listed.output.splitlines()
+        assert lines[0] == "calc.py" and "calc.py" in lines[1:] and "test_calc.py" in lines[1:], lines
+        size = len(repo.joinpath("calc.py").read_bytes())
+        assert lines[-2].startswith("-rw-") and lines[-2].endswith(" calc.py") and lines[-1] == f"{size} sandbox", lines
+
+
+@pytest.mark.parametrize("runtime", runtime_params())
 def test_task_tests_run_for_real(runtime, repo, store, cache):
     # the repository's tests run under pytest: the sandbox declares the host toolchain that has it
     with sandboxes.start(repo, runtime=runtime, store=store, cache=cache, toolchains=("posttrain-python",)) as sb:
