@@ -604,7 +604,9 @@ start_node() {
 # gVisor under containerd's runc shim (Debian's runsc has no containerd-shim-runsc-v1): each
 # container of a pod becomes a gVisor sandbox of its own. runsc would add a pod's containers to the
 # pod's first sandbox (the CRI annotations), which the runc shim cannot follow; the annotations are
-# dropped at create. No network (a sandbox pod has none) and the kubelet's cgroups left alone.
+# dropped at create. No network (a sandbox pod has none), the kubelet's cgroups left alone, and the
+# ptrace platform the local runtime uses (runsc 20240729 defaults to systrap, whose command in a
+# sandbox costs nearly twice ptrace's here: docs/benchmarks.md, "gVisor from bookworm-backports").
 prev=
 for arg in "$@"; do
     if [ "$prev" = "--bundle" ] && [ -f "$arg/config.json" ]; then
@@ -617,7 +619,7 @@ json.dump(c, open(p, "w"))' "$arg"
     fi
     prev=$arg
 done
-runsc="/usr/bin/runsc --network=none --ignore-cgroups"
+runsc="/usr/bin/runsc --platform=ptrace --network=none --ignore-cgroups"
 case " $* " in
 *" kill "*)
     # runsc says "sandbox is not running" of a container that has exited; containerd's shim knows
