@@ -72,8 +72,8 @@ Under gVisor with ``--platform=ptrace`` each process of the sandbox costs about 
 167 with 10 sleeping processes, 337 with 30; 20221219 beside it: 37, 163 and 360), so a fork bomb
 reaches the host side's ``Limits.pids + GVISOR_PIDS_HEADROOM`` (about 30 processes with the
 defaults) long before gVisor's own RLIMIT_NPROC of ``Limits.pids``: gVisor's kernel cannot make a
-thread and exits, and ``pids.events`` shows the refused forks. :mod:`evals.sandbox` turns an end of the sandbox's
-own doing into an error the harness scores as the agent's.
+thread and exits, and ``pids.events`` shows the refused forks. :mod:`evals.sandbox` turns an end of
+the sandbox's own doing into an error the harness scores as the agent's.
 
 unisolated: pxd runs as a plain host process on the overlay's workspace. It isolates nothing, so
 it runs only with ``allow_unisolated=True``; nothing ever falls back to it.

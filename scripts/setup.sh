@@ -13,8 +13,9 @@ for pkg in "${apt_packages[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 # On Debian bookworm, runsc comes from bookworm-backports (0.0~20240729), and an older one installed
-# (bookworm's own 0.0~20221219) is replaced: a sandbox starts in about 11% less wall time and 6% less
-# CPU on the same ptrace platform (docs/benchmarks.md, "gVisor from bookworm-backports, on ptrace").
+# (bookworm's own 0.0~20221219) is replaced: on the same ptrace platform a sandbox starts in about 11%
+# less wall time and CPU, and its commands run 11-21% faster (docs/benchmarks.md, "gVisor from
+# bookworm-backports, on ptrace"); coreutils' `ls PATH` and `stat` work in it.
 runsc_release= runsc_min=0.0~20240729
 if grep -qsx 'VERSION_CODENAME=bookworm' /etc/os-release; then runsc_release=bookworm-backports; fi
 if [[ -n $runsc_release ]]; then
