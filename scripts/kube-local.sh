@@ -4,7 +4,7 @@
 #   bash scripts/kube-local.sh start        # prints the kubeconfig's path as its last line
 #   bash scripts/kube-local.sh stop         # ends only what start started
 #   bash scripts/kube-local.sh build [CMD]  # only builds (kube-apiserver by default; `node` builds
-#                                           # kubelet, kube-scheduler and kube-controller-manager)
+#                                           # kubelet, kube-scheduler, kube-controller-manager, kube-proxy)
 #   bash scripts/kube-local.sh status
 #   bash scripts/kube-local.sh built [CMD...|node]  # exit 0 when those binaries are built already
 #   bash scripts/kube-local.sh start-node   # after start: a node that runs pods (see below)
@@ -802,7 +802,7 @@ stop)
 status) status ;;
 build)
     shift
-    if [[ ${1:-} == node ]]; then build kubelet kube-scheduler kube-controller-manager
+    if [[ ${1:-} == node ]]; then build kubelet kube-scheduler kube-controller-manager kube-proxy  # what start-node runs
     elif (($#)); then build "$@"
     else build kube-apiserver; fi
     ;;

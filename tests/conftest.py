@@ -64,7 +64,9 @@ def pytest_collection_modifyitems(config, items):
     built and imported, an RL run and an evaluation as pods), and the kube tests that stand in for
     the controllers wait for it to end (tests/kube/conftest.py, ``plane_lock``). Last, it left the
     other worker waiting on that lock with no other file to take; first, the other worker runs the
-    rest of the suite meanwhile."""
+    rest of the suite meanwhile. Where it cannot go first, it goes after the other kube files, so
+    that those which stand in for the controllers are handed out before it: on a machine that had
+    built nothing, a test of them that started just after the node module waited out its timeout."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     node_first = (os.environ.get("POSTTRAIN_KUBE_NODE") == "1" and os.environ.get("POSTTRAIN_KUBE_TESTS", "1") != "0"
                   and any(item.path.name == "test_node.py" and item.path.parent.name == "kube" for item in items)
@@ -72,7 +74,9 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(item) -> int:
         if item.path.parent.name == "kube":
-            return -1 if node_first and item.path.name == "test_node.py" else 3
+            if item.path.name == "test_node.py":
+                return -1 if node_first else 4
+            return 3
         if item.path not in slow_files:
             return 2
         return 0 if item.path.parent.name == "e2e" else 1

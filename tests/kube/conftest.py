@@ -27,11 +27,22 @@ import pytest
 KUBECONFIG_VARIABLE = "POSTTRAIN_KUBECONFIG"
 
 
+# How long a test that stands in for the controllers waits for tests/kube/test_node.py's module to
+# give the plane back (``plane_lock``). On a machine that has built nothing yet the module builds the
+# node's binaries and both images and runs an RL run as pods: in the CI run that first met it, its
+# node, images and run as pods alone took 1191 s (docs/kubernetes.md, on scripts/kube-local.sh).
+PLANE_WAIT_S = 45 * 60
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     for item in items:
         if str(item.path).startswith(here):
             item.add_marker(pytest.mark.kube)
+            if "no_controllers" in getattr(item, "fixturenames", ()):
+                # the wait for the node's module is not the test's own time: the run's per-test
+                # timeout, plus the wait's own deadline (which fails first, saying why)
+                item.add_marker(pytest.mark.timeout(float(config.getini("timeout") or 0) + PLANE_WAIT_S + 60))
 
 
 START_LOG_VARIABLE = "POSTTRAIN_KUBE_START_LOG"
@@ -131,13 +142,28 @@ def token_client(admin, namespace: str, account: str, seconds: int = 600):
 
 
 @contextlib.contextmanager
-def plane_lock(kubeconfig: str, exclusive: bool):
+def plane_lock(kubeconfig: str, exclusive: bool, wait_s: float | None = None):
     """A lock on the plane, across the pytest processes of one run (a file beside its kubeconfig):
     held exclusively while tests/kube/test_node.py runs a node on it, shared by each test that stands
     in for the controllers (``no_controllers``), so neither starts while the other runs, whichever
-    worker of ``scripts/test.sh`` takes which file first."""
-    with open(Path(kubeconfig).resolve().parent / ".posttrain-tests.lock", "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    worker of ``scripts/test.sh`` takes which file first. With ``wait_s`` the test fails, saying so,
+    when the lock is not had within that many seconds; without, it waits as long as it takes."""
+    path = Path(kubeconfig).resolve().parent / ".posttrain-tests.lock"
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(path, "a+") as handle:
+        if wait_s is None:
+            fcntl.flock(handle, mode)
+        else:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(handle, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"the plane's lock ({path}) was not had within {wait_s:g} s: "
+                                    "tests/kube/test_node.py's node held it for longer")
+                    time.sleep(1)
         try:
             yield
         finally:
@@ -148,11 +174,12 @@ def plane_lock(kubeconfig: str, exclusive: bool):
 def no_controllers(admin, kubeconfig):
     """A plane without a node for the test's length: the test plays the part of the controllers and
     kubelet (status subresources, pods left Pending), which real ones would overwrite. It waits while
-    tests/kube/test_node.py has its node up (``plane_lock``); on a plane whose node someone else
+    tests/kube/test_node.py has its node up (``plane_lock``), at most ``PLANE_WAIT_S``, a wait its
+    test's timeout leaves out (``pytest_collection_modifyitems``); on a plane whose node someone else
     started (``kube-local.sh start-node`` by hand) it is skipped, saying so."""
     from kubernetes import client
 
-    with plane_lock(kubeconfig, exclusive=False):
+    with plane_lock(kubeconfig, exclusive=False, wait_s=PLANE_WAIT_S):
         nodes = client.CoreV1Api(admin).list_node().items
         if nodes:
             pytest.skip(f"this plane runs controllers and a node ({nodes[0].metadata.name}): the test stands in "
