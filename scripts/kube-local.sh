@@ -139,6 +139,8 @@ EOF
 # 2: vendored github.com/modern-go/reflect2 v1.0.1 replaced by Debian's 1.0.2 (v1.0.1 crashes under
 # Go >= 1.18, bookworm's golang-go is 1.19: kube-apiserver panicked decoding any apply patch).
 KUBE_BUILD_REV=2
+# what start-node runs, built from the same source (`build node`, `built node`)
+NODE_BINARIES=(kubelet kube-scheduler kube-controller-manager kube-proxy)
 
 # build CMD...: builds cmd/<CMD> from the pinned source into $cache/bin (skipping those there).
 # One build at a time per cache (a lock): a second caller waits, then finds the binaries built.
@@ -189,7 +191,7 @@ build_locked() {
     log "built ${wanted[*]} in $((SECONDS - start)) s"
     # Every binary there: the build's objects and Go cache (GBs in _output) go, the source stays. A
     # test machine's disk is not ours alone, and the image builds that follow need it more.
-    for cmd in kube-apiserver kubelet kube-scheduler kube-controller-manager kube-proxy; do
+    for cmd in kube-apiserver "${NODE_BINARIES[@]}"; do
         [[ -x $cache/bin/$cmd ]] || return 0
     done
     rm -rf "$src/_output"
@@ -585,7 +587,7 @@ start_node() {
     [[ $(id -u) -eq 0 ]] || die "start-node needs root (containerd and the kubelet)"
     pid_alive "$state/apiserver.pid" || die "the control plane is not running: run start first"
     load_ports
-    build kubelet kube-scheduler kube-controller-manager kube-proxy
+    build "${NODE_BINARIES[@]}"
     ensure_packages containerd runc runsc containernetworking-plugins busybox-static iptables rsync dnsmasq-base conntrack
     local node=$state/node i ready node_ip
     # the kubelet refuses a loopback node IP: the machine's first global IPv4 address (the
@@ -802,13 +804,13 @@ stop)
 status) status ;;
 build)
     shift
-    if [[ ${1:-} == node ]]; then build kubelet kube-scheduler kube-controller-manager kube-proxy  # what start-node runs
+    if [[ ${1:-} == node ]]; then build "${NODE_BINARIES[@]}"
     elif (($#)); then build "$@"
     else build kube-apiserver; fi
     ;;
 built)
     shift
-    if [[ ${1:-} == node ]]; then built kubelet kube-scheduler kube-controller-manager kube-proxy  # what start-node runs
+    if [[ ${1:-} == node ]]; then built "${NODE_BINARIES[@]}"
     elif (($#)); then built "$@"
     else built kube-apiserver; fi
     ;;

@@ -36,13 +36,16 @@ PLANE_WAIT_S = 45 * 60
 
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
+    # the run's per-test timeout (pytest-timeout's --timeout, else the ini's; 0: none)
+    given = config.getoption("timeout", None)
+    timeout_s = float(given if given is not None else config.getini("timeout") or 0)
     for item in items:
         if str(item.path).startswith(here):
             item.add_marker(pytest.mark.kube)
-            if "no_controllers" in getattr(item, "fixturenames", ()):
-                # the wait for the node's module is not the test's own time: the run's per-test
-                # timeout, plus the wait's own deadline (which fails first, saying why)
-                item.add_marker(pytest.mark.timeout(float(config.getini("timeout") or 0) + PLANE_WAIT_S + 60))
+            if timeout_s and "no_controllers" in getattr(item, "fixturenames", ()):
+                # the wait for the node's module is not the test's own time: the run's timeout plus
+                # the wait's own deadline (which fails first, saying why)
+                item.add_marker(pytest.mark.timeout(timeout_s + PLANE_WAIT_S + 60))
 
 
 START_LOG_VARIABLE = "POSTTRAIN_KUBE_START_LOG"
